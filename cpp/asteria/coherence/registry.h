@@ -1,0 +1,99 @@
+// The CoherenceRegistry: per preconditioner block, which version is in use, which is the newest
+// snapshot and the newest finished, the staleness budget S, the activation schedule, and a bounded
+// wait for versions the schedule requires.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace asteria::coherence {
+
+struct RegistryConfig {
+  int staleness = 5;                  // S >= 0: most refresh intervals a block may lag its newest snapshot
+  bool deterministic = true;          // activation by schedule only, never by worker timing
+  int max_consecutive_failures = 3;   // >= 1: failures in a row before activate() raises BlockFailure
+};
+
+// A version chosen for use at a step.
+struct Activation {
+  std::int64_t block;
+  std::int64_t version;
+};
+
+struct BlockStatus {
+  std::int64_t active_version = 0;     // 0: none yet
+  std::int64_t newest_snapshot = 0;    // newest version submitted
+  std::int64_t newest_finished = 0;    // newest version whose job ended (ok or failed)
+  std::int64_t newest_ok = 0;          // newest version that succeeded
+  std::int64_t consecutive_failures = 0;
+  std::int64_t total_failures = 0;
+  std::string last_error;
+};
+
+struct RegistryStats {
+  std::uint64_t activations = 0;       // version changes applied
+  std::uint64_t waits = 0;             // activate() calls that had to block
+  double wait_seconds = 0.0;           // total time blocked
+  double max_wait_seconds = 0.0;
+  std::uint64_t failures = 0;          // failed versions, all blocks
+  std::uint64_t skipped_versions = 0;  // finished versions superseded before activation (non-deterministic)
+  // staleness_histogram[s]: block-steps that used a version s intervals behind its newest snapshot;
+  // the last bin gathers everything >= its index.
+  std::vector<std::uint64_t> staleness_histogram;
+  std::int64_t max_staleness_seen = 0;
+};
+
+// Activation rule at step t for each block (versions count refresh intervals):
+// - deterministic: the newest version v with activation_step(v) <= t; if v's job has not finished,
+//   wait for it (bounded barrier); if it failed, keep the newest good version before it.
+// - non-deterministic: the newest version that finished well; if that would leave the block more
+//   than S versions behind its newest snapshot, wait for version (newest_snapshot - S) first.
+// A block whose versions failed `max_consecutive_failures` times in a row makes activate() throw
+// BlockFailure naming it; nothing else is changed by that call.
+//
+// Thread safety: every method is safe to call concurrently; note_finished() is called by workers.
+class CoherenceRegistry {
+ public:
+  explicit CoherenceRegistry(RegistryConfig config);
+
+  std::int64_t add_block();
+  std::int64_t num_blocks() const;
+  const RegistryConfig& config() const noexcept { return config_; }
+
+  // A job for `version` of `block` was submitted; under the deterministic rule it becomes due at
+  // `activation_step`. Versions of one block must be noted in increasing order (InvalidArgument).
+  void note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step);
+  // The job of `version` ended; `ok` false records `error` as the block's last error.
+  void note_finished(std::int64_t block, std::int64_t version, bool ok, const std::string& error = {});
+
+  // Decides the versions in use at `step` for every block (see the rule above), waiting up to
+  // `timeout` in total for versions the rule requires; throws TimeoutError naming the block, the
+  // version and the time waited. Returns only the blocks whose version changes. Records the
+  // staleness of every block at this step.
+  std::vector<Activation> activate(std::int64_t step, std::chrono::nanoseconds timeout);
+
+  BlockStatus status(std::int64_t block) const;
+  RegistryStats stats() const;
+
+ private:
+  struct Block {
+    BlockStatus status;
+    std::map<std::int64_t, std::int64_t> due;        // version -> activation step, pending activation
+    std::map<std::int64_t, bool> finished;           // version -> ok, for versions not yet retired
+  };
+  // Target version for `block` at `step`, and the version that must finish first (0 if none). Requires mutex_.
+  std::pair<std::int64_t, std::int64_t> plan(const Block& block, std::int64_t step) const;
+
+  const RegistryConfig config_;
+  mutable std::mutex mutex_;
+  std::condition_variable finished_;    // guarded by mutex_
+  std::vector<Block> blocks_;           // guarded by mutex_
+  RegistryStats stats_;                 // guarded by mutex_
+};
+
+}  // namespace asteria::coherence

@@ -1,0 +1,55 @@
+// Exception types of the Asteria core. The bindings map each to one Python exception type
+// (cpp/bindings/errors.cpp is the only place that does so).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace asteria {
+
+// Base of every error the core throws on purpose.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A caller passed a value outside what is allowed; the message names the argument and the value.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// A bounded wait ran out; the message says what was awaited and for how long.
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A job was cancelled (the pool shut down before it ran).
+class CancelledError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A numerical routine failed or its input/output was not finite.
+class NumericalError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A preconditioner block failed more often in a row than the configured bound allows.
+class BlockFailure : public Error {
+ public:
+  BlockFailure(std::int64_t block, std::int64_t version, const std::string& cause);
+  std::int64_t block() const noexcept { return block_; }
+  std::int64_t version() const noexcept { return version_; }
+  const std::string& cause() const noexcept { return cause_; }
+
+ private:
+  std::int64_t block_;
+  std::int64_t version_;
+  std::string cause_;
+};
+
+}  // namespace asteria

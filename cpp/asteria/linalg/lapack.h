@@ -1,0 +1,37 @@
+// The one LAPACK/BLAS shim of the core: typed templates dispatching to the s/d routines of the
+// Fortran interface that OpenBLAS exports. Every call queries its workspace first where LAPACK
+// has a query, checks `info` afterwards and throws NumericalError naming the routine.
+// Matrices are column-major; a symmetric matrix reads the same either way.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace asteria::linalg {
+
+// Symmetric eigendecomposition in place (xSYEVD, divide and conquer): on return `a` (n x n, lda)
+// holds the orthonormal eigenvectors as columns and `w` (n) the eigenvalues in ascending order.
+// `work`/`iwork` are grown as needed and may be reused across calls (one per thread).
+// Throws NumericalError("[syevd] ssyevd failed, info=...") on failure.
+template <typename T>
+void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork);
+
+// c = alpha * a * a^T + beta * c on the lower triangle (xSYRK, 'L', 'N'); a is n x k.
+template <typename T>
+void syrk_lower(int n, int k, T alpha, const T* a, int lda, T beta, T* c, int ldc);
+
+// c = alpha * op(a) * op(b) + beta * c (xGEMM); op is a transpose when the flag is set.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b, int ldb,
+          T beta, T* c, int ldc);
+
+// QR factorization in place (xGEQRF) followed by forming Q (xORGQR): `a` (m x n, m >= n) becomes
+// the first n columns of Q. `tau` has n entries.
+template <typename T>
+void qr_q(int m, int n, T* a, int lda, T* tau, std::vector<T>& work);
+
+// Copies the lower triangle of the n x n matrix `a` onto its upper triangle.
+template <typename T>
+void symmetrize_from_lower(int n, T* a, int lda);
+
+}  // namespace asteria::linalg

@@ -1,0 +1,105 @@
+// The refresh engine: ties the worker pool, the versioned host store, the numerics and the
+// coherence registry together. The training thread snapshots factor matrices into a block's
+// snapshot ring, submits refresh jobs, and at each step boundary asks which versions to use.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "asteria/coherence/registry.h"
+#include "asteria/linalg/inverse_root.h"
+#include "asteria/runtime/worker_pool.h"
+#include "asteria/store/versioned_ring.h"
+
+namespace asteria::runtime {
+
+struct EngineConfig {
+  int workers = 1;        // >= 1
+  int blas_threads = 1;   // >= 1, per worker
+  coherence::RegistryConfig registry;
+  std::chrono::nanoseconds slot_timeout = std::chrono::seconds(300);  // workers waiting for a result buffer
+};
+
+// Where one block's memory lives. Both rings hold `depth` buffers of n x n float32, buffer i at
+// base + i * stride (elements). The memory belongs to the caller and must stay valid until close().
+struct BlockMemory {
+  int n = 0;
+  int depth = 1;
+  float* snapshots = nullptr;
+  std::int64_t snapshot_stride = 0;
+  float* results = nullptr;
+  std::int64_t result_stride = 0;
+};
+
+struct EngineStats {
+  PoolStats pool;
+  coherence::RegistryStats registry;
+  std::uint64_t refreshes_ok = 0;
+  std::uint64_t refreshes_failed = 0;
+  std::uint64_t float64_retries = 0;
+  double refresh_seconds = 0.0;  // summed numerics time over jobs
+};
+
+// Thread safety: add_block() must not race with the other calls; everything else is safe to call
+// concurrently, though Asteria calls it from the training thread only.
+class RefreshEngine {
+ public:
+  explicit RefreshEngine(EngineConfig config);
+  ~RefreshEngine();  // close()
+
+  RefreshEngine(const RefreshEngine&) = delete;
+  RefreshEngine& operator=(const RefreshEngine&) = delete;
+
+  // Registers a block and returns its id (0, 1, 2, ... in call order).
+  std::int64_t add_block(const BlockMemory& memory);
+  std::int64_t num_blocks() const;
+  int block_dim(std::int64_t block) const;
+  int depth(std::int64_t block) const;
+
+  // Claims the snapshot buffers of `version` for `blocks`, waiting up to `timeout` for jobs still
+  // reading them, and returns nothing: the caller then fills buffer version % depth.
+  void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);
+  // Publishes the filled snapshots of `version` and queues one job per block computing the root
+  // `spec` into the block's result ring. The jobs are due at `activation_step` (their deadline).
+  void submit(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step,
+              const linalg::RootSpec& spec);
+
+  // Chooses the versions in use at `step` (CoherenceRegistry::activate) and pins the result buffer
+  // of every block whose version changes; the caller copies it and then calls release().
+  std::vector<coherence::Activation> activate(std::int64_t step, std::chrono::nanoseconds timeout);
+  // Unpins a version returned by activate() and lets the ring reuse it and every older version.
+  void release(std::int64_t block, std::int64_t version);
+
+  // Blocks until every submitted job has ended, up to `timeout`.
+  void drain(std::chrono::nanoseconds timeout);
+  // Cancels queued jobs, waits for running ones, stops the workers. Idempotent.
+  void close();
+  bool closed() const;
+
+  coherence::BlockStatus status(std::int64_t block) const;
+  EngineStats stats() const;
+  const EngineConfig& config() const noexcept { return config_; }
+
+ private:
+  struct Block;
+  void run_job(Block& block, std::int64_t version, const linalg::RootSpec& spec);
+  Block& block(std::int64_t id);
+  const Block& block(std::int64_t id) const;
+
+  const EngineConfig config_;
+  coherence::CoherenceRegistry registry_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  mutable std::mutex mutex_;
+  std::vector<JobHandle> in_flight_;          // guarded by mutex_
+  std::uint64_t refreshes_ok_ = 0;            // guarded by mutex_
+  std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
+  std::uint64_t float64_retries_ = 0;         // guarded by mutex_
+  double refresh_seconds_ = 0.0;              // guarded by mutex_
+  bool closed_ = false;                       // guarded by mutex_
+  std::unique_ptr<WorkerPool> pool_;
+};
+
+}  // namespace asteria::runtime

@@ -1,0 +1,108 @@
+// A pool of CPU worker threads running jobs in deadline order.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <vector>
+
+namespace asteria::runtime {
+
+enum class JobState { kQueued, kRunning, kDone, kFailed, kCancelled };
+
+const char* to_string(JobState state) noexcept;
+
+namespace detail {
+struct JobRecord;
+}
+
+// A job's completion, shared between the pool and whoever submitted it.
+// Thread safety: every method is safe to call concurrently.
+class JobHandle {
+ public:
+  JobHandle() = default;
+  explicit JobHandle(std::shared_ptr<detail::JobRecord> record) : record_(std::move(record)) {}
+
+  std::uint64_t id() const;
+  JobState state() const;
+  // True once the job has finished, failed or been cancelled.
+  bool finished() const;
+  // Blocks until the job finishes. Rethrows the job's own exception if it failed, throws
+  // CancelledError if it was cancelled, TimeoutError if `timeout` passes first.
+  void wait(std::chrono::nanoseconds timeout) const;
+
+ private:
+  std::shared_ptr<detail::JobRecord> record_;
+};
+
+// Counters over the pool's life. Latency runs from submit to finish; run time from start to finish.
+struct PoolStats {
+  int workers = 0;
+  std::uint64_t submitted = 0;
+  std::uint64_t completed = 0;
+  std::uint64_t failed = 0;
+  std::uint64_t cancelled = 0;
+  std::size_t queue_depth = 0;
+  std::size_t max_queue_depth = 0;
+  double busy_seconds = 0.0;  // summed over workers
+  double wall_seconds = 0.0;  // since construction
+  double mean_latency_seconds = 0.0;
+  double max_latency_seconds = 0.0;
+  double mean_run_seconds = 0.0;
+  double max_run_seconds = 0.0;
+};
+
+// Jobs run in order of (deadline, submission order): the job whose result is due first runs first.
+// A job's exception is caught on the worker and kept in its handle, to be rethrown at the wait.
+// Thread safety: every method is safe to call concurrently.
+class WorkerPool {
+ public:
+  // `num_workers` >= 1 threads; each sets its BLAS thread count to `blas_threads` (>= 1) before
+  // running jobs, so that workers do not oversubscribe the cores.
+  WorkerPool(int num_workers, int blas_threads = 1);
+  ~WorkerPool();  // shutdown()
+
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // Queues `fn`. Throws CancelledError once the pool is shut down.
+  JobHandle submit(std::int64_t deadline, std::function<void()> fn);
+
+  // Cancels every queued job (their waiters get CancelledError), lets running jobs finish and
+  // joins the threads. Idempotent.
+  void shutdown();
+
+  PoolStats stats() const;
+  int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
+
+ private:
+  struct QueueEntry {
+    std::int64_t deadline;
+    std::uint64_t seq;
+    std::shared_ptr<detail::JobRecord> record;
+    bool operator>(const QueueEntry& other) const {
+      return deadline != other.deadline ? deadline > other.deadline : seq > other.seq;
+    }
+  };
+
+  void worker_loop(int blas_threads);
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_available_;  // guarded by mutex_
+  std::priority_queue<QueueEntry, std::vector<QueueEntry>, std::greater<>> queue_;  // guarded by mutex_
+  bool stopping_ = false;                                                           // guarded by mutex_
+  std::uint64_t next_seq_ = 0;                                                      // guarded by mutex_
+  PoolStats stats_;                                                                 // guarded by mutex_
+  double latency_sum_ = 0.0;                                                        // guarded by mutex_
+  double run_sum_ = 0.0;                                                            // guarded by mutex_
+  std::chrono::steady_clock::time_point started_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace asteria::runtime

@@ -1,0 +1,85 @@
+// Versioned host slots of one preconditioner block over memory the caller owns (in Asteria: pinned
+// torch tensors handed over as DLPack arrays). Version v lives in buffer v % depth, so the buffers
+// of many blocks can be laid out side by side and copied as one tensor per version.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace asteria::store {
+
+enum class SlotState { kEmpty, kWriting, kPublished, kFailed };
+
+const char* to_string(SlotState state) noexcept;
+
+// A ring of `depth` equally sized buffers holding successive versions (v >= 1) of one block.
+//
+// Life of a version: begin_write(v) -> (fill the buffer) -> publish(v) or fail(v); readers then
+// acquire(v) ... release(v). A buffer is handed to a new writer only when no reader holds it and the
+// version in it has been retired (retire_through), so a reader never sees a torn buffer.
+//
+// Thread safety: every method is safe to call concurrently.
+class VersionedRing {
+ public:
+  // `base` points at buffer 0; buffer i starts at base + i * stride_bytes and spans buffer_bytes.
+  // `name` appears in error messages (e.g. "block 12 results").
+  VersionedRing(std::byte* base, std::size_t buffer_bytes, std::size_t stride_bytes, int depth, std::string name);
+
+  VersionedRing(const VersionedRing&) = delete;
+  VersionedRing& operator=(const VersionedRing&) = delete;
+
+  // Claims buffer v % depth for writing version v and returns it. Waits up to `timeout` for the
+  // buffer to become free; throws TimeoutError naming the ring, the version and what holds the
+  // buffer. Throws InvalidArgument if v < 1, if v has been retired already, or if v was written
+  // before (versions may arrive out of order: two workers may write v and v + 1 at once).
+  std::byte* begin_write(std::int64_t version, std::chrono::nanoseconds timeout);
+  // Makes version v visible to readers and wakes waiters. Throws InvalidArgument unless v is being written.
+  void publish(std::int64_t version);
+  // Marks version v as failed (its buffer holds nothing usable) and wakes waiters.
+  void fail(std::int64_t version);
+
+  // Pins published version v for reading and returns its buffer. Throws InvalidArgument if v is not
+  // the published version in its buffer.
+  const std::byte* acquire(std::int64_t version);
+  // Unpins version v. Throws InvalidArgument if v was not acquired.
+  void release(std::int64_t version);
+
+  // Allows every version <= v to be overwritten once unpinned.
+  void retire_through(std::int64_t version);
+
+  // State of version v: kEmpty if its buffer holds another version.
+  SlotState state(std::int64_t version) const;
+  // Newest published version, 0 if none.
+  std::int64_t latest_published() const;
+  int depth() const noexcept { return depth_; }
+  std::size_t buffer_bytes() const noexcept { return buffer_bytes_; }
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  struct Slot {
+    std::int64_t version = 0;
+    SlotState state = SlotState::kEmpty;
+    int readers = 0;
+  };
+  bool writable(const Slot& slot) const;  // requires mutex_
+  std::byte* buffer(std::int64_t version) const;
+
+  std::byte* const base_;
+  const std::size_t buffer_bytes_;
+  const std::size_t stride_bytes_;
+  const int depth_;
+  const std::string name_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;            // guarded by mutex_
+  std::vector<Slot> slots_;                    // guarded by mutex_
+  std::int64_t latest_published_ = 0;          // guarded by mutex_
+  std::int64_t retired_through_ = 0;           // guarded by mutex_
+};
+
+}  // namespace asteria::store
