@@ -1,0 +1,54 @@
+// The one place that maps the core's C++ exceptions to Python exceptions.
+#include <Python.h>
+#include <nanobind/stl/string.h>
+
+#include "asteria/common/errors.h"
+#include "bindings.h"
+
+namespace nb = nanobind;
+
+namespace asteria::bindings {
+
+namespace {
+
+PyObject* g_cancelled = nullptr;
+PyObject* g_numerical = nullptr;
+PyObject* g_block_failure = nullptr;
+
+PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const char* doc) {
+  const std::string qualified = std::string("asteria._core.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base, nullptr);
+  if (type == nullptr) throw nb::python_error();
+  m.attr(name) = nb::handle(type);
+  return type;
+}
+
+}  // namespace
+
+void init_errors(nb::module_& m) {
+  g_cancelled = new_exception(m, "CancelledError", PyExc_RuntimeError,
+                              "A job was cancelled because its engine or pool shut down.");
+  g_numerical = new_exception(m, "NumericalError", PyExc_ArithmeticError,
+                              "A numerical routine failed or met non-finite values.");
+  g_block_failure = new_exception(m, "BlockFailure", PyExc_RuntimeError,
+                                  "A preconditioner block failed its refresh too often in a row. "
+                                  "args = (message, block, version, cause).");
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const BlockFailure& e) {
+      nb::object args = nb::make_tuple(e.what(), e.block(), e.version(), e.cause());
+      PyErr_SetObject(g_block_failure, args.ptr());
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const CancelledError& e) {
+      PyErr_SetString(g_cancelled, e.what());
+    } catch (const NumericalError& e) {
+      PyErr_SetString(g_numerical, e.what());
+    }
+  });
+}
+
+}  // namespace asteria::bindings

@@ -1,0 +1,192 @@
+// Bindings of the refresh engine (runtime + store + coherence as one object for Python).
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+
+#include "asteria/common/errors.h"
+#include "asteria/runtime/blas_threads.h"
+#include "asteria/runtime/refresh_engine.h"
+#include "bindings.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace asteria::bindings {
+
+namespace {
+
+using runtime::RefreshEngine;
+using Ring = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
+
+std::chrono::nanoseconds seconds_arg(double seconds, const char* name) {
+  if (!(seconds > 0.0) || !std::isfinite(seconds)) {
+    throw InvalidArgument(std::string("Invalid ") + name + "=" + std::to_string(seconds) +
+                          ": must be a finite number of seconds > 0");
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
+}
+
+// Checks that `ring` is (depth, n, n) with contiguous rows and columns, and returns the stride
+// between its buffers in elements.
+std::int64_t ring_stride(const Ring& ring, const char* name) {
+  const auto depth = ring.shape(0), rows = ring.shape(1), cols = ring.shape(2);
+  if (rows != cols || rows == 0 || depth == 0) {
+    throw InvalidArgument(std::string("Invalid ") + name + " shape (" + std::to_string(depth) + ", " +
+                          std::to_string(rows) + ", " + std::to_string(cols) + "): must be (depth, n, n) with depth, n >= 1");
+  }
+  if (ring.stride(2) != 1 || ring.stride(1) != static_cast<std::int64_t>(cols)) {
+    throw InvalidArgument(std::string("Invalid ") + name + " strides (" + std::to_string(ring.stride(0)) + ", " +
+                          std::to_string(ring.stride(1)) + ", " + std::to_string(ring.stride(2)) +
+                          "): each n x n buffer must be contiguous");
+  }
+  return ring.stride(0);
+}
+
+nb::dict pool_dict(const runtime::PoolStats& s) {
+  nb::dict d;
+  d["workers"] = s.workers;
+  d["submitted"] = s.submitted;
+  d["completed"] = s.completed;
+  d["failed"] = s.failed;
+  d["cancelled"] = s.cancelled;
+  d["queue_depth"] = s.queue_depth;
+  d["max_queue_depth"] = s.max_queue_depth;
+  d["busy_seconds"] = s.busy_seconds;
+  d["wall_seconds"] = s.wall_seconds;
+  d["busy_fraction"] = s.wall_seconds > 0 && s.workers > 0 ? s.busy_seconds / (s.wall_seconds * s.workers) : 0.0;
+  d["mean_latency_seconds"] = s.mean_latency_seconds;
+  d["max_latency_seconds"] = s.max_latency_seconds;
+  d["mean_run_seconds"] = s.mean_run_seconds;
+  d["max_run_seconds"] = s.max_run_seconds;
+  return d;
+}
+
+nb::dict registry_dict(const coherence::RegistryStats& s) {
+  nb::dict d;
+  d["activations"] = s.activations;
+  d["waits"] = s.waits;
+  d["wait_seconds"] = s.wait_seconds;
+  d["max_wait_seconds"] = s.max_wait_seconds;
+  d["failures"] = s.failures;
+  d["skipped_versions"] = s.skipped_versions;
+  d["staleness_histogram"] = s.staleness_histogram;
+  d["max_staleness_seen"] = s.max_staleness_seen;
+  return d;
+}
+
+}  // namespace
+
+void init_runtime(nb::module_& m) {
+  m.def("set_blas_threads", &runtime::set_blas_threads, "threads"_a,
+        "Sets the thread count of the BLAS library the core links (OpenBLAS).");
+  m.def("blas_threads", &runtime::blas_threads, "The BLAS library's current thread count.");
+
+  nb::class_<RefreshEngine>(m, "RefreshEngine",
+                            "Computes inverse roots of snapshotted factor matrices on C++ worker threads and "
+                            "decides, by a deterministic or bounded-staleness schedule, which version each "
+                            "block uses at each step. Memory is owned by the caller (pinned torch tensors) "
+                            "and must outlive close().")
+      .def(
+          "__init__",
+          [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
+             int max_consecutive_failures, double slot_timeout_s) {
+            runtime::EngineConfig config;
+            config.workers = workers;
+            config.blas_threads = blas_threads;
+            config.registry.staleness = staleness;
+            config.registry.deterministic = deterministic;
+            config.registry.max_consecutive_failures = max_consecutive_failures;
+            config.slot_timeout = seconds_arg(slot_timeout_s, "slot_timeout_s");
+            new (self) RefreshEngine(config);
+          },
+          "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
+          "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0)
+      .def(
+          "add_block",
+          [](RefreshEngine& e, Ring snapshots, Ring results) {
+            if (snapshots.shape(0) != results.shape(0) || snapshots.shape(1) != results.shape(1)) {
+              throw InvalidArgument("Invalid block rings: snapshots and results must have the same (depth, n, n) shape");
+            }
+            runtime::BlockMemory memory;
+            memory.n = static_cast<int>(snapshots.shape(1));
+            memory.depth = static_cast<int>(snapshots.shape(0));
+            memory.snapshot_stride = ring_stride(snapshots, "snapshots");
+            memory.result_stride = ring_stride(results, "results");
+            memory.snapshots = snapshots.data();
+            memory.results = results.data();
+            return e.add_block(memory);
+          },
+          "snapshots"_a, "results"_a,
+          "Registers a block whose snapshot and result rings are (depth, n, n) float32 host arrays; version v "
+          "lives at index v % depth. Returns the block id.")
+      .def_prop_ro("num_blocks", &RefreshEngine::num_blocks)
+      .def("block_dim", &RefreshEngine::block_dim, "block"_a)
+      .def("depth", &RefreshEngine::depth, "block"_a)
+      .def(
+          "begin_snapshot",
+          [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version, double timeout_s) {
+            e.begin_snapshot(blocks, version, seconds_arg(timeout_s, "timeout_s"));
+          },
+          "blocks"_a, "version"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Claims the snapshot buffers of `version`, waiting (GIL released) for jobs still reading them.")
+      .def(
+          "submit",
+          [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version,
+             std::int64_t activation_step, double exponent, double eps, double scale) {
+            e.submit(blocks, version, activation_step, linalg::RootSpec{exponent, eps, scale});
+          },
+          "blocks"_a, "version"_a, "activation_step"_a, "exponent"_a, "eps"_a, "scale"_a = 1.0,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "Publishes the filled snapshots and queues one refresh job per block, due at `activation_step`.")
+      .def(
+          "activate",
+          [](RefreshEngine& e, std::int64_t step, double timeout_s) {
+            std::vector<std::tuple<std::int64_t, std::int64_t>> out;
+            for (const auto& a : e.activate(step, seconds_arg(timeout_s, "timeout_s"))) out.emplace_back(a.block, a.version);
+            return out;
+          },
+          "step"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Returns [(block, version)] for blocks whose version changes at `step`, waiting (bounded, GIL released) "
+          "for versions the schedule requires. Each returned version is pinned until release().")
+      .def("release", &RefreshEngine::release, "block"_a, "version"_a,
+           "Unpins a version returned by activate() once it has been copied.")
+      .def(
+          "drain", [](RefreshEngine& e, double timeout_s) { e.drain(seconds_arg(timeout_s, "timeout_s")); },
+          "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(), "Waits for every submitted job to end.")
+      .def("close", &RefreshEngine::close, nb::call_guard<nb::gil_scoped_release>(),
+           "Cancels queued jobs, waits for running ones and stops the workers. Idempotent.")
+      .def_prop_ro("closed", &RefreshEngine::closed)
+      .def(
+          "status",
+          [](const RefreshEngine& e, std::int64_t block) {
+            const coherence::BlockStatus s = e.status(block);
+            nb::dict d;
+            d["active_version"] = s.active_version;
+            d["newest_snapshot"] = s.newest_snapshot;
+            d["newest_finished"] = s.newest_finished;
+            d["newest_ok"] = s.newest_ok;
+            d["consecutive_failures"] = s.consecutive_failures;
+            d["total_failures"] = s.total_failures;
+            d["last_error"] = s.last_error;
+            return d;
+          },
+          "block"_a)
+      .def("stats", [](const RefreshEngine& e) {
+        const runtime::EngineStats s = e.stats();
+        nb::dict d;
+        d["pool"] = pool_dict(s.pool);
+        d["registry"] = registry_dict(s.registry);
+        d["refreshes_ok"] = s.refreshes_ok;
+        d["refreshes_failed"] = s.refreshes_failed;
+        d["float64_retries"] = s.float64_retries;
+        d["refresh_seconds"] = s.refresh_seconds;
+        return d;
+      });
+}
+
+}  // namespace asteria::bindings

@@ -1,0 +1,229 @@
+#include "asteria/coherence/registry.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "asteria/common/errors.h"
+
+namespace asteria::coherence {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A deadline `timeout` from now, clamped so that "forever" (nanoseconds::max()) does not overflow.
+Clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
+  constexpr std::chrono::nanoseconds kForever = std::chrono::hours(24 * 365 * 100);
+  return Clock::now() + std::min(timeout, kForever);
+}
+
+std::string format_seconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3f s", seconds);
+  return text;
+}
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+std::string timeout_message(std::int64_t step, std::size_t block, std::int64_t awaited, double waited,
+                            const BlockStatus& status, const RegistryConfig& config) {
+  const std::string rule =
+      config.deterministic ? "deterministic schedule" : "staleness bound S=" + std::to_string(config.staleness);
+  return "[CoherenceRegistry::activate] step " + std::to_string(step) + ": block " + std::to_string(block) +
+         " needs version " + std::to_string(awaited) + ", still running after waiting " + format_seconds(waited) +
+         " (active " + std::to_string(status.active_version) + ", newest finished " +
+         std::to_string(status.newest_finished) + ", newest ok " + std::to_string(status.newest_ok) + ", " + rule +
+         ")";
+}
+
+}  // namespace
+
+CoherenceRegistry::CoherenceRegistry(RegistryConfig config) : config_(config) {
+  if (config_.staleness < 0) {
+    throw InvalidArgument("[CoherenceRegistry] staleness=" + std::to_string(config_.staleness) + " must be >= 0");
+  }
+  if (config_.max_consecutive_failures < 1) {
+    throw InvalidArgument("[CoherenceRegistry] max_consecutive_failures=" +
+                          std::to_string(config_.max_consecutive_failures) + " must be >= 1");
+  }
+  // Bins 0..S, then one for everything beyond the budget.
+  stats_.staleness_histogram.assign(static_cast<std::size_t>(config_.staleness) + 2, 0);
+}
+
+std::int64_t CoherenceRegistry::add_block() {
+  std::lock_guard lock(mutex_);
+  blocks_.emplace_back();
+  return static_cast<std::int64_t>(blocks_.size()) - 1;
+}
+
+std::int64_t CoherenceRegistry::num_blocks() const {
+  std::lock_guard lock(mutex_);
+  return static_cast<std::int64_t>(blocks_.size());
+}
+
+void CoherenceRegistry::note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step) {
+  std::lock_guard lock(mutex_);
+  Block& b = blocks_[index(block, "note_snapshot")];
+  if (version <= b.status.newest_snapshot) {
+    throw InvalidArgument("[CoherenceRegistry::note_snapshot] block " + std::to_string(block) + ": version " +
+                          std::to_string(version) + " must be > the newest snapshot, version " +
+                          std::to_string(b.status.newest_snapshot) +
+                          " (versions are noted in increasing order from 1)");
+  }
+  b.status.newest_snapshot = version;
+  b.due.emplace(version, activation_step);
+  b.running.insert(version);
+}
+
+void CoherenceRegistry::note_finished(std::int64_t block, std::int64_t version, bool ok, const std::string& error) {
+  {
+    std::lock_guard lock(mutex_);
+    Block& b = blocks_[index(block, "note_finished")];
+    if (b.running.erase(version) == 0) {
+      throw InvalidArgument("[CoherenceRegistry::note_finished] block " + std::to_string(block) + ": version " +
+                            std::to_string(version) + " is not running (newest snapshot " +
+                            std::to_string(b.status.newest_snapshot) + "); it finished already or was never noted");
+    }
+    BlockStatus& status = b.status;
+    status.newest_finished = std::max(status.newest_finished, version);
+    if (ok) {
+      status.newest_ok = std::max(status.newest_ok, version);
+      status.consecutive_failures = 0;
+    } else {
+      status.consecutive_failures += 1;
+      status.total_failures += 1;
+      status.last_error = error.empty() ? "no error message given" : error;
+      b.last_failed_version = version;
+      stats_.failures += 1;
+    }
+    if (version > status.active_version) {
+      b.finished.emplace(version, ok);
+    } else if (ok) {
+      // A newer version became active while this one ran: it will never be used.
+      stats_.skipped_versions += 1;
+    }
+  }
+  finished_.notify_all();
+}
+
+std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chrono::nanoseconds timeout) {
+  const auto started = Clock::now();
+  const auto deadline = deadline_after(timeout);
+  std::unique_lock lock(mutex_);
+  const std::size_t n = blocks_.size();
+  std::vector<std::int64_t> targets(n);
+  bool blocked = false;
+  double blocked_seconds = 0.0;
+  // Wait time is telemetry: it is recorded even when the call then throws.
+  const auto record_wait = [&] {
+    if (!blocked) return;
+    stats_.wait_seconds += blocked_seconds;
+    stats_.max_wait_seconds = std::max(stats_.max_wait_seconds, blocked_seconds);
+  };
+  try {
+    throw_if_failing();
+    for (std::size_t id = 0; id < n; ++id) {
+      for (;;) {
+        // Re-planned after every wake-up: any finished version may change the answer.
+        const Plan wanted = plan(blocks_[id], step);
+        if (wanted.awaited == 0) {
+          targets[id] = wanted.target;
+          break;
+        }
+        if (!blocked) {
+          blocked = true;
+          // Counted as the wait starts, so that the count shows a call that is blocked right now.
+          stats_.waits += 1;
+        }
+        if (Clock::now() >= deadline) {
+          throw TimeoutError(
+              timeout_message(step, id, wanted.awaited, seconds_since(started), blocks_[id].status, config_));
+        }
+        const auto wait_started = Clock::now();
+        finished_.wait_until(lock, deadline);
+        blocked_seconds += seconds_since(wait_started);
+        throw_if_failing();
+      }
+    }
+  } catch (...) {
+    record_wait();
+    throw;
+  }
+  record_wait();
+
+  std::vector<Activation> changes;
+  for (std::size_t id = 0; id < n; ++id) {
+    Block& b = blocks_[id];
+    BlockStatus& status = b.status;
+    if (targets[id] > status.active_version) {
+      // `finished` only holds versions newer than the active one: those below the target are jumped over.
+      stats_.skipped_versions += static_cast<std::uint64_t>(std::count_if(
+          b.finished.begin(), b.finished.lower_bound(targets[id]), [](const auto& entry) { return entry.second; }));
+      status.active_version = targets[id];
+      b.due.erase(b.due.begin(), b.due.upper_bound(status.active_version));
+      b.finished.erase(b.finished.begin(), b.finished.upper_bound(status.active_version));
+      changes.push_back(Activation{static_cast<std::int64_t>(id), status.active_version});
+    }
+    if (status.newest_snapshot > 0) {
+      const std::int64_t staleness = status.newest_snapshot - status.active_version;
+      const std::size_t bin =
+          static_cast<std::size_t>(std::min<std::int64_t>(staleness, config_.staleness + 1));
+      stats_.staleness_histogram[bin] += 1;
+      stats_.max_staleness_seen = std::max(stats_.max_staleness_seen, staleness);
+    }
+  }
+  stats_.activations += changes.size();
+  return changes;
+}
+
+BlockStatus CoherenceRegistry::status(std::int64_t block) const {
+  std::lock_guard lock(mutex_);
+  return blocks_[index(block, "status")].status;
+}
+
+RegistryStats CoherenceRegistry::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+CoherenceRegistry::Plan CoherenceRegistry::plan(const Block& block, std::int64_t step) const {
+  const std::int64_t active = block.status.active_version;
+  if (config_.deterministic) {
+    // Newest due version first; a failed one gives way to the due version before it.
+    for (auto it = block.due.rbegin(); it != block.due.rend() && it->first > active; ++it) {
+      const auto [version, activation_step] = *it;
+      if (activation_step > step) continue;
+      if (block.running.contains(version)) return Plan{active, version};
+      if (block.finished.at(version)) return Plan{version, 0};
+    }
+    return Plan{active, 0};
+  }
+  const std::int64_t needed = block.status.newest_snapshot - config_.staleness;
+  if (block.status.newest_ok < needed) {
+    const auto pending = block.running.lower_bound(needed);
+    if (pending != block.running.end()) return Plan{active, *pending};
+  }
+  return Plan{std::max(active, block.status.newest_ok), 0};
+}
+
+std::size_t CoherenceRegistry::index(std::int64_t block, const char* method) const {
+  if (block < 0 || block >= static_cast<std::int64_t>(blocks_.size())) {
+    throw InvalidArgument(std::string("[CoherenceRegistry::") + method + "] block " + std::to_string(block) +
+                          " does not exist (" + std::to_string(blocks_.size()) + " blocks)");
+  }
+  return static_cast<std::size_t>(block);
+}
+
+void CoherenceRegistry::throw_if_failing() const {
+  for (std::size_t id = 0; id < blocks_.size(); ++id) {
+    const Block& b = blocks_[id];
+    if (b.status.consecutive_failures >= config_.max_consecutive_failures) {
+      throw BlockFailure(static_cast<std::int64_t>(id), b.last_failed_version,
+                         b.status.last_error + " (" + std::to_string(b.status.consecutive_failures) +
+                             " failures in a row; max_consecutive_failures=" +
+                             std::to_string(config_.max_consecutive_failures) + ")");
+    }
+  }
+}
+
+}  // namespace asteria::coherence

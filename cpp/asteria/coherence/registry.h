@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,11 +38,13 @@ struct BlockStatus {
 
 struct RegistryStats {
   std::uint64_t activations = 0;       // version changes applied
-  std::uint64_t waits = 0;             // activate() calls that had to block
-  double wait_seconds = 0.0;           // total time blocked
+  std::uint64_t waits = 0;             // activate() calls that had to block (one per call, however many blocks)
+  double wait_seconds = 0.0;           // total time blocked, including waits that timed out
   double max_wait_seconds = 0.0;
   std::uint64_t failures = 0;          // failed versions, all blocks
-  std::uint64_t skipped_versions = 0;  // finished versions superseded before activation (non-deterministic)
+  // Versions that succeeded but were never activated because a newer one was activated first
+  // (mostly non-deterministic; under the schedule only when several versions fall due at once).
+  std::uint64_t skipped_versions = 0;
   // staleness_histogram[s]: block-steps that used a version s intervals behind its newest snapshot;
   // the last bin gathers everything >= its index.
   std::vector<std::uint64_t> staleness_histogram;
@@ -50,9 +53,11 @@ struct RegistryStats {
 
 // Activation rule at step t for each block (versions count refresh intervals):
 // - deterministic: the newest version v with activation_step(v) <= t; if v's job has not finished,
-//   wait for it (bounded barrier); if it failed, keep the newest good version before it.
+//   wait for it (bounded barrier); if it failed, keep the newest good version before it, waiting
+//   for the due versions in between as for v, so that failures do not make the choice timing-dependent.
 // - non-deterministic: the newest version that finished well; if that would leave the block more
-//   than S versions behind its newest snapshot, wait for version (newest_snapshot - S) first.
+//   than S versions behind its newest snapshot, wait for version (newest_snapshot - S) first (or,
+//   once it has failed, for the next newer version still running; failed versions count as finished).
 // A block whose versions failed `max_consecutive_failures` times in a row makes activate() throw
 // BlockFailure naming it; nothing else is changed by that call.
 //
@@ -83,11 +88,22 @@ class CoherenceRegistry {
  private:
   struct Block {
     BlockStatus status;
-    std::map<std::int64_t, std::int64_t> due;        // version -> activation step, pending activation
-    std::map<std::int64_t, bool> finished;           // version -> ok, for versions not yet retired
+    std::map<std::int64_t, std::int64_t> due;        // version -> activation step, for versions > active
+    std::map<std::int64_t, bool> finished;           // version -> ok, for finished versions > active
+    std::set<std::int64_t> running;                  // noted versions whose job has not ended
+    std::int64_t last_failed_version = 0;            // the version that left status.last_error
   };
-  // Target version for `block` at `step`, and the version that must finish first (0 if none). Requires mutex_.
-  std::pair<std::int64_t, std::int64_t> plan(const Block& block, std::int64_t step) const;
+  // What the rule wants for a block at a step: the version to use, or the version that must finish
+  // before the rule can tell (awaited > 0).
+  struct Plan {
+    std::int64_t target;
+    std::int64_t awaited;
+  };
+  Plan plan(const Block& block, std::int64_t step) const;  // requires mutex_
+  // Index of `block` in blocks_; throws InvalidArgument naming `method` if there is no such block.
+  std::size_t index(std::int64_t block, const char* method) const;  // requires mutex_
+  // Throws BlockFailure for the lowest block at its failure bound. Requires mutex_.
+  void throw_if_failing() const;
 
   const RegistryConfig config_;
   mutable std::mutex mutex_;

@@ -1,0 +1,217 @@
+#include "asteria/linalg/inverse_root.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "asteria/common/errors.h"
+#include "asteria/linalg/lapack.h"
+
+namespace asteria::linalg {
+namespace {
+
+// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
+std::string format(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
+
+void require_finite_with(bool ok, const char* field, double value, const char* rule) {
+  if (!ok) {
+    throw InvalidArgument(std::string("Invalid ") + field + "=" + format(value) + ": must be a finite number " + rule);
+  }
+}
+
+void require_leading_dim(const char* what, int ld, int n) {
+  if (ld < std::max(1, n)) {
+    throw InvalidArgument(std::string("[inverse_root] Invalid ") + what + "=" + std::to_string(ld) +
+                          ": must be >= max(1, n=" + std::to_string(n) + ")");
+  }
+}
+
+template <typename T>
+void check_arguments(int n, const T* a, int lda, const T* out, int ldo, const RootSpec& spec) {
+  validate(spec);
+  if (n < 0) throw InvalidArgument("[inverse_root] Invalid n=" + std::to_string(n) + ": must be >= 0");
+  require_leading_dim("lda", lda, n);
+  require_leading_dim("ldo", ldo, n);
+  if (n > 0 && (a == nullptr || out == nullptr)) {
+    throw InvalidArgument("[inverse_root] Invalid null matrix pointer for n=" + std::to_string(n));
+  }
+  const std::size_t ld = static_cast<std::size_t>(lda);
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < n; ++i) {
+      const T value = a[i + j * ld];
+      if (!std::isfinite(value)) {
+        throw NumericalError("[inverse_root] non-finite input a(" + std::to_string(i) + ", " + std::to_string(j) +
+                             ")=" + format(value) + " (n=" + std::to_string(n) + ")");
+      }
+    }
+  }
+}
+
+// Per-thread buffers, grown to the largest n seen and kept: a refresh worker computes roots of
+// the same few shapes over and over, and reusing the pages avoids a malloc plus page faults on
+// tens of megabytes per call.
+template <typename T>
+struct Workspace {
+  std::vector<T> matrix;       // input copy (the eigensolver overwrites it), then scaled eigenvectors
+  std::vector<T> eigenvalues;
+  std::vector<T> work;         // eigensolver workspace; afterwards it holds the result
+  std::vector<int> iwork;
+};
+
+template <typename T>
+Workspace<T>& workspace() {
+  thread_local Workspace<T> ws;
+  return ws;
+}
+
+template <typename T>
+void grow(std::vector<T>& v, std::size_t size) {
+  if (v.size() < size) v.resize(size);
+}
+
+// Copies (and converts) the n x n matrix `a` into ws.matrix with leading dimension n.
+template <typename T, typename In>
+void load(int n, const In* a, int lda, Workspace<T>& ws) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  grow(ws.matrix, nn * nn);
+  grow(ws.eigenvalues, nn);
+  for (std::size_t j = 0; j < nn; ++j) {
+    const In* column = a + j * static_cast<std::size_t>(lda);
+    std::copy(column, column + nn, ws.matrix.data() + j * nn);
+  }
+}
+
+// Computes the root of the matrix loaded into ws.matrix; the result (n x n, leading dimension n,
+// symmetric) lands in ws.work. Returns false when the result is not finite.
+template <typename T>
+bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& report) {
+  T* q = ws.matrix.data();
+  T* w = ws.eigenvalues.data();
+  // float32 takes the restructured eigh (the throughput path); float64, the retry, takes LAPACK's
+  // own xSYEVD so that a failure of one code path is retried by another.
+  if constexpr (std::is_same_v<T, float>) {
+    eigh(n, q, /* lda = */ n, w, ws.work, ws.iwork);
+  } else {
+    syevd(n, q, /* lda = */ n, w, ws.work, ws.iwork);
+  }
+
+  // The eigenvalues are ascending; the transform runs in double so that eps survives next to
+  // float32 eigenvalues.
+  report.lambda_min = spec.scale * static_cast<double>(w[0]);
+  report.lambda_max = spec.scale * static_cast<double>(w[n - 1]);
+  const double shift = spec.eps + std::max(0.0, -report.lambda_min);
+  const double half_exponent = spec.exponent / 2;
+
+  // root = Q diag(lambda'^p) Q^T = B B^T with B = Q diag(lambda'^(p/2)): syrk computes only the
+  // lower triangle of B B^T (n^3 flops, half of a gemm with Q^T).
+  const std::size_t nn = static_cast<std::size_t>(n);
+  for (std::size_t j = 0; j < nn; ++j) {
+    const T d = static_cast<T>(std::pow(spec.scale * static_cast<double>(w[j]) + shift, half_exponent));
+    T* column = q + j * nn;
+    for (std::size_t i = 0; i < nn; ++i) column[i] *= d;
+  }
+  grow(ws.work, nn * nn);
+  T* result = ws.work.data();
+  syrk_lower(n, /* k = */ n, /* alpha = */ T(1), q, /* lda = */ n, /* beta = */ T(0), result, /* ldc = */ n);
+
+  for (std::size_t j = 0; j < nn; ++j) {
+    for (std::size_t i = j; i < nn; ++i) {
+      if (!std::isfinite(result[i + j * nn])) return false;
+    }
+  }
+  symmetrize_from_lower(n, result, /* lda = */ n);
+  return true;
+}
+
+template <typename From, typename To>
+void store(int n, const From* result, To* out, int ldo) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  for (std::size_t j = 0; j < nn; ++j) {
+    const From* column = result + j * nn;
+    std::copy(column, column + nn, out + j * static_cast<std::size_t>(ldo));
+  }
+}
+
+std::string non_finite_result(int n, const RootSpec& spec, const RootReport& report) {
+  return "non-finite result (n=" + std::to_string(n) + ", exponent=" + format(spec.exponent) +
+         ", eps=" + format(spec.eps) + ", lambda in [" + format(report.lambda_min) + ", " +
+         format(report.lambda_max) + "])";
+}
+
+}  // namespace
+
+void validate(const RootSpec& spec) {
+  require_finite_with(std::isfinite(spec.exponent) && spec.exponent < 0, "exponent", spec.exponent, "< 0");
+  require_finite_with(std::isfinite(spec.eps) && spec.eps > 0, "eps", spec.eps, "> 0");
+  require_finite_with(std::isfinite(spec.scale) && spec.scale > 0, "scale", spec.scale, "> 0");
+}
+
+RootReport inverse_root(int n, const float* a, int lda, float* out, int ldo, const RootSpec& spec) {
+  check_arguments(n, a, lda, out, ldo, spec);
+  RootReport report;
+  if (n == 0) return report;
+
+  std::string float32_failure;
+  Workspace<float>& ws = workspace<float>();
+  load(n, a, lda, ws);
+  try {
+    if (compute_root(n, spec, ws, report)) {
+      store(n, ws.work.data(), out, ldo);
+      return report;
+    }
+    float32_failure = non_finite_result(n, spec, report);
+  } catch (const NumericalError& error) {
+    float32_failure = error.what();
+  }
+
+  // float32 ran out of range or LAPACK gave up; float64 has 8 more exponent bits and 29 more
+  // mantissa bits, and the result must still fit back into float32.
+  Workspace<double>& ws64 = workspace<double>();
+  load(n, a, lda, ws64);
+  report = RootReport{};
+  report.used_float64 = true;
+  std::string float64_failure;
+  try {
+    if (!compute_root(n, spec, ws64, report)) float64_failure = non_finite_result(n, spec, report);
+  } catch (const NumericalError& error) {
+    float64_failure = error.what();
+  }
+  const double* result = ws64.work.data();
+  const std::size_t count = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
+  if (float64_failure.empty() &&
+      !std::all_of(result, result + count, [](double x) { return std::isfinite(static_cast<float>(x)); })) {
+    float64_failure = "result overflows float32, " + non_finite_result(n, spec, report);
+  }
+  if (!float64_failure.empty()) {
+    throw NumericalError("[inverse_root] float32 attempt failed (" + float32_failure + "); float64 retry failed (" +
+                         float64_failure + ")");
+  }
+  store(n, result, out, ldo);
+  return report;
+}
+
+RootReport inverse_root(int n, const double* a, int lda, double* out, int ldo, const RootSpec& spec) {
+  check_arguments(n, a, lda, out, ldo, spec);
+  RootReport report;
+  report.used_float64 = true;
+  if (n == 0) return report;
+
+  Workspace<double>& ws = workspace<double>();
+  load(n, a, lda, ws);
+  if (!compute_root(n, spec, ws, report)) {
+    throw NumericalError("[inverse_root] " + non_finite_result(n, spec, report));
+  }
+  store(n, ws.work.data(), out, ldo);
+  return report;
+}
+
+}  // namespace asteria::linalg

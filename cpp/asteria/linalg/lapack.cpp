@@ -1,0 +1,659 @@
+#include "asteria/linalg/lapack.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "asteria/common/errors.h"
+
+// The Fortran interface OpenBLAS exports (LP64: 32-bit integers). gfortran passes the length of
+// every CHARACTER argument as a trailing hidden size_t; the LAPACK routines are compiled Fortran,
+// so omitting those lengths is undefined behaviour even though single-letter options mostly work.
+extern "C" {
+void ssyevd_(const char* jobz, const char* uplo, const int* n, float* a, const int* lda, float* w, float* work,
+             const int* lwork, int* iwork, const int* liwork, int* info, std::size_t jobz_len,
+             std::size_t uplo_len);
+void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w, double* work,
+             const int* lwork, int* iwork, const int* liwork, int* info, std::size_t jobz_len,
+             std::size_t uplo_len);
+void ssyrk_(const char* uplo, const char* trans, const int* n, const int* k, const float* alpha, const float* a,
+            const int* lda, const float* beta, float* c, const int* ldc, std::size_t uplo_len,
+            std::size_t trans_len);
+void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, const double* alpha, const double* a,
+            const int* lda, const double* beta, double* c, const int* ldc, std::size_t uplo_len,
+            std::size_t trans_len);
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc, std::size_t transa_len, std::size_t transb_len);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc, std::size_t transa_len, std::size_t transb_len);
+void ssyr2k_(const char* uplo, const char* trans, const int* n, const int* k, const float* alpha, const float* a,
+             const int* lda, const float* b, const int* ldb, const float* beta, float* c, const int* ldc,
+             std::size_t uplo_len, std::size_t trans_len);
+void dsyr2k_(const char* uplo, const char* trans, const int* n, const int* k, const double* alpha, const double* a,
+             const int* lda, const double* b, const int* ldb, const double* beta, double* c, const int* ldc,
+             std::size_t uplo_len, std::size_t trans_len);
+void slarfg_(const int* n, float* alpha, float* x, const int* incx, float* tau);
+void dlarfg_(const int* n, double* alpha, double* x, const int* incx, double* tau);
+void ssytd2_(const char* uplo, const int* n, float* a, const int* lda, float* d, float* e, float* tau, int* info,
+             std::size_t uplo_len);
+void dsytd2_(const char* uplo, const int* n, double* a, const int* lda, double* d, double* e, double* tau, int* info,
+             std::size_t uplo_len);
+void sstedc_(const char* compz, const int* n, float* d, float* e, float* z, const int* ldz, float* work,
+             const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
+void dstedc_(const char* compz, const int* n, double* d, double* e, double* z, const int* ldz, double* work,
+             const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
+void slarft_(const char* direct, const char* storev, const int* n, const int* k, const float* v, const int* ldv,
+             const float* tau, float* t, const int* ldt, std::size_t direct_len, std::size_t storev_len);
+void dlarft_(const char* direct, const char* storev, const int* n, const int* k, const double* v, const int* ldv,
+             const double* tau, double* t, const int* ldt, std::size_t direct_len, std::size_t storev_len);
+void sgeqrf_(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
+             int* info);
+void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,
+             int* info);
+void sorgqr_(const int* m, const int* n, const int* k, float* a, const int* lda, const float* tau, float* work,
+             const int* lwork, int* info);
+void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau, double* work,
+             const int* lwork, int* info);
+}
+
+namespace asteria::linalg {
+namespace {
+
+constexpr std::size_t kOptionLen = 1;  // every option we pass is a single letter
+
+template <typename T>
+constexpr char prefix() {
+  return sizeof(T) == sizeof(float) ? 's' : 'd';
+}
+
+// "[syevd] n=-1: must be >= 0"
+void require(bool ok, const char* routine, const char* what, long long value, const std::string& rule) {
+  if (!ok) {
+    throw InvalidArgument(std::string("[") + routine + "] Invalid " + what + "=" + std::to_string(value) +
+                          ": must be " + rule);
+  }
+}
+
+void require_leading_dim(const char* routine, const char* what, int ld, int rows) {
+  const int min_ld = std::max(1, rows);
+  require(ld >= min_ld, routine, what, ld, ">= max(1, " + std::to_string(rows) + ")");
+}
+
+// "[syevd] ssyevd failed, info=3 (n=1024)": the shim function, then the LAPACK routine.
+template <typename T>
+void check_info(const char* function, const char* routine, int info, int n) {
+  if (info != 0) {
+    throw NumericalError(std::string("[") + function + "] " + prefix<T>() + routine + " failed, info=" +
+                         std::to_string(info) + " (n=" + std::to_string(n) + ")");
+  }
+}
+
+// LAPACK reports the optimal workspace as a floating-point number; float loses integers above
+// 2^24, so the reported size is rounded up rather than truncated.
+template <typename T>
+std::size_t queried_size(T reported) {
+  return static_cast<std::size_t>(static_cast<double>(reported) * (1.0 + 1e-6)) + 1;
+}
+
+template <typename T>
+void grow(std::vector<T>& v, std::size_t size) {
+  if (v.size() < size) v.resize(size);
+}
+
+void call_syevd(const int* n, float* a, const int* lda, float* w, float* work, const int* lwork, int* iwork,
+                const int* liwork, int* info) {
+  ssyevd_("V", "L", n, a, lda, w, work, lwork, iwork, liwork, info, kOptionLen, kOptionLen);
+}
+void call_syevd(const int* n, double* a, const int* lda, double* w, double* work, const int* lwork, int* iwork,
+                const int* liwork, int* info) {
+  dsyevd_("V", "L", n, a, lda, w, work, lwork, iwork, liwork, info, kOptionLen, kOptionLen);
+}
+
+void call_syrk(const int* n, const int* k, const float* alpha, const float* a, const int* lda, const float* beta,
+               float* c, const int* ldc) {
+  ssyrk_("L", "N", n, k, alpha, a, lda, beta, c, ldc, kOptionLen, kOptionLen);
+}
+void call_syrk(const int* n, const int* k, const double* alpha, const double* a, const int* lda, const double* beta,
+               double* c, const int* ldc) {
+  dsyrk_("L", "N", n, k, alpha, a, lda, beta, c, ldc, kOptionLen, kOptionLen);
+}
+
+void call_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+               const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+               const int* ldc) {
+  sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, kOptionLen, kOptionLen);
+}
+void call_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
+               const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+               const int* ldc) {
+  dgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, kOptionLen, kOptionLen);
+}
+
+void call_syr2k(const int* n, const int* k, const float* alpha, const float* a, const int* lda, const float* b,
+                const int* ldb, const float* beta, float* c, const int* ldc) {
+  ssyr2k_("L", "N", n, k, alpha, a, lda, b, ldb, beta, c, ldc, kOptionLen, kOptionLen);
+}
+void call_syr2k(const int* n, const int* k, const double* alpha, const double* a, const int* lda, const double* b,
+                const int* ldb, const double* beta, double* c, const int* ldc) {
+  dsyr2k_("L", "N", n, k, alpha, a, lda, b, ldb, beta, c, ldc, kOptionLen, kOptionLen);
+}
+
+void call_larfg(const int* n, float* alpha, float* x, float* tau) {
+  const int incx = 1;
+  slarfg_(n, alpha, x, &incx, tau);
+}
+void call_larfg(const int* n, double* alpha, double* x, double* tau) {
+  const int incx = 1;
+  dlarfg_(n, alpha, x, &incx, tau);
+}
+
+void call_sytd2(const int* n, float* a, const int* lda, float* d, float* e, float* tau, int* info) {
+  ssytd2_("L", n, a, lda, d, e, tau, info, kOptionLen);
+}
+void call_sytd2(const int* n, double* a, const int* lda, double* d, double* e, double* tau, int* info) {
+  dsytd2_("L", n, a, lda, d, e, tau, info, kOptionLen);
+}
+
+void call_stedc(const int* n, float* d, float* e, float* z, const int* ldz, float* work, const int* lwork,
+                int* iwork, const int* liwork, int* info) {
+  sstedc_("I", n, d, e, z, ldz, work, lwork, iwork, liwork, info, kOptionLen);
+}
+void call_stedc(const int* n, double* d, double* e, double* z, const int* ldz, double* work, const int* lwork,
+                int* iwork, const int* liwork, int* info) {
+  dstedc_("I", n, d, e, z, ldz, work, lwork, iwork, liwork, info, kOptionLen);
+}
+
+void call_larft(const int* n, const int* k, const float* v, const int* ldv, const float* tau, float* t,
+                const int* ldt) {
+  slarft_("F", "C", n, k, v, ldv, tau, t, ldt, kOptionLen, kOptionLen);
+}
+void call_larft(const int* n, const int* k, const double* v, const int* ldv, const double* tau, double* t,
+                const int* ldt) {
+  dlarft_("F", "C", n, k, v, ldv, tau, t, ldt, kOptionLen, kOptionLen);
+}
+
+void call_geqrf(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
+                int* info) {
+  sgeqrf_(m, n, a, lda, tau, work, lwork, info);
+}
+void call_geqrf(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,
+                int* info) {
+  dgeqrf_(m, n, a, lda, tau, work, lwork, info);
+}
+
+void call_orgqr(const int* m, const int* n, const int* k, float* a, const int* lda, const float* tau, float* work,
+                const int* lwork, int* info) {
+  sorgqr_(m, n, k, a, lda, tau, work, lwork, info);
+}
+void call_orgqr(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau,
+                double* work, const int* lwork, int* info) {
+  dorgqr_(m, n, k, a, lda, tau, work, lwork, info);
+}
+
+// Householder tridiagonalization for eigh: xSYTRD's blocked algorithm for the lower triangle
+// (panels of 32 columns reduced as in xLATRD, xSYR2K trailing updates, xSYTD2 for the last panel)
+// with the BLAS-2 steps of the panels done here. OpenBLAS 0.3.21 takes a process-wide lock to get a
+// scratch buffer in every ?symv call and every ?gemv call with m + n > 512, and xLATRD makes seven
+// such calls per column: with 16 threads each reducing its own matrix, a 0.4 us ssymv call took
+// 16 us and ssytrd ran 1.55x slower than alone (H200 host). The steps below take no lock.
+
+// GCC/Clang vector extensions; the clones of tridiagonalize() compile them to AVX-512, AVX2 or SSE2.
+template <typename T, int N>
+struct VectorOf {
+  typedef T type __attribute__((vector_size(N * sizeof(T))));
+};
+template <typename T, int N>
+using Vector = typename VectorOf<T, N>::type;
+template <typename T>
+constexpr int kWide = 64 / static_cast<int>(sizeof(T));  // lanes of one 64-byte vector
+template <typename T>
+using Wide = Vector<T, kWide<T>>;
+template <typename T>
+using Quad = Vector<T, 4>;
+
+template <typename V, typename T>
+[[gnu::always_inline]] inline void load(V& v, const T* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+template <typename V, typename T>
+[[gnu::always_inline]] inline void store(T* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// Adds the upper half of v's lanes onto the lower half.
+template <typename V, typename H, std::size_t... I>
+[[gnu::always_inline]] inline void fold(const V& v, H& half, std::index_sequence<I...>) {
+  half = __builtin_shufflevector(v, v, I...) + __builtin_shufflevector(v, v, (I + sizeof...(I))...);
+}
+template <typename T, int N>
+[[gnu::always_inline]] inline void fold_to_quad(const Vector<T, N>& v, Quad<T>& quad) {
+  if constexpr (N == 4) {
+    quad = v;
+  } else {
+    Vector<T, N / 2> half;
+    fold(v, half, std::make_index_sequence<N / 2>{});
+    fold_to_quad<T, N / 2>(half, quad);
+  }
+}
+// {sum(a), sum(b), sum(c), sum(d)} by a transposing butterfly: five shuffles and four adds.
+template <typename T>
+[[gnu::always_inline]] inline void sum4(const Quad<T>& a, const Quad<T>& b, const Quad<T>& c, const Quad<T>& d,
+                                        Quad<T>& sums) {
+  const Quad<T> ab = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
+  const Quad<T> cd = __builtin_shufflevector(c, d, 0, 4, 1, 5) + __builtin_shufflevector(c, d, 2, 6, 3, 7);
+  sums = __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+}
+
+// z += alpha * x + beta * y
+template <typename T>
+[[gnu::always_inline]] inline void axpy2(int n, T alpha, const T* x, T beta, const T* y, T* z) {
+  constexpr int W = kWide<T>;
+  const Wide<T> va = alpha - Wide<T>{}, vb = beta - Wide<T>{};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    Wide<T> xi, yi, zi;
+    load(xi, x + i);
+    load(yi, y + i);
+    load(zi, z + i);
+    zi += va * xi + vb * yi;
+    store(z + i, zi);
+  }
+  for (; i < n; ++i) z[i] += alpha * x[i] + beta * y[i];
+}
+
+// z = alpha * z + beta * x
+template <typename T>
+[[gnu::always_inline]] inline void scale_add(int n, T alpha, T* z, T beta, const T* x) {
+  constexpr int W = kWide<T>;
+  const Wide<T> va = alpha - Wide<T>{}, vb = beta - Wide<T>{};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    Wide<T> xi, zi;
+    load(xi, x + i);
+    load(zi, z + i);
+    zi = va * zi + vb * xi;
+    store(z + i, zi);
+  }
+  for (; i < n; ++i) z[i] = alpha * z[i] + beta * x[i];
+}
+
+// x . y
+template <typename T>
+[[gnu::always_inline]] inline T dot(int n, const T* x, const T* y) {
+  constexpr int W = kWide<T>;
+  Wide<T> s = {};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    Wide<T> xi, yi;
+    load(xi, x + i);
+    load(yi, y + i);
+    s += xi * yi;
+  }
+  Quad<T> q;
+  fold_to_quad<T, W>(s, q);
+  T sum = (q[0] + q[2]) + (q[1] + q[3]);
+  for (; i < n; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+// (x . v, y . v)
+template <typename T>
+[[gnu::always_inline]] inline void dot2(int n, const T* x, const T* y, const T* v, T& xv, T& yv) {
+  constexpr int W = kWide<T>;
+  Wide<T> sx = {}, sy = {};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    Wide<T> xi, yi, vi;
+    load(xi, x + i);
+    load(yi, y + i);
+    load(vi, v + i);
+    sx += xi * vi;
+    sy += yi * vi;
+  }
+  Quad<T> qx, qy, sums;
+  fold_to_quad<T, W>(sx, qx);
+  fold_to_quad<T, W>(sy, qy);
+  sum4<T>(qx, qy, Quad<T>{}, Quad<T>{}, sums);
+  xv = sums[0];
+  yv = sums[1];
+  for (; i < n; ++i) {
+    xv += x[i] * v[i];
+    yv += y[i] * v[i];
+  }
+}
+
+// One pass of symv_lower over rows [i, n) of columns c0..c3, V's lanes at a time: y(rows) +=
+// A(rows, cols) x(cols) and s_k += A(rows, k) .* x(rows). Returns the first row left over.
+template <typename V, typename T>
+[[gnu::always_inline]] inline int symv_sweep(int i, int n, const T* const c[4], const T* xc, const T* x, T* y,
+                                             V s[4]) {
+  constexpr int W = sizeof(V) / sizeof(T);
+  const V x0 = xc[0] - V{}, x1 = xc[1] - V{}, x2 = xc[2] - V{}, x3 = xc[3] - V{};
+  V s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+  for (; i + W <= n; i += W) {
+    V a0, a1, a2, a3, xi, yi;
+    load(a0, c[0] + i);
+    load(a1, c[1] + i);
+    load(a2, c[2] + i);
+    load(a3, c[3] + i);
+    load(xi, x + i);
+    load(yi, y + i);
+    yi += (a0 * x0 + a1 * x1) + (a2 * x2 + a3 * x3);
+    store(y + i, yi);
+    s0 += a0 * xi;
+    s1 += a1 * xi;
+    s2 += a2 * xi;
+    s3 += a3 * xi;
+  }
+  s[0] = s0;
+  s[1] = s1;
+  s[2] = s2;
+  s[3] = s3;
+  return i;
+}
+
+// y = A x for the n x n symmetric A of which the lower triangle is stored. Four columns per pass:
+// their lower part adds into y as a column update, their mirrored upper part is four dot products.
+template <typename T>
+[[gnu::always_inline]] inline void symv_lower(int n, const T* a, std::size_t lda, const T* x, T* y) {
+  std::fill(y, y + n, T(0));
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* const c[4] = {a + j * lda, a + (j + 1) * lda, a + (j + 2) * lda, a + (j + 3) * lda};
+    T t[4];  // the 4 x 4 diagonal block, read from its lower triangle
+    for (int k = 0; k < 4; ++k) {
+      t[k] = 0;
+      for (int r = 0; r < 4; ++r) t[k] += (r <= k ? c[r][j + k] : c[k][j + r]) * x[j + r];
+    }
+    Wide<T> wide[4] = {};
+    int i = symv_sweep(j + 4, n, c, x + j, x, y, wide);
+    Quad<T> quad[4];
+    for (int k = 0; k < 4; ++k) fold_to_quad<T, kWide<T>>(wide[k], quad[k]);
+    i = symv_sweep(i, n, c, x + j, x, y, quad);
+    Quad<T> sums;
+    sum4<T>(quad[0], quad[1], quad[2], quad[3], sums);
+    for (; i < n; ++i) {
+      y[i] += (c[0][i] * x[j] + c[1][i] * x[j + 1]) + (c[2][i] * x[j + 2] + c[3][i] * x[j + 3]);
+      for (int k = 0; k < 4; ++k) t[k] += c[k][i] * x[i];
+    }
+    for (int k = 0; k < 4; ++k) y[j + k] += t[k] + sums[k];
+  }
+  for (; j < n; ++j) {
+    const T* c = a + j * lda;
+    T t = c[j] * x[j];
+    for (int i = j + 1; i < n; ++i) {
+      y[i] += c[i] * x[j];
+      t += c[i] * x[i];
+    }
+    y[j] += t;
+  }
+}
+
+// xLATRD, lower: reduces the first nb columns of the n x n matrix `a` (nb < n) and returns W
+// (n x nb) such that the trailing matrix's update is A -= V W^T + W V^T, V the reflectors.
+template <typename T>
+[[gnu::always_inline]] inline void latrd_lower(int n, int nb, T* a, std::size_t lda, T* e, T* tau, T* w,
+                                               std::size_t ldw) {
+  for (int j = 0; j < nb; ++j) {
+    // Column j, brought up to date with this panel's earlier reflectors.
+    T* column = a + j + j * lda;
+    for (int k = 0; k < j; ++k) {
+      axpy2(n - j, -w[j + k * ldw], a + j + k * lda, -a[j + k * lda], w + j + k * ldw, column);
+    }
+    // The reflector H(j) = I - tau v v^T that annihilates column j below its subdiagonal.
+    const int m = n - j - 1;
+    T* v = column + 1;
+    call_larfg(&m, /* alpha = */ v, /* x = */ v + (m > 1 ? 1 : 0), &tau[j]);
+    e[j] = v[0];
+    v[0] = T(1);
+    // W(:, j) = tau (A' v) - (tau^2 / 2) (v^T A' v) v with A' the trailing matrix as updated by the
+    // earlier reflectors: A' v = A v - V (W^T v) - W (V^T v).
+    T* wj = w + (j + 1) + j * ldw;
+    symv_lower(m, a + (j + 1) + (j + 1) * lda, lda, v, wj);
+    for (int k = 0; k < j; ++k) {
+      const T* vk = a + (j + 1) + k * lda;
+      const T* wk = w + (j + 1) + k * ldw;
+      T wk_v, vk_v;
+      dot2(m, wk, vk, v, wk_v, vk_v);
+      axpy2(m, -wk_v, vk, -vk_v, wk, wj);
+    }
+    scale_add(m, tau[j], wj, T(-0.5) * tau[j] * tau[j] * dot(m, wj, v), v);
+  }
+}
+
+template <typename T>
+[[gnu::always_inline]] inline void tridiagonalize_lower(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
+  constexpr int kPanel = 32;  // xSYTRD's block size and crossover
+  const std::size_t ld = static_cast<std::size_t>(lda);
+  const T one = 1, minus_one = -1;
+  int i = 0;
+  for (; n - i > kPanel; i += kPanel) {
+    T* panel = a + i + i * ld;
+    latrd_lower(n - i, kPanel, panel, ld, e + i, tau + i, w, static_cast<std::size_t>(n));
+    const int trailing = n - i - kPanel;
+    call_syr2k(&trailing, /* k = */ &kPanel, &minus_one, panel + kPanel, &lda, w + kPanel, /* ldb = */ &n, &one,
+               panel + kPanel + kPanel * ld, &lda);
+    for (int j = i; j < i + kPanel; ++j) {
+      a[j + 1 + j * ld] = e[j];
+      d[j] = a[j + j * ld];
+    }
+  }
+  const int rest = n - i;
+  int info = 0;
+  call_sytd2(&rest, a + i + i * ld, &lda, d + i, e + i, tau + i, &info);
+  check_info<T>("eigh", "sytd2", info, n);
+}
+
+#if defined(__x86_64__)
+#define ASTERIA_SIMD_CLONES [[gnu::target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")]]
+#else
+#define ASTERIA_SIMD_CLONES
+#endif
+
+// Reduces the lower triangle of `a` to tridiagonal form d, e with reflectors (a, tau) as
+// xSYTRD('L') does; `w` is n x 32 scratch.
+ASTERIA_SIMD_CLONES void tridiagonalize(int n, float* a, int lda, float* d, float* e, float* tau, float* w) {
+  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+}
+ASTERIA_SIMD_CLONES void tridiagonalize(int n, double* a, int lda, double* d, double* e, double* tau, double* w) {
+  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+}
+
+}  // namespace
+
+template <typename T>
+void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork) {
+  require(n >= 0, "syevd", "n", n, ">= 0");
+  require_leading_dim("syevd", "lda", lda, n);
+  if (n == 0) return;
+
+  T work_query = 0;
+  int iwork_query = 0;
+  int info = 0;
+  const int query = -1;
+  call_syevd(&n, a, &lda, w, /* work = */ &work_query, /* lwork = */ &query, /* iwork = */ &iwork_query,
+             /* liwork = */ &query, &info);
+  check_info<T>("syevd", "syevd", info, n);
+  // The documented minimum for JOBZ='V' bounds the query from below in case of float rounding.
+  const std::size_t nn = static_cast<std::size_t>(n);
+  grow(work, std::max(queried_size(work_query), 1 + 6 * nn + 2 * nn * nn));
+  grow(iwork, std::max(static_cast<std::size_t>(iwork_query), 3 + 5 * nn));
+
+  const int lwork = static_cast<int>(work.size());
+  const int liwork = static_cast<int>(iwork.size());
+  call_syevd(&n, a, &lda, w, work.data(), &lwork, iwork.data(), &liwork, &info);
+  check_info<T>("syevd", "syevd", info, n);
+}
+
+template <typename T>
+void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork) {
+  require(n >= 0, "eigh", "n", n, ">= 0");
+  require_leading_dim("eigh", "lda", lda, n);
+  if (n == 0) return;
+
+  // The tridiagonalization (xSYTRD('L')) leaves H(i) = I - tau(i) v v^T, v(i+1) = 1, v(i+2:n) in a(i+2:n, i), and
+  // Q = H(1) ... H(n-1): the reflectors of a QR factorization stored in a(2:n, 1:n-1), acting on
+  // rows 2:n. They are grouped into blocks of kBlock, H(block) = I - V T V^T.
+  constexpr int kBlock = 64;
+  constexpr int kSlice = 256;
+  const std::size_t nn = static_cast<std::size_t>(n);
+  const int m = n - 1;  // rows the reflectors act on, and their number
+  const int blocks = (m + kBlock - 1) / kBlock;
+  std::vector<std::size_t> v_offset(blocks + 1, 0);
+  for (int b = 0; b < blocks; ++b) {
+    v_offset[b + 1] = v_offset[b] + static_cast<std::size_t>(m - b * kBlock) * kBlock;
+  }
+
+  int info = 0;
+  const int query = -1;
+  T stedc_query = 0;
+  int stedc_iwork_query = 0;
+  call_stedc(&n, w, /* e = */ w, /* z = */ a, /* ldz = */ &lda, /* work = */ &stedc_query, /* lwork = */ &query,
+             /* iwork = */ &stedc_iwork_query, /* liwork = */ &query, &info);
+  check_info<T>("eigh", "stedc", info, n);
+
+  // Layout of `work`: e | tau | packed V blocks | T blocks | two slice products | scratch of the
+  // tridiagonalization (n x 32), then of xSTEDC.
+  const std::size_t e_at = 0, tau_at = nn, v_at = 2 * nn, t_at = v_at + v_offset[blocks];
+  const std::size_t slice_at = t_at + static_cast<std::size_t>(blocks) * kBlock * kBlock;
+  const std::size_t lapack_at = slice_at + 2 * static_cast<std::size_t>(kBlock) * kSlice;
+  const std::size_t lapack_size = std::max({queried_size(stedc_query), 1 + 4 * nn + nn * nn, 32 * nn});
+  grow(work, lapack_at + lapack_size);
+  grow(iwork, std::max(static_cast<std::size_t>(stedc_iwork_query), 3 + 5 * nn));
+  T* e = work.data() + e_at;
+  T* tau = work.data() + tau_at;
+  T* lapack_work = work.data() + lapack_at;
+  const int lwork = static_cast<int>(std::min<std::size_t>(lapack_size, std::numeric_limits<int>::max()));
+  const int liwork = static_cast<int>(iwork.size());
+
+  tridiagonalize(n, a, lda, /* d = */ w, e, tau, /* w = */ lapack_work);
+
+  // Pack each block's V densely (explicit unit diagonal and zeros above) so that gemm can use it,
+  // and form its T; `a` is then free to receive Z.
+  const std::size_t ld = static_cast<std::size_t>(lda);
+  for (int b = 0; b < blocks; ++b) {
+    const int first = b * kBlock, width = std::min(kBlock, m - first), rows = m - first;
+    T* v = work.data() + v_at + v_offset[b];
+    T* t = work.data() + t_at + static_cast<std::size_t>(b) * kBlock * kBlock;
+    for (int j = 0; j < width; ++j) {
+      T* column = v + static_cast<std::size_t>(j) * rows;
+      const T* reflector = a + 1 + first + (first + j) * ld;  // a(first + 2 : n, first + j + 1), 1-based
+      std::fill(column, column + j, T(0));
+      column[j] = T(1);
+      std::copy(reflector + j + 1, reflector + rows, column + j + 1);
+    }
+    call_larft(&rows, &width, v, /* ldv = */ &rows, tau + first, t, /* ldt = */ &kBlock);
+    for (int j = 0; j < width; ++j) std::fill(t + j * kBlock + j + 1, t + j * kBlock + width, T(0));
+  }
+
+  call_stedc(&n, /* d = */ w, e, /* z = */ a, /* ldz = */ &lda, lapack_work, &lwork, iwork.data(), &liwork, &info);
+  check_info<T>("eigh", "stedc", info, n);
+
+  // Q Z = H(block 0) (... (H(last block) Z)), slice by slice of Z's columns.
+  T* vtz = work.data() + slice_at;
+  T* tvtz = vtz + static_cast<std::size_t>(kBlock) * kSlice;
+  const T one = 1, minus_one = -1, zero = 0;
+  for (int c0 = 0; c0 < n; c0 += kSlice) {
+    const int slice = std::min(kSlice, n - c0);
+    T* z = a + 1 + c0 * ld;
+    for (int b = blocks - 1; b >= 0; --b) {
+      const int first = b * kBlock, width = std::min(kBlock, m - first), rows = m - first;
+      const T* v = work.data() + v_at + v_offset[b];
+      const T* t = work.data() + t_at + static_cast<std::size_t>(b) * kBlock * kBlock;
+      call_gemm("T", "N", &width, &slice, &rows, &one, v, /* lda = */ &rows, z + first, /* ldb = */ &lda, &zero, vtz,
+                /* ldc = */ &width);
+      call_gemm("N", "N", &width, &slice, &width, &one, t, /* lda = */ &kBlock, vtz, /* ldb = */ &width, &zero, tvtz,
+                /* ldc = */ &width);
+      call_gemm("N", "N", &rows, &slice, &width, &minus_one, v, /* lda = */ &rows, tvtz, /* ldb = */ &width, &one,
+                z + first, /* ldc = */ &lda);
+    }
+  }
+}
+
+template <typename T>
+void syrk_lower(int n, int k, T alpha, const T* a, int lda, T beta, T* c, int ldc) {
+  require(n >= 0, "syrk", "n", n, ">= 0");
+  require(k >= 0, "syrk", "k", k, ">= 0");
+  require_leading_dim("syrk", "lda", lda, n);
+  require_leading_dim("syrk", "ldc", ldc, n);
+  if (n == 0) return;
+  call_syrk(&n, &k, &alpha, a, &lda, &beta, c, &ldc);
+}
+
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b, int ldb,
+          T beta, T* c, int ldc) {
+  require(m >= 0, "gemm", "m", m, ">= 0");
+  require(n >= 0, "gemm", "n", n, ">= 0");
+  require(k >= 0, "gemm", "k", k, ">= 0");
+  require_leading_dim("gemm", "lda", lda, trans_a ? k : m);
+  require_leading_dim("gemm", "ldb", ldb, trans_b ? n : k);
+  require_leading_dim("gemm", "ldc", ldc, m);
+  if (m == 0 || n == 0) return;
+  call_gemm(trans_a ? "T" : "N", trans_b ? "T" : "N", &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+template <typename T>
+void qr_q(int m, int n, T* a, int lda, T* tau, std::vector<T>& work) {
+  require(n >= 0, "qr_q", "n", n, ">= 0");
+  require(m >= n, "qr_q", "m", m, ">= n=" + std::to_string(n));
+  require_leading_dim("qr_q", "lda", lda, m);
+  if (n == 0) return;
+
+  int info = 0;
+  const int query = -1;
+  T geqrf_query = 0;
+  call_geqrf(&m, &n, a, &lda, tau, /* work = */ &geqrf_query, /* lwork = */ &query, &info);
+  check_info<T>("qr_q", "geqrf", info, n);
+  T orgqr_query = 0;
+  call_orgqr(&m, &n, /* k = */ &n, a, &lda, tau, /* work = */ &orgqr_query, /* lwork = */ &query, &info);
+  check_info<T>("qr_q", "orgqr", info, n);
+  grow(work, std::max({queried_size(geqrf_query), queried_size(orgqr_query), static_cast<std::size_t>(n)}));
+
+  const int lwork = static_cast<int>(work.size());
+  call_geqrf(&m, &n, a, &lda, tau, work.data(), &lwork, &info);
+  check_info<T>("qr_q", "geqrf", info, n);
+  call_orgqr(&m, &n, /* k = */ &n, a, &lda, tau, work.data(), &lwork, &info);
+  check_info<T>("qr_q", "orgqr", info, n);
+}
+
+template <typename T>
+void symmetrize_from_lower(int n, T* a, int lda) {
+  require(n >= 0, "symmetrize_from_lower", "n", n, ">= 0");
+  require_leading_dim("symmetrize_from_lower", "lda", lda, n);
+  // Column j's upper part a(i, j), i < j, comes from row j's lower part a(j, i); blocking keeps
+  // both the strided reads and the contiguous writes in cache.
+  constexpr int kBlock = 64;
+  const std::size_t ld = static_cast<std::size_t>(lda);
+  for (int jb = 0; jb < n; jb += kBlock) {
+    for (int ib = 0; ib <= jb; ib += kBlock) {
+      const int j_end = std::min(jb + kBlock, n);
+      for (int j = jb; j < j_end; ++j) {
+        const int i_end = std::min(ib + kBlock, j);
+        for (int i = ib; i < i_end; ++i) a[i + j * ld] = a[j + i * ld];
+      }
+    }
+  }
+}
+
+template void syevd<float>(int, float*, int, float*, std::vector<float>&, std::vector<int>&);
+template void syevd<double>(int, double*, int, double*, std::vector<double>&, std::vector<int>&);
+template void eigh<float>(int, float*, int, float*, std::vector<float>&, std::vector<int>&);
+template void eigh<double>(int, double*, int, double*, std::vector<double>&, std::vector<int>&);
+template void syrk_lower<float>(int, int, float, const float*, int, float, float*, int);
+template void syrk_lower<double>(int, int, double, const double*, int, double, double*, int);
+template void gemm<float>(bool, bool, int, int, int, float, const float*, int, const float*, int, float, float*,
+                          int);
+template void gemm<double>(bool, bool, int, int, int, double, const double*, int, const double*, int, double,
+                           double*, int);
+template void qr_q<float>(int, int, float*, int, float*, std::vector<float>&);
+template void qr_q<double>(int, int, double*, int, double*, std::vector<double>&);
+template void symmetrize_from_lower<float>(int, float*, int);
+template void symmetrize_from_lower<double>(int, double*, int);
+
+}  // namespace asteria::linalg

@@ -1,0 +1,229 @@
+#include "asteria/runtime/refresh_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "asteria/common/errors.h"
+
+namespace asteria::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::size_t matrix_bytes(int n) {
+  return static_cast<std::size_t>(n) * static_cast<std::size_t>(n) * sizeof(float);
+}
+
+std::chrono::nanoseconds time_left(Clock::time_point deadline) {
+  return std::max(std::chrono::nanoseconds::zero(),
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()));
+}
+
+}  // namespace
+
+struct RefreshEngine::Block {
+  Block(std::int64_t id, const BlockMemory& memory)
+      : n(memory.n),
+        snapshots(reinterpret_cast<std::byte*>(memory.snapshots), matrix_bytes(memory.n),
+                  static_cast<std::size_t>(memory.snapshot_stride) * sizeof(float), memory.depth,
+                  "block " + std::to_string(id) + " snapshots"),
+        results(reinterpret_cast<std::byte*>(memory.results), matrix_bytes(memory.n),
+                static_cast<std::size_t>(memory.result_stride) * sizeof(float), memory.depth,
+                "block " + std::to_string(id) + " results") {}
+
+  const int n;
+  store::VersionedRing snapshots;
+  store::VersionedRing results;
+};
+
+RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(config.registry) {
+  if (config.slot_timeout <= std::chrono::nanoseconds::zero()) {
+    throw InvalidArgument("Invalid slot_timeout=" + std::to_string(config.slot_timeout.count()) +
+                          " ns: must be > 0");
+  }
+  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads);
+}
+
+RefreshEngine::~RefreshEngine() { close(); }
+
+std::int64_t RefreshEngine::add_block(const BlockMemory& memory) {
+  if (memory.n < 1) throw InvalidArgument("Invalid n=" + std::to_string(memory.n) + ": must be >= 1");
+  if (memory.depth < 1) {
+    throw InvalidArgument("Invalid depth=" + std::to_string(memory.depth) + ": must be >= 1");
+  }
+  const std::int64_t elems = static_cast<std::int64_t>(memory.n) * memory.n;
+  if (memory.depth > 1 && (memory.snapshot_stride < elems || memory.result_stride < elems)) {
+    throw InvalidArgument("Invalid strides (snapshots " + std::to_string(memory.snapshot_stride) + ", results " +
+                          std::to_string(memory.result_stride) + "): must be >= n*n = " + std::to_string(elems));
+  }
+  if (memory.snapshots == nullptr || memory.results == nullptr) {
+    throw InvalidArgument("Invalid block memory: snapshot and result buffers must not be null");
+  }
+  const std::int64_t id = registry_.add_block();
+  blocks_.push_back(std::make_unique<Block>(id, memory));
+  return id;
+}
+
+std::int64_t RefreshEngine::num_blocks() const { return static_cast<std::int64_t>(blocks_.size()); }
+
+int RefreshEngine::block_dim(std::int64_t id) const { return block(id).n; }
+
+int RefreshEngine::depth(std::int64_t id) const { return block(id).results.depth(); }
+
+RefreshEngine::Block& RefreshEngine::block(std::int64_t id) {
+  return const_cast<Block&>(static_cast<const RefreshEngine&>(*this).block(id));
+}
+
+const RefreshEngine::Block& RefreshEngine::block(std::int64_t id) const {
+  if (id < 0 || id >= static_cast<std::int64_t>(blocks_.size())) {
+    throw InvalidArgument("Invalid block=" + std::to_string(id) + ": the engine has " +
+                          std::to_string(blocks_.size()) + " blocks");
+  }
+  return *blocks_[static_cast<std::size_t>(id)];
+}
+
+void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version,
+                                   std::chrono::nanoseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (const std::int64_t id : blocks) block(id).snapshots.begin_write(version, time_left(deadline));
+}
+
+void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t version,
+                           std::int64_t activation_step, const linalg::RootSpec& spec) {
+  linalg::validate(spec);
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) throw CancelledError("[RefreshEngine::submit] the engine is closed");
+    // Ended jobs are dropped here so that the list only ever holds the work in flight.
+    std::erase_if(in_flight_, [](const JobHandle& job) { return job.finished(); });
+  }
+  for (const std::int64_t id : blocks) {
+    Block& b = block(id);
+    b.snapshots.publish(version);
+    // The job's pin keeps the snapshot intact until the job has read it; retiring it right away lets
+    // the buffer be reused as soon as that pin is released.
+    b.snapshots.acquire(version);
+    b.snapshots.retire_through(version);
+    registry_.note_snapshot(id, version, activation_step);
+    JobHandle job;
+    try {
+      job = pool_->submit(activation_step, [this, id, version, spec] { run_job(id, version, spec); });
+    } catch (const CancelledError& e) {
+      b.snapshots.release(version);
+      registry_.note_finished(id, version, false, e.what());
+      throw;
+    }
+    std::lock_guard lock(mutex_);
+    in_flight_.push_back(std::move(job));
+  }
+}
+
+void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec) {
+  Block& b = block(id);
+  const auto started = Clock::now();
+  bool used_float64 = false;
+  std::string error;
+  try {
+    // Same buffer that submit() pinned: acquiring again only reads its address.
+    const auto* input = reinterpret_cast<const float*>(b.snapshots.acquire(version));
+    b.snapshots.release(version);
+    float* output = nullptr;
+    try {
+      output = reinterpret_cast<float*>(b.results.begin_write(version, config_.slot_timeout));
+    } catch (...) {
+      b.snapshots.release(version);
+      throw;
+    }
+    try {
+      used_float64 = linalg::inverse_root(b.n, input, b.n, output, b.n, spec).used_float64;
+    } catch (...) {
+      b.snapshots.release(version);
+      b.results.fail(version);
+      throw;
+    }
+    b.snapshots.release(version);
+    b.results.publish(version);
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "unknown error";
+  } catch (...) {
+    error = "unknown non-standard exception";
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  {
+    std::lock_guard lock(mutex_);
+    (error.empty() ? refreshes_ok_ : refreshes_failed_) += 1;
+    float64_retries_ += used_float64 ? 1 : 0;
+    refresh_seconds_ += seconds;
+  }
+  registry_.note_finished(id, version, error.empty(), error);
+}
+
+std::vector<coherence::Activation> RefreshEngine::activate(std::int64_t step, std::chrono::nanoseconds timeout) {
+  if (closed()) throw CancelledError("[RefreshEngine::activate] the engine is closed");
+  std::vector<coherence::Activation> changes = registry_.activate(step, timeout);
+  for (const auto& change : changes) block(change.block).results.acquire(change.version);
+  return changes;
+}
+
+void RefreshEngine::release(std::int64_t id, std::int64_t version) {
+  Block& b = block(id);
+  b.results.release(version);
+  // The caller has its own copy of this version now; neither it nor anything older is needed again.
+  b.results.retire_through(version);
+}
+
+void RefreshEngine::drain(std::chrono::nanoseconds timeout) {
+  std::vector<JobHandle> jobs;
+  {
+    std::lock_guard lock(mutex_);
+    jobs = in_flight_;
+  }
+  const auto deadline = Clock::now() + timeout;
+  for (const JobHandle& job : jobs) {
+    try {
+      job.wait(time_left(deadline));
+    } catch (const CancelledError&) {
+      // A cancelled job has ended; its block's registry entry already says so.
+    }
+  }
+}
+
+void RefreshEngine::close() {
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  // Queued jobs are cancelled without running; their versions never activate, which is moot once
+  // the engine is closed (activate() refuses from here on).
+  pool_->shutdown();
+  std::lock_guard lock(mutex_);
+  in_flight_.clear();
+}
+
+bool RefreshEngine::closed() const {
+  std::lock_guard lock(mutex_);
+  return closed_;
+}
+
+coherence::BlockStatus RefreshEngine::status(std::int64_t id) const {
+  block(id);
+  return registry_.status(id);
+}
+
+EngineStats RefreshEngine::stats() const {
+  EngineStats out;
+  out.pool = pool_->stats();
+  out.registry = registry_.stats();
+  std::lock_guard lock(mutex_);
+  out.refreshes_ok = refreshes_ok_;
+  out.refreshes_failed = refreshes_failed_;
+  out.float64_retries = float64_retries_;
+  out.refresh_seconds = refresh_seconds_;
+  return out;
+}
+
+}  // namespace asteria::runtime

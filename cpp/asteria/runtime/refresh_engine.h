@@ -85,7 +85,7 @@ class RefreshEngine {
 
  private:
   struct Block;
-  void run_job(Block& block, std::int64_t version, const linalg::RootSpec& spec);
+  void run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
 

@@ -1,0 +1,225 @@
+#include "asteria/runtime/worker_pool.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+#include "asteria/common/errors.h"
+#include "asteria/runtime/blas_threads.h"
+
+namespace asteria::runtime {
+
+using Clock = std::chrono::steady_clock;
+
+namespace detail {
+
+// One job's state, shared by the pool and the job's handles (which may outlive the pool).
+struct JobRecord {
+  JobRecord(std::uint64_t id, std::int64_t deadline, std::function<void()> fn)
+      : id(id), deadline(deadline), fn(std::move(fn)), submitted(Clock::now()) {}
+
+  const std::uint64_t id;
+  const std::int64_t deadline;
+  // Owned by whoever holds the job's queue entry: the pool while queued, then the worker that pops
+  // it or the shutdown() that cancels it; so it needs no lock.
+  std::function<void()> fn;
+  const Clock::time_point submitted;
+
+  std::mutex mutex;
+  std::condition_variable changed;     // guarded by mutex
+  JobState state = JobState::kQueued;  // guarded by mutex
+  std::exception_ptr error;            // guarded by mutex
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::JobRecord;
+
+// A deadline `timeout` from now, clamped so that "forever" (nanoseconds::max()) does not overflow.
+Clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
+  constexpr std::chrono::nanoseconds kForever = std::chrono::hours(24 * 365 * 100);
+  return Clock::now() + std::min(timeout, kForever);
+}
+
+std::string format_seconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3f s", seconds);
+  return text;
+}
+
+bool is_final(JobState state) {
+  return state == JobState::kDone || state == JobState::kFailed || state == JobState::kCancelled;
+}
+
+void settle(JobRecord& record, JobState state, std::exception_ptr error) {
+  {
+    std::lock_guard lock(record.mutex);
+    record.state = state;
+    record.error = std::move(error);
+  }
+  record.changed.notify_all();
+}
+
+JobRecord& checked(const std::shared_ptr<JobRecord>& record, const char* method) {
+  if (!record) throw InvalidArgument(std::string("[JobHandle::") + method + "] empty JobHandle");
+  return *record;
+}
+
+}  // namespace
+
+const char* to_string(JobState state) noexcept {
+  switch (state) {
+    case JobState::kQueued: return "queued";
+    case JobState::kRunning: return "running";
+    case JobState::kDone: return "done";
+    case JobState::kFailed: return "failed";
+    case JobState::kCancelled: return "cancelled";
+  }
+  return "unknown";
+}
+
+std::uint64_t JobHandle::id() const { return checked(record_, "id").id; }
+
+JobState JobHandle::state() const {
+  JobRecord& record = checked(record_, "state");
+  std::lock_guard lock(record.mutex);
+  return record.state;
+}
+
+bool JobHandle::finished() const { return is_final(state()); }
+
+void JobHandle::wait(std::chrono::nanoseconds timeout) const {
+  JobRecord& record = checked(record_, "wait");
+  const auto started = Clock::now();
+  std::unique_lock lock(record.mutex);
+  if (!record.changed.wait_until(lock, deadline_after(timeout), [&] { return is_final(record.state); })) {
+    throw TimeoutError("[JobHandle::wait] job " + std::to_string(record.id) + " (deadline " +
+                       std::to_string(record.deadline) + ") still " + to_string(record.state) + " after waiting " +
+                       format_seconds(std::chrono::duration<double>(Clock::now() - started).count()) +
+                       " for it to finish");
+  }
+  if (record.state == JobState::kFailed) std::rethrow_exception(record.error);
+  if (record.state == JobState::kCancelled) {
+    throw CancelledError("[JobHandle::wait] job " + std::to_string(record.id) + " (deadline " +
+                         std::to_string(record.deadline) + ") was cancelled: the pool shut down before it ran");
+  }
+}
+
+WorkerPool::WorkerPool(int num_workers, int blas_threads) : started_(Clock::now()) {
+  if (num_workers < 1) {
+    throw InvalidArgument("[WorkerPool] num_workers=" + std::to_string(num_workers) + " must be >= 1");
+  }
+  if (blas_threads < 1) {
+    throw InvalidArgument("[WorkerPool] blas_threads=" + std::to_string(blas_threads) + " must be >= 1");
+  }
+  stats_.workers = num_workers;
+  threads_.reserve(static_cast<std::size_t>(num_workers));
+  try {
+    for (int i = 0; i < num_workers; ++i) threads_.emplace_back([this, blas_threads] { worker_loop(blas_threads); });
+  } catch (...) {
+    // The destructor does not run for a half-built pool: stop the threads that did start.
+    shutdown();
+    throw;
+  }
+}
+
+WorkerPool::~WorkerPool() { shutdown(); }
+
+JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn) {
+  if (!fn) throw InvalidArgument("[WorkerPool::submit] fn is empty (deadline " + std::to_string(deadline) + ")");
+  std::shared_ptr<JobRecord> record;
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) {
+      throw CancelledError("[WorkerPool::submit] the pool is shut down; job with deadline " +
+                           std::to_string(deadline) + " not queued");
+    }
+    const std::uint64_t seq = next_seq_++;
+    record = std::make_shared<JobRecord>(seq, deadline, std::move(fn));
+    queue_.push(QueueEntry{deadline, seq, record});
+    stats_.submitted += 1;
+    stats_.queue_depth = queue_.size();
+    stats_.max_queue_depth = std::max(stats_.max_queue_depth, queue_.size());
+  }
+  work_available_.notify_one();
+  return JobHandle(std::move(record));
+}
+
+void WorkerPool::shutdown() {
+  std::vector<std::shared_ptr<JobRecord>> cancelled;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    while (!queue_.empty()) {
+      cancelled.push_back(queue_.top().record);
+      queue_.pop();
+    }
+    stats_.cancelled += cancelled.size();
+    stats_.queue_depth = 0;
+  }
+  work_available_.notify_all();
+  // Outside mutex_: destroying a job's captures may run arbitrary code.
+  for (const auto& record : cancelled) {
+    record->fn = nullptr;
+    settle(*record, JobState::kCancelled, nullptr);
+  }
+  std::lock_guard join_lock(join_mutex_);
+  for (std::thread& thread : threads_) {
+    if (thread.joinable()) thread.join();
+  }
+}
+
+PoolStats WorkerPool::stats() const {
+  std::lock_guard lock(mutex_);
+  PoolStats out = stats_;
+  out.wall_seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  const std::uint64_t ended = stats_.completed + stats_.failed;
+  if (ended > 0) {
+    out.mean_latency_seconds = latency_sum_ / static_cast<double>(ended);
+    out.mean_run_seconds = stats_.busy_seconds / static_cast<double>(ended);
+  }
+  return out;
+}
+
+void WorkerPool::worker_loop(int blas_threads) {
+  set_blas_threads(blas_threads);
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    work_available_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    // shutdown() empties the queue as it sets stopping_, so an empty queue here means stop.
+    if (queue_.empty()) return;
+    std::shared_ptr<JobRecord> record = queue_.top().record;
+    queue_.pop();
+    stats_.queue_depth = queue_.size();
+    lock.unlock();
+
+    std::function<void()> fn = std::move(record->fn);
+    const auto started = Clock::now();
+    settle(*record, JobState::kRunning, nullptr);
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    fn = nullptr;  // the job's captures die before its waiters wake
+    const auto finished = Clock::now();
+    const double run_seconds = std::chrono::duration<double>(finished - started).count();
+    const double latency_seconds = std::chrono::duration<double>(finished - record->submitted).count();
+
+    // Counted before the waiters wake, so that a caller that waited sees its job in stats().
+    lock.lock();
+    (error ? stats_.failed : stats_.completed) += 1;
+    stats_.busy_seconds += run_seconds;
+    stats_.max_run_seconds = std::max(stats_.max_run_seconds, run_seconds);
+    latency_sum_ += latency_seconds;
+    stats_.max_latency_seconds = std::max(stats_.max_latency_seconds, latency_seconds);
+    lock.unlock();
+    settle(*record, error ? JobState::kFailed : JobState::kDone, error);
+    lock.lock();
+  }
+}
+
+}  // namespace asteria::runtime

@@ -75,7 +75,8 @@ class WorkerPool {
   JobHandle submit(std::int64_t deadline, std::function<void()> fn);
 
   // Cancels every queued job (their waiters get CancelledError), lets running jobs finish and
-  // joins the threads. Idempotent.
+  // joins the threads. Idempotent; a concurrent caller returns once the threads are joined. Must
+  // not be called from one of the pool's own jobs (a worker cannot join itself).
   void shutdown();
 
   PoolStats stats() const;
@@ -100,9 +101,10 @@ class WorkerPool {
   std::uint64_t next_seq_ = 0;                                                      // guarded by mutex_
   PoolStats stats_;                                                                 // guarded by mutex_
   double latency_sum_ = 0.0;                                                        // guarded by mutex_
-  double run_sum_ = 0.0;                                                            // guarded by mutex_
-  std::chrono::steady_clock::time_point started_;
-  std::vector<std::thread> threads_;
+  const std::chrono::steady_clock::time_point started_;
+  // Filled by the constructor only; join_mutex_ serializes the joins of concurrent shutdown() calls.
+  std::mutex join_mutex_;
+  std::vector<std::thread> threads_;  // elements guarded by join_mutex_
 };
 
 }  // namespace asteria::runtime

@@ -20,8 +20,11 @@ const char* to_string(SlotState state) noexcept;
 // A ring of `depth` equally sized buffers holding successive versions (v >= 1) of one block.
 //
 // Life of a version: begin_write(v) -> (fill the buffer) -> publish(v) or fail(v); readers then
-// acquire(v) ... release(v). A buffer is handed to a new writer only when no reader holds it and the
-// version in it has been retired (retire_through), so a reader never sees a torn buffer.
+// acquire(v) ... release(v). Version v is handed its buffer only when no one reads or writes the
+// buffer and version v - depth, the one before it in that buffer, has been retired (retire_through)
+// or has failed, so a reader never sees a torn buffer and versions claim a buffer in order even when
+// their writers arrive out of order. A failed version needs no retirement: no one can read it, and
+// retire_through, which retires all older versions too, could not free it alone.
 //
 // Thread safety: every method is safe to call concurrently.
 class VersionedRing {
@@ -40,7 +43,8 @@ class VersionedRing {
   std::byte* begin_write(std::int64_t version, std::chrono::nanoseconds timeout);
   // Makes version v visible to readers and wakes waiters. Throws InvalidArgument unless v is being written.
   void publish(std::int64_t version);
-  // Marks version v as failed (its buffer holds nothing usable) and wakes waiters.
+  // Marks version v as failed (its buffer holds nothing usable and is free for version v + depth)
+  // and wakes waiters. Throws InvalidArgument unless v is being written.
   void fail(std::int64_t version);
 
   // Pins published version v for reading and returns its buffer. Throws InvalidArgument if v is not
@@ -52,7 +56,7 @@ class VersionedRing {
   // Allows every version <= v to be overwritten once unpinned.
   void retire_through(std::int64_t version);
 
-  // State of version v: kEmpty if its buffer holds another version.
+  // State of version v (>= 1, else InvalidArgument): kEmpty if its buffer holds another version.
   SlotState state(std::int64_t version) const;
   // Newest published version, 0 if none.
   std::int64_t latest_published() const;
@@ -66,7 +70,14 @@ class VersionedRing {
     SlotState state = SlotState::kEmpty;
     int readers = 0;
   };
-  bool writable(const Slot& slot) const;  // requires mutex_
+  // Index of the buffer of `version`; throws InvalidArgument, naming `method`, if version < 1.
+  std::size_t index(std::int64_t version, const char* method) const;
+  bool writable(std::int64_t version) const;  // requires mutex_
+  // Throws InvalidArgument if `version` may never be written. Requires mutex_.
+  void check_writable_version(std::int64_t version) const;
+  // What keeps `version` from its buffer, for the timeout message. Requires mutex_.
+  std::string describe_holder(std::int64_t version) const;
+  std::string where(const char* method) const;
   std::byte* buffer(std::int64_t version) const;
 
   std::byte* const base_;

@@ -1,0 +1,296 @@
+#include "asteria/runtime/worker_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <latch>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "asteria/common/errors.h"
+#include "asteria/runtime/blas_threads.h"
+
+namespace asteria::runtime {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using ::testing::IsSubstring;
+
+constexpr auto kLongWait = seconds(30);  // only hit if the code under test hangs
+
+// Occupies the worker of a one-worker pool until release(), so that later jobs pile up in the queue.
+class BlockedWorker {
+ public:
+  explicit BlockedWorker(WorkerPool& pool) {
+    handle_ = pool.submit(-1, [this] {
+      started_.count_down();
+      release_.wait();
+    });
+    started_.wait();
+  }
+  // Waits for the job to end: it still uses the latches after release() returns.
+  ~BlockedWorker() {
+    release();
+    handle_.wait(kLongWait);
+  }
+  void release() {
+    if (!released_) {
+      released_ = true;
+      release_.count_down();
+    }
+  }
+  const JobHandle& handle() const { return handle_; }
+
+ private:
+  std::latch started_{1};
+  std::latch release_{1};
+  bool released_ = false;
+  JobHandle handle_;
+};
+
+TEST(WorkerPoolTest, RunsQueuedJobsInDeadlineOrder) {
+  WorkerPool pool(1);
+  std::vector<std::int64_t> deadlines(20);
+  std::iota(deadlines.begin(), deadlines.end(), 0);
+  std::shuffle(deadlines.begin(), deadlines.end(), std::mt19937(7));
+
+  std::vector<std::int64_t> ran;  // written by the single worker only
+  std::vector<JobHandle> jobs;
+  BlockedWorker blocker(pool);
+  for (const std::int64_t deadline : deadlines) {
+    jobs.push_back(pool.submit(deadline, [&ran, deadline] { ran.push_back(deadline); }));
+  }
+  blocker.release();
+  for (const JobHandle& job : jobs) job.wait(kLongWait);
+
+  std::vector<std::int64_t> expected = deadlines;
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(ran, expected);
+}
+
+TEST(WorkerPoolTest, RunsEqualDeadlinesInSubmissionOrder) {
+  WorkerPool pool(1);
+  std::vector<int> ran;  // written by the single worker only
+  std::vector<JobHandle> jobs;
+  BlockedWorker blocker(pool);
+  for (int i = 0; i < 10; ++i) jobs.push_back(pool.submit(i % 2 == 0 ? 5 : 3, [&ran, i] { ran.push_back(i); }));
+  blocker.release();
+  for (const JobHandle& job : jobs) job.wait(kLongWait);
+
+  EXPECT_EQ(ran, (std::vector<int>{1, 3, 5, 7, 9, 0, 2, 4, 6, 8}));
+  EXPECT_LT(jobs[0].id(), jobs[1].id());
+}
+
+TEST(WorkerPoolTest, WaitRethrowsTheJobsOwnException) {
+  WorkerPool pool(2);
+  const JobHandle job = pool.submit(0, [] { throw std::out_of_range("row 7 is out of range"); });
+  try {
+    job.wait(kLongWait);
+    FAIL() << "wait() did not rethrow";
+  } catch (const std::out_of_range& e) {
+    EXPECT_STREQ(e.what(), "row 7 is out of range");
+  }
+  EXPECT_EQ(job.state(), JobState::kFailed);
+  EXPECT_TRUE(job.finished());
+  // The error stays with the handle: every wait sees it.
+  EXPECT_THROW(job.wait(kLongWait), std::out_of_range);
+
+  const JobHandle fine = pool.submit(0, [] {});
+  fine.wait(kLongWait);
+  EXPECT_EQ(fine.state(), JobState::kDone);
+  const PoolStats stats = pool.stats();
+  EXPECT_EQ(stats.failed, 1u);
+  EXPECT_EQ(stats.completed, 1u);
+}
+
+TEST(WorkerPoolTest, WaitTimesOutOnAQueuedJob) {
+  WorkerPool pool(1);
+  BlockedWorker blocker(pool);
+  const JobHandle job = pool.submit(4, [] {});
+  try {
+    job.wait(milliseconds(50));
+    FAIL() << "wait() did not time out";
+  } catch (const TimeoutError& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "job " + std::to_string(job.id()) + " (deadline 4) still queued", e.what());
+  }
+  EXPECT_EQ(job.state(), JobState::kQueued);
+  blocker.release();
+  job.wait(kLongWait);
+  EXPECT_EQ(job.state(), JobState::kDone);
+}
+
+TEST(WorkerPoolTest, ShutdownCancelsQueuedJobsAndLetsTheRunningOneFinish) {
+  WorkerPool pool(1);
+  auto blocker = std::make_unique<BlockedWorker>(pool);
+  std::atomic<int> ran{0};
+  std::vector<JobHandle> queued;
+  for (int i = 0; i < 5; ++i) queued.push_back(pool.submit(i, [&ran] { ran += 1; }));
+
+  // shutdown() blocks until the running job ends, so it runs on its own thread.
+  std::thread stopper([&pool] { pool.shutdown(); });
+  for (const JobHandle& job : queued) {
+    EXPECT_THROW(job.wait(kLongWait), CancelledError);
+    EXPECT_EQ(job.state(), JobState::kCancelled);
+  }
+  EXPECT_EQ(blocker->handle().state(), JobState::kRunning);
+  blocker->release();
+  stopper.join();
+
+  blocker->handle().wait(kLongWait);
+  EXPECT_EQ(blocker->handle().state(), JobState::kDone);
+  EXPECT_EQ(ran.load(), 0);
+  EXPECT_THROW(pool.submit(0, [] {}), CancelledError);
+  pool.shutdown();  // idempotent
+
+  const PoolStats stats = pool.stats();
+  EXPECT_EQ(stats.submitted, 6u);
+  EXPECT_EQ(stats.completed, 1u);
+  EXPECT_EQ(stats.cancelled, 5u);
+  EXPECT_EQ(stats.queue_depth, 0u);
+}
+
+TEST(WorkerPoolTest, ShutdownUnderLoadNeitherHangsNorLosesJobs) {
+  constexpr int kSubmitters = 6;
+  constexpr int kJobsEach = 300;
+  auto pool = std::make_unique<WorkerPool>(4);
+  std::atomic<int> ran{0};
+  std::latch half_submitted(kSubmitters);
+  std::vector<std::vector<JobHandle>> handles(kSubmitters);
+  std::vector<std::thread> submitters;
+  for (int s = 0; s < kSubmitters; ++s) {
+    submitters.emplace_back([&, s] {
+      for (int i = 0; i < kJobsEach; ++i) {
+        if (i == kJobsEach / 2) half_submitted.count_down();
+        try {
+          handles[s].push_back(pool->submit(i % 17, [&ran] { ran += 1; }));
+        } catch (const CancelledError&) {
+          return;  // the pool shut down under us; later submits would fail the same way
+        }
+      }
+    });
+  }
+  half_submitted.wait();
+  std::thread concurrent_stopper([&pool] { pool->shutdown(); });
+  pool->shutdown();
+  concurrent_stopper.join();
+  for (std::thread& t : submitters) t.join();
+
+  std::uint64_t done = 0;
+  std::uint64_t cancelled = 0;
+  std::uint64_t total = 0;
+  for (const auto& list : handles) {
+    for (const JobHandle& job : list) {
+      ASSERT_TRUE(job.finished());
+      total += 1;
+      try {
+        job.wait(kLongWait);
+        done += 1;
+      } catch (const CancelledError&) {
+        cancelled += 1;
+      }
+    }
+  }
+  const PoolStats stats = pool->stats();
+  EXPECT_GE(total, static_cast<std::uint64_t>(kSubmitters * kJobsEach / 2));
+  EXPECT_EQ(stats.submitted, total);
+  EXPECT_EQ(stats.completed, done);
+  EXPECT_EQ(stats.cancelled, cancelled);
+  EXPECT_EQ(stats.failed, 0u);
+  EXPECT_EQ(static_cast<std::uint64_t>(ran.load()), done);
+  pool.reset();  // the handles outlive the pool
+  for (const auto& list : handles) {
+    for (const JobHandle& job : list) {
+      EXPECT_TRUE(job.state() == JobState::kDone || job.state() == JobState::kCancelled) << to_string(job.state());
+    }
+  }
+}
+
+TEST(WorkerPoolTest, StatsCountJobsQueueDepthAndTimes) {
+  WorkerPool pool(1);
+  std::vector<JobHandle> jobs;
+  {
+    BlockedWorker blocker(pool);
+    for (int i = 0; i < 3; ++i) jobs.push_back(pool.submit(i, [] {}));
+    const PoolStats queued = pool.stats();
+    EXPECT_EQ(queued.queue_depth, 3u);
+    EXPECT_EQ(queued.max_queue_depth, 3u);
+    EXPECT_EQ(queued.completed, 0u);
+    jobs.push_back(blocker.handle());
+  }
+  for (const JobHandle& job : jobs) job.wait(kLongWait);
+
+  const PoolStats stats = pool.stats();
+  EXPECT_EQ(stats.workers, 1);
+  EXPECT_EQ(pool.num_workers(), 1);
+  EXPECT_EQ(stats.submitted, 4u);
+  EXPECT_EQ(stats.completed, 4u);
+  EXPECT_EQ(stats.failed, 0u);
+  EXPECT_EQ(stats.cancelled, 0u);
+  EXPECT_EQ(stats.queue_depth, 0u);
+  EXPECT_EQ(stats.max_queue_depth, 3u);
+  EXPECT_GT(stats.busy_seconds, 0.0);
+  EXPECT_GE(stats.wall_seconds, stats.busy_seconds);
+  EXPECT_GE(stats.max_run_seconds, stats.mean_run_seconds);
+  EXPECT_GE(stats.max_latency_seconds, stats.mean_latency_seconds);
+  // A job's latency includes its run time; the queued jobs also waited for the blocker.
+  EXPECT_GE(stats.mean_latency_seconds, stats.mean_run_seconds);
+  EXPECT_GE(stats.max_latency_seconds, stats.max_run_seconds);
+}
+
+TEST(WorkerPoolTest, WorkersSetTheirBlasThreadCount) {
+  const int before = blas_threads();
+  {
+    WorkerPool pool(1, 2);
+    int seen = 0;
+    pool.submit(0, [&seen] { seen = blas_threads(); }).wait(kLongWait);
+    EXPECT_EQ(seen, 2);
+  }
+  set_blas_threads(before);
+  EXPECT_EQ(blas_threads(), before);
+}
+
+TEST(WorkerPoolTest, RejectsInvalidArguments) {
+  try {
+    WorkerPool pool(0);
+    FAIL() << "num_workers=0 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "num_workers=0", e.what());
+  }
+  try {
+    WorkerPool pool(2, 0);
+    FAIL() << "blas_threads=0 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "blas_threads=0", e.what());
+  }
+  EXPECT_THROW(set_blas_threads(0), InvalidArgument);
+
+  WorkerPool pool(1);
+  EXPECT_THROW(pool.submit(0, std::function<void()>()), InvalidArgument);
+
+  const JobHandle empty;
+  EXPECT_THROW(empty.id(), InvalidArgument);
+  EXPECT_THROW(empty.state(), InvalidArgument);
+  EXPECT_THROW(empty.finished(), InvalidArgument);
+  try {
+    empty.wait(milliseconds(1));
+    FAIL() << "empty handle waited";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "empty JobHandle", e.what());
+  }
+}
+
+TEST(WorkerPoolTest, NamesJobStates) {
+  EXPECT_STREQ(to_string(JobState::kQueued), "queued");
+  EXPECT_STREQ(to_string(JobState::kRunning), "running");
+  EXPECT_STREQ(to_string(JobState::kDone), "done");
+  EXPECT_STREQ(to_string(JobState::kFailed), "failed");
+  EXPECT_STREQ(to_string(JobState::kCancelled), "cancelled");
+}
+
+}  // namespace
+}  // namespace asteria::runtime

@@ -1,0 +1,127 @@
+"""Refresh-engine throughput: Asteria's C++ engine vs torch.linalg.eigh on the same cores.
+
+For blocks of size n (default 1024 and 2048) it measures blocks per second of
+  torch-serial     torch.linalg.eigh one block at a time, torch using every core;
+  torch-threads    torch.linalg.eigh in a Python thread pool, one thread per core, torch at 1 thread;
+  torch-root       as torch-threads, plus forming the inverse root (Q diag(l^-1/4) Q^T) as a refresh does;
+  asteria          the RefreshEngine: one job per block on the C++ workers (1 BLAS thread each),
+                   computing the full inverse root, submitted and awaited through the engine's API;
+and prints the ratios of asteria to the best torch configuration.
+
+    python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 16 --out results/refresh_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from asteria import _core
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def random_spd(count: int, n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(count, n, n // 2, generator=gen)
+    return (g @ g.mT) / n + 1e-3 * torch.eye(n)
+
+
+def time_torch_serial(blocks: torch.Tensor, cores: int) -> float:
+    torch.set_num_threads(cores)
+    torch.linalg.eigh(blocks[0])  # warm-up
+    start = time.perf_counter()
+    for block in blocks:
+        torch.linalg.eigh(block)
+    return len(blocks) / (time.perf_counter() - start)
+
+
+def time_torch_threads(blocks: torch.Tensor, cores: int, with_root: bool) -> float:
+    torch.set_num_threads(1)
+
+    def work(block: torch.Tensor) -> torch.Tensor:
+        values, vectors = torch.linalg.eigh(block)
+        if with_root:
+            return (vectors * (values.clamp_min(0) + 1e-12).pow(-0.25)) @ vectors.mT
+        return values
+
+    with ThreadPoolExecutor(cores) as pool:
+        list(pool.map(work, blocks[:cores]))  # warm-up
+        start = time.perf_counter()
+        list(pool.map(work, blocks))
+        return len(blocks) / (time.perf_counter() - start)
+
+
+def time_asteria(blocks: torch.Tensor, cores: int) -> float:
+    count, n = blocks.shape[0], blocks.shape[-1]
+    engine = _core.RefreshEngine(workers=cores, staleness=0)
+    snapshots = torch.empty(1, count, n, n)
+    results = torch.empty(1, count, n, n)
+    ids = [engine.add_block(snapshots[:, b], results[:, b]) for b in range(count)]
+    rate = 0.0
+    for version in (1, 2):  # the first round warms up the workers' workspaces
+        engine.begin_snapshot(ids, version, 600.0)
+        snapshots[0].copy_(blocks)
+        start = time.perf_counter()
+        engine.submit(ids, version, version, -0.25, 1e-12)
+        changes = engine.activate(version, 3600.0)
+        rate = count / (time.perf_counter() - start)
+        for block, v in changes:
+            engine.release(block, v)
+    stats = engine.stats()
+    engine.close()
+    assert stats["refreshes_failed"] == 0, stats
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--blocks", type=int, nargs="+", default=None, help="blocks per size (default 4 x cores)")
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    counts = args.blocks or [4 * args.cores] * len(args.sizes)
+    device = f"{cpu_name()}, {args.cores} cores; torch {torch.__version__}"
+    print(f"device: {device}")
+    rows = []
+    for n, count in zip(args.sizes, counts):
+        blocks = random_spd(count, n)
+        row = {"n": n, "blocks": count}
+        row["torch-serial"] = time_torch_serial(blocks, args.cores)
+        row["torch-threads"] = time_torch_threads(blocks, args.cores, with_root=False)
+        row["torch-root"] = time_torch_threads(blocks, args.cores, with_root=True)
+        row["asteria"] = time_asteria(blocks, args.cores)
+        best = max(row["torch-serial"], row["torch-threads"])
+        row["asteria/best-torch-eigh"] = row["asteria"] / best
+        row["asteria/torch-root"] = row["asteria"] / row["torch-root"]
+        rows.append(row)
+    header = f"{'n':>5} {'blocks':>6} {'torch-serial':>13} {'torch-threads':>14} {'torch-root':>11} {'asteria':>8} " \
+             f"{'vs best eigh':>13} {'vs torch-root':>14}"
+    print(header)
+    for r in rows:
+        print(f"{r['n']:>5} {r['blocks']:>6} {r['torch-serial']:>13.2f} {r['torch-threads']:>14.2f} "
+              f"{r['torch-root']:>11.2f} {r['asteria']:>8.2f} {r['asteria/best-torch-eigh']:>12.2f}x "
+              f"{r['asteria/torch-root']:>13.2f}x")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Asteria: second-order optimizers (Shampoo, SOAP, KL-Shampoo) whose O(N^3) state maintenance runs
+off the GPU's critical path, on C++ workers with bounded staleness."""
+
+from asteria.config import MemoryConfig, RuntimeConfig
+from asteria.errors import NonFiniteGradientError, RefreshError
+from asteria.optim import Shampoo
+
+__all__ = ["MemoryConfig", "NonFiniteGradientError", "RefreshError", "RuntimeConfig", "Shampoo"]
+__version__ = "0.1.0"

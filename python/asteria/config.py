@@ -1,0 +1,121 @@
+"""Runtime and memory configuration of the Asteria optimizers."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MODES = ("sync", "async")
+PLACEMENTS = ("auto",)
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"Invalid {name}={value!r}: {allowed}")
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Where second-order state may live. Budgets are bytes; ``None`` means unlimited.
+
+    Placement ``"auto"`` keeps factors, moments and active preconditioners on the parameter's device
+    and the refresh buffers (snapshots, computed versions) in pinned host memory. The optimizer
+    checks the budgets against the bytes each tier needs before the first step and raises, listing
+    them, when one cannot be met. The NVMe tier is not available in this release: ``nvme_dir`` is
+    refused with a ``ValueError``.
+    """
+
+    gpu_budget: int | None = None
+    host_budget: int | None = None
+    nvme_dir: str | None = None
+    nvme_budget: int | None = None
+    placement: Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_budget", "host_budget", "nvme_budget"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value > 0), name, value,
+                   "must be None or a positive number of bytes")
+        _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
+        _check(self.nvme_dir is None, "nvme_dir", self.nvme_dir, "the NVMe tier is not available in this release")
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    """How preconditioner refreshes are computed and scheduled.
+
+    Attributes:
+        mode: ``"sync"`` computes every refresh inside ``step()`` on the parameter's device with torch
+            (the native baseline, as Meta's Distributed Shampoo does). ``"async"`` snapshots the
+            factors into host buffers and computes the refresh on the C++ workers.
+        staleness: S >= 0. A block's preconditioner in use is at most S refresh intervals behind its
+            newest snapshot; the optimizer waits (bounded barrier) rather than exceed it.
+            ``staleness=0`` in async mode reproduces the sync trajectory.
+        workers: C++ worker threads; ``None`` leaves cores for the training process and its data
+            loader: ``max(1, cpus - 2)`` capped at 32.
+        blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
+            different worker counts are bitwise identical as long as this stays the same).
+        deterministic: activation of versions by schedule only (version k is used from exactly S
+            intervals after its snapshot), never by worker timing. Required for multi-rank runs.
+            With ``False`` each block switches to its newest finished version at the next step.
+        bootstrap_sync: the first refresh is waited for at its own step (lag 0), so that training does
+            not run S intervals on the grafting direction alone.
+        timeout_s: the longest any wait (barrier, buffer) may take before a ``TimeoutError``.
+        max_consecutive_failures: refreshes of one block that may fail in a row (the last good
+            preconditioner stays in use meanwhile) before ``step()`` raises ``RefreshError``.
+        nonfinite_grad_policy: what to do with a block whose gradient holds NaN/Inf: ``"skip"`` leaves
+            its state and parameter untouched for that step and counts it; ``"raise"`` raises.
+        max_nonfinite_grad_steps: skipped steps per block, counted in a row, before ``step()`` raises.
+        memory: tier placement and budgets.
+        process_group, local_world_size: distributed layout (defaults: WORLD and torchrun's
+            LOCAL_WORLD_SIZE when torch.distributed is initialized).
+    """
+
+    mode: Literal["sync", "async"] = "async"
+    staleness: int = 5
+    workers: int | None = None
+    blas_threads: int = 1
+    deterministic: bool = True
+    bootstrap_sync: bool = True
+    timeout_s: float = 600.0
+    max_consecutive_failures: int = 3
+    nonfinite_grad_policy: Literal["skip", "raise"] = "skip"
+    max_nonfinite_grad_steps: int = 10
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    process_group: Any = None
+    local_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, "mode", self.mode, f"must be one of {MODES}")
+        _check(_is_int(self.staleness) and self.staleness >= 0, "staleness", self.staleness, "must be an int >= 0")
+        _check(self.workers is None or (_is_int(self.workers) and self.workers >= 1), "workers", self.workers,
+               "must be None or an int >= 1")
+        _check(_is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
+               "must be an int >= 1")
+        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
+        _check(isinstance(self.bootstrap_sync, bool), "bootstrap_sync", self.bootstrap_sync, "must be a bool")
+        _check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
+               "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
+        _check(_is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
+               "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")
+        _check(self.nonfinite_grad_policy in NONFINITE_POLICIES, "nonfinite_grad_policy",
+               self.nonfinite_grad_policy, f"must be one of {NONFINITE_POLICIES}")
+        _check(_is_int(self.max_nonfinite_grad_steps) and self.max_nonfinite_grad_steps >= 1,
+               "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, "must be an int >= 1")
+        _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
+        _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
+               "local_world_size", self.local_world_size, "must be None or an int >= 1")
+
+    def resolved_workers(self) -> int:
+        """The worker count to start: ``workers`` or the default that leaves cores free."""
+        if self.workers is not None:
+            return self.workers
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(32, cpus - 2))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

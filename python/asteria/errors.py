@@ -1,0 +1,30 @@
+"""Exceptions raised by Asteria. C++ errors are mapped in one place (cpp/bindings/errors.cpp)."""
+
+from __future__ import annotations
+
+from asteria._core import BlockFailure, CancelledError, NumericalError
+
+__all__ = ["BlockFailure", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
+
+
+class RefreshError(RuntimeError):
+    """A preconditioner block kept failing its refresh; names the parameter, the block and the cause.
+
+    The last good preconditioner stayed in use until the bound was reached; no state was changed by
+    the ``step()`` that raised.
+    """
+
+    def __init__(self, param: str, factor: str, version: int, cause: str) -> None:
+        super().__init__(f"refresh of {factor} of parameter {param!r} failed (version {version}): {cause}")
+        self.param = param
+        self.factor = factor
+        self.version = version
+        self.cause = cause
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A parameter's gradient held NaN/Inf (policy ``raise``, or too many skipped steps in a row)."""
+
+    def __init__(self, param: str, detail: str) -> None:
+        super().__init__(f"non-finite gradient for parameter {param!r}: {detail}")
+        self.param = param

@@ -1,0 +1,100 @@
+"""The per-step math of the second-order optimizers as small pure functions on batched blocks.
+
+Every tensor here carries a leading batch dimension B (blocks of one shape stacked together).
+Functions ending in ``_`` update their first argument in place; the others allocate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def batch_view(vector: Tensor, like: Tensor) -> Tensor:
+    """``vector`` (B,) reshaped to broadcast against ``like`` (B, ...)."""
+    return vector.view((-1,) + (1,) * (like.dim() - 1))
+
+
+def finite_rows(x: Tensor) -> Tensor:
+    """(B,) bool: which blocks hold only finite numbers."""
+    return torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
+
+
+def mode_matrix(x: Tensor, mode: int) -> Tensor:
+    """Unfolds (B, d_0, ..., d_k) along dimension ``mode`` into (B, d_mode, prod(others))."""
+    return x.movedim(mode + 1, 1).reshape(x.shape[0], x.shape[mode + 1], -1)
+
+
+def masked_ema_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
+    """state <- beta * state + (1 - beta) * update for kept blocks; others unchanged.
+
+    ``update`` must be zero in blocks that are not kept (the caller zeroes bad gradients).
+    """
+    decay = torch.where(keep, beta, 1.0).to(state.dtype)
+    return state.mul_(batch_view(decay, state)).add_(update, alpha=1.0 - beta)
+
+
+def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float, keep: Tensor) -> None:
+    """Kronecker factor EMA, one factor per mode: F_i <- beta2 F_i + (1 - beta2) G_(i) G_(i)^T."""
+    decay = batch_view(torch.where(keep, beta2, 1.0).to(grad.dtype), factors[0]) if factors else None
+    for mode, factor in enumerate(factors):
+        unfolded = mode_matrix(grad, mode)
+        factor.mul_(decay).baddbmm_(unfolded, unfolded.mT, alpha=1.0 - beta2)
+
+
+def apply_mode(x: Tensor, matrix: Tensor, mode: int) -> Tensor:
+    """Mode-``mode`` product of (B, d_0, ..., d_k) with (B, d_mode, d_mode): contracts that dimension."""
+    moved = x.movedim(mode + 1, 1)
+    shape = moved.shape
+    product = torch.bmm(matrix, moved.reshape(shape[0], shape[1], -1)).view(shape)
+    return product.movedim(1, mode + 1)
+
+
+def precondition(x: Tensor, roots: list[Tensor]) -> Tensor:
+    """x multiplied by each mode's (symmetric) root: the Shampoo direction."""
+    if len(roots) == 2:
+        return torch.bmm(torch.bmm(roots[0], x), roots[1])
+    for mode, root in enumerate(roots):
+        x = apply_mode(x, root, mode)
+    return x
+
+
+def block_norms(x: Tensor) -> Tensor:
+    """(B,) Frobenius norm of each block."""
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+
+
+def graft(direction: Tensor, target: Tensor) -> Tensor:
+    """Rescales each block of ``direction`` to the norm of the same block of ``target``."""
+    scale = block_norms(target) / block_norms(direction).clamp_min(torch.finfo(direction.dtype).tiny)
+    return direction * batch_view(scale, direction)
+
+
+def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float, bias2: float, eps: float) -> Tensor:
+    """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps)."""
+    return (momentum / bias1) / ((second_moment / bias2).sqrt_().add_(eps))
+
+
+def regularize_eigenvalues(eigenvalues: Tensor, eps: float) -> Tensor:
+    """lambda + eps, after shifting a spectrum whose smallest value is negative up to zero."""
+    shift = (-eigenvalues.amin(dim=-1, keepdim=True)).clamp_min(0.0)
+    return eigenvalues + shift + eps
+
+
+def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float) -> tuple[Tensor, Tensor]:
+    """(scale * F + regularization)^exponent of a batch of symmetric matrices by eigendecomposition.
+
+    Works in float32 and retries in float64 when ``torch.linalg.eigh`` fails. Returns the roots and
+    a (B,) bool of which are usable (finite input and finite output); unusable rows hold identity.
+    """
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    usable_input = finite_rows(factor)
+    matrix = torch.where(batch_view(usable_input, factor), factor * scale, eye)
+    try:
+        eigenvalues, vectors = torch.linalg.eigh(matrix)
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence in float32
+        eigenvalues, vectors = torch.linalg.eigh(matrix.double())
+    powers = regularize_eigenvalues(eigenvalues, eps).pow(exponent)
+    roots = ((vectors * powers.unsqueeze(-2)) @ vectors.mT).to(factor.dtype)
+    usable = usable_input & finite_rows(roots)
+    return torch.where(batch_view(usable, roots), roots, eye), usable

@@ -1,0 +1,81 @@
+"""Blocks of equal shape from one param group, batched: their gradients and parameters are stacked
+so that every per-step operation is one batched kernel instead of a loop over blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from asteria.optim.blocking import Block, partition
+
+
+@dataclass
+class ShapeGroup:
+    """Same-shape blocks of one param group on one device, with their stacked optimizer state."""
+
+    group_index: int
+    shape: tuple[int, ...]
+    device: torch.device
+    blocks: list[Block]
+    params: list[Tensor]                       # the parameter each block belongs to
+    state: dict[str, Tensor] = field(default_factory=dict)
+    # Reused every step in which all blocks have gradients: building a device tensor from a Python
+    # list each step would cost a host-to-device copy.
+    all_present: Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def order(self) -> int:
+        return len(self.shape)
+
+    @property
+    def name(self) -> str:
+        return f"param group {self.group_index}, blocks {self.shape}"
+
+    def gather_grads(self) -> tuple[Tensor, Tensor]:
+        """Stacked float32 gradients (B, *shape) and a (B,) bool of which blocks have one this step.
+
+        Missing gradients (``p.grad is None``) are stacked as zeros.
+        """
+        present = [param.grad is not None for param in self.params]
+        views = [
+            block.view(param.grad) if param.grad is not None else torch.zeros(self.shape, device=self.device)
+            for block, param in zip(self.blocks, self.params)
+        ]
+        grads = torch.stack(views).to(torch.float32)
+        if all(present):
+            if self.all_present is None:
+                self.all_present = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+            return grads, self.all_present
+        return grads, torch.tensor(present, device=self.device)
+
+    def gather_params(self) -> Tensor:
+        return torch.stack([block.view(param.detach()) for block, param in zip(self.blocks, self.params)]).to(
+            torch.float32
+        )
+
+    def scatter_params_(self, values: Tensor) -> None:
+        """Writes (B, *shape) values back into the parameters' blocks."""
+        targets = [block.view(param.detach()) for block, param in zip(self.blocks, self.params)]
+        torch._foreach_copy_(targets, list(values.to(targets[0].dtype).unbind(0)))
+
+
+def build_shape_groups(param_groups: list[dict], max_dim: int) -> list[ShapeGroup]:
+    """Partitions every parameter and batches blocks by (param group, block shape, device)."""
+    groups: dict[tuple, ShapeGroup] = {}
+    for group_index, group in enumerate(param_groups):
+        names = group.get("param_names") or [None] * len(group["params"])
+        for param_index, (param, name) in enumerate(zip(group["params"], names)):
+            label = name or f"param_groups[{group_index}][{param_index}] {tuple(param.shape)}"
+            for block in partition(param, param_index, label, max_dim):
+                key = (group_index, block.shape, param.device)
+                if key not in groups:
+                    groups[key] = ShapeGroup(group_index, block.shape, param.device, [], [])
+                groups[key].blocks.append(block)
+                groups[key].params.append(param)
+    return list(groups.values())

@@ -1,0 +1,122 @@
+"""Shampoo with Adam grafting, as in Meta's Distributed Shampoo, on Asteria's refresh runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from asteria.config import RuntimeConfig
+from asteria.optim import functional as F
+from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.groups import ShapeGroup
+from asteria.pipeline.factors import FactorSet
+
+GRAFTINGS = ("adam", "none")
+MOMENTUM = "momentum"
+GRAFTING_SECOND_MOMENT = "grafting_second_moment"
+
+
+def factor_key(mode: int) -> str:
+    return f"factor_{mode}"
+
+
+def root_key(mode: int) -> str:
+    return f"root_{mode}"
+
+
+def has_root_key(mode: int) -> str:
+    return f"has_root_{mode}"
+
+
+class Shampoo(SecondOrderOptimizer):
+    """Shampoo: per block, Kronecker factors L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T every step;
+    every ``precondition_frequency`` steps their inverse roots (L_i_hat + eps I)^(-1/(2 * order)) are
+    refreshed (on the C++ workers in ``mode="async"``, inside ``step()`` in ``mode="sync"``); the step
+    direction is the bias-corrected momentum multiplied by each mode's root, rescaled per block to the
+    norm of the Adam direction (grafting), with decoupled weight decay.
+
+    Args:
+        params: parameters or param groups (named parameters give named error messages).
+        lr: learning rate.
+        betas: (beta1, beta2): momentum of the gradient, and the factors' EMA.
+        eps: added to the factors' eigenvalues before the root.
+        weight_decay: decoupled weight decay.
+        max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
+        precondition_frequency: steps between refreshes (f).
+        start_preconditioning_step: first refresh step (default: f); before it, the grafting direction.
+        grafting: ``"adam"`` (per-block norm of the Adam direction) or ``"none"``.
+        grafting_beta2: Adam grafting's second-moment decay (default: ``betas[1]``).
+        grafting_eps: Adam grafting's epsilon.
+        runtime: an ``asteria.RuntimeConfig``; ``None`` for the defaults (async, staleness 5).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 2048,
+        precondition_frequency: int = 10,
+        start_preconditioning_step: int | None = None,
+        grafting: str = "adam",
+        grafting_beta2: float | None = None,
+        grafting_eps: float = 1e-8,
+        runtime: RuntimeConfig | None = None,
+    ) -> None:
+        check_nonnegative(lr, "lr")
+        check_betas(betas)
+        check_positive(eps, "eps")
+        check_nonnegative(weight_decay, "weight_decay")
+        check_arg(grafting in GRAFTINGS, "grafting", grafting, f"must be one of {GRAFTINGS}")
+        grafting_beta2 = betas[1] if grafting_beta2 is None else grafting_beta2
+        check_arg(isinstance(grafting_beta2, (int, float)) and 0.0 <= grafting_beta2 < 1.0, "grafting_beta2",
+                  grafting_beta2, "must be None or in [0, 1)")
+        check_positive(grafting_eps, "grafting_eps")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
+                        grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)
+        super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
+                         precondition_frequency=precondition_frequency,
+                         start_preconditioning_step=start_preconditioning_step, runtime=runtime)
+
+    def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
+        batch, device = group.batch, group.device
+        group.state[MOMENTUM] = torch.zeros((batch, *group.shape), device=device)
+        group.state[GRAFTING_SECOND_MOMENT] = torch.zeros((batch, *group.shape), device=device)
+        sets = []
+        for mode, dim in enumerate(group.shape):
+            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
+            root = group.state[root_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
+            has_root = group.state[has_root_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
+            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, roots=root, has_root=has_root,
+                                  exponent=-1.0 / (2 * group.order),
+                                  block_params=[block.name for block in group.blocks]))
+        return sets
+
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+        hyper = self.param_groups[group.group_index]
+        beta1, beta2 = hyper["betas"]
+        F.update_factors_([group.state[factor_key(m)] for m in range(group.order)], grads, beta2, keep)
+        F.masked_ema_(group.state[MOMENTUM], grads, beta1, keep)
+        F.masked_ema_(group.state[GRAFTING_SECOND_MOMENT], grads * grads, hyper["grafting_beta2"], keep)
+
+    def _direction(self, group: ShapeGroup, step: int) -> Tensor:
+        hyper = self.param_groups[group.group_index]
+        beta1 = hyper["betas"][0]
+        momentum = group.state[MOMENTUM] / (1.0 - beta1**step)
+        adam = F.adam_direction(momentum, group.state[GRAFTING_SECOND_MOMENT], 1.0,
+                                1.0 - hyper["grafting_beta2"] ** step, hyper["grafting_eps"])
+        fallback = adam if hyper["grafting"] == "adam" else momentum
+        if group.order == 0:
+            return fallback
+        roots = [group.state[root_key(m)] for m in range(group.order)]
+        shampoo = F.precondition(momentum, roots)
+        if hyper["grafting"] == "adam":
+            shampoo = F.graft(shampoo, adam)
+        ready = group.state[has_root_key(0)]
+        for mode in range(1, group.order):
+            ready = ready & group.state[has_root_key(mode)]
+        return torch.where(F.batch_view(ready, shampoo), shampoo, fallback)

@@ -1,0 +1,1 @@
+"""The shadow-state pipeline: side streams, host rings, refresh scheduling and installation."""

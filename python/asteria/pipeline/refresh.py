@@ -1,0 +1,269 @@
+"""Refreshers: who computes the preconditioners from the factors, and when they come into use.
+
+``SyncRefresher`` is the native baseline: every refresh runs inside ``step()`` on the parameter's
+device with torch. ``AsyncRefresher`` snapshots the factors into (pinned) host rings, has the C++
+engine compute the roots on its worker threads, and installs the versions that the coherence
+registry activates at each step boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+
+from asteria import _core
+from asteria.config import RuntimeConfig
+from asteria.errors import RefreshError
+from asteria.optim import functional as F
+from asteria.pipeline import streams
+from asteria.pipeline.factors import FactorSet, RootRequest
+
+
+class Refresher(ABC):
+    """Computes and installs preconditioners for a fixed list of factor sets."""
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
+        self.sets = sets
+        self.config = config
+        self.interval = interval
+        self._refreshes = 0
+        self._failures = 0
+        self._newest_version = 0
+
+    @abstractmethod
+    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
+        """Starts refresh ``version`` of every set from the factors as they are at ``step``."""
+
+    @abstractmethod
+    def activate(self, step: int) -> None:
+        """Installs into ``roots`` the versions the schedule gives for ``step``."""
+
+    def before_factor_update(self) -> None:
+        """Called before the factors are modified in place (a snapshot may still be reading them)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``runtime_stats()``."""
+
+    def close(self) -> None:
+        """Releases threads and buffers. Idempotent."""
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory held for refreshes."""
+        return 0
+
+    def _raise_failure(self, fset: FactorSet, block: int, version: int, cause: str) -> None:
+        raise RefreshError(fset.block_params[block], fset.describe(block), version, cause)
+
+
+class SyncRefresher(Refresher):
+    """Every refresh computed at its own step on the parameter's device (torch eigh)."""
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
+        super().__init__(sets, config, interval)
+        self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
+        self._last_error = "non-finite factor or root"
+        self._seconds = 0.0
+
+    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
+        started = time.perf_counter()
+        results = []
+        for fset, request in zip(self.sets, requests):
+            roots, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
+            results.append((roots, usable, usable.cpu().numpy()))
+        # Check every bound before changing anything, so that a raise leaves all state as it was.
+        for fset, consecutive, (_, _, ok) in zip(self.sets, self._consecutive, results):
+            failing = np.where(~ok & (consecutive + 1 >= self.config.max_consecutive_failures))[0]
+            if failing.size:
+                self._raise_failure(fset, int(failing[0]), version, self._last_error)
+        for fset, consecutive, (roots, usable, ok) in zip(self.sets, self._consecutive, results):
+            fset.roots.copy_(torch.where(F.batch_view(usable, roots), roots, fset.roots))
+            fset.has_root |= usable
+            consecutive[:] = np.where(ok, 0, consecutive + 1)
+            for block in np.where(ok)[0]:
+                fset.versions[block] = version
+            self._failures += int((~ok).sum())
+        self._refreshes += sum(s.batch for s in self.sets)
+        self._newest_version = version
+        self._seconds += time.perf_counter() - started
+
+    def activate(self, step: int) -> None:
+        """Nothing to do: a sync refresh is in use from its own step."""
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "refreshes": self._refreshes,
+            "refresh_failures": self._failures,
+            "refresh_seconds_on_step": self._seconds,
+            "staleness_histogram": [],
+            "waits": 0,
+            "wait_seconds": 0.0,
+        }
+
+
+class AsyncRefresher(Refresher):
+    """Refreshes on the C++ workers with deterministic or bounded-staleness activation."""
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
+        super().__init__(sets, config, interval)
+        self.depth = config.staleness + 1
+        self.engine = _core.RefreshEngine(
+            workers=config.resolved_workers(),
+            blas_threads=config.blas_threads,
+            staleness=config.staleness,
+            deterministic=config.deterministic,
+            max_consecutive_failures=config.max_consecutive_failures,
+            slot_timeout_s=config.timeout_s,
+        )
+        devices = {s.device for s in sets}
+        self.side = {device: streams.SideStream(device) for device in devices}
+        self.snapshots: list[torch.Tensor] = []
+        self.results: list[torch.Tensor] = []
+        self.ids: list[list[int]] = []
+        self.owner: dict[int, tuple[int, int]] = {}
+        for index, fset in enumerate(sets):
+            pin = fset.device.type == "cuda"
+            shape = (self.depth, fset.batch, fset.dim, fset.dim)
+            snapshots = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+            results = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+            ids = [self.engine.add_block(snapshots[:, b], results[:, b]) for b in range(fset.batch)]
+            self.owner.update({block_id: (index, b) for b, block_id in enumerate(ids)})
+            self.snapshots.append(snapshots)
+            self.results.append(results)
+            self.ids.append(ids)
+        self._pending_snapshots: list[tuple[int, int, int, RootRequest, torch.cuda.Event | None]] = []
+        self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
+        self._snapshot_events: dict[torch.device, torch.cuda.Event | None] = {}
+        self._bytes_to_host = 0
+        self._bytes_to_device = 0
+
+    def activation_step(self, step: int, version: int) -> int:
+        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule."""
+        if version == 1 and self.config.bootstrap_sync:
+            return step
+        return step + self.config.staleness * self.interval
+
+    def before_factor_update(self) -> None:
+        for device, event in self._snapshot_events.items():
+            self.side[device].main_waits(event)
+        self._snapshot_events.clear()
+
+    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
+        due = self.activation_step(step, version)
+        for index, (fset, request) in enumerate(zip(self.sets, requests)):
+            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+            side = self.side[fset.device]
+            with side.staging():
+                self.snapshots[index][version % self.depth].copy_(fset.factors, non_blocking=side.cuda)
+            event = side.record()
+            if event is not None:
+                self._snapshot_events[fset.device] = event
+            self._bytes_to_host += fset.factors.numel() * 4
+            self._pending_snapshots.append((index, version, due, request, event))
+        self._newest_version = version
+        self._submit_ready(step)
+
+    def _submit_ready(self, step: int) -> None:
+        """Hands finished snapshots to the workers; those due by ``step`` are waited for."""
+        waiting = []
+        for index, version, due, request, event in self._pending_snapshots:
+            if not streams.done(event):
+                if due > step:
+                    waiting.append((index, version, due, request, event))
+                    continue
+                streams.wait(event)
+            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps, request.scale)
+        self._pending_snapshots = waiting
+
+    def _release_copied(self, block_all: bool) -> None:
+        still = []
+        for event, pins in self._pending_releases:
+            if block_all:
+                streams.wait(event)
+            elif not streams.done(event):
+                still.append((event, pins))
+                continue
+            for block_id, version in pins:
+                self.engine.release(block_id, version)
+        self._pending_releases = still
+
+    def activate(self, step: int) -> None:
+        self._submit_ready(step)
+        self._release_copied(block_all=False)
+        try:
+            changes = self.engine.activate(step, self.config.timeout_s)
+        except _core.BlockFailure as failure:
+            _, block_id, version, cause = failure.args
+            index, block = self.owner[block_id]
+            self._raise_failure(self.sets[index], block, version, cause)
+        by_set: dict[int, list[tuple[int, int, int]]] = {}
+        for block_id, version in changes:
+            index, block = self.owner[block_id]
+            by_set.setdefault(index, []).append((block, version, block_id))
+        for index, items in by_set.items():
+            self._install(index, items)
+
+    def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
+        fset = self.sets[index]
+        side = self.side[fset.device]
+        results = self.results[index]
+        versions = {version for _, version, _ in items}
+        with side.staging():
+            if len(items) == fset.batch and len(versions) == 1:
+                fset.roots.copy_(results[next(iter(versions)) % self.depth], non_blocking=side.cuda)
+            else:
+                for block, version, _ in items:
+                    fset.roots[block].copy_(results[version % self.depth, block], non_blocking=side.cuda)
+            blocks = torch.tensor([block for block, _, _ in items], device=fset.device)
+            fset.has_root.index_fill_(0, blocks, True)
+        event = side.record()
+        side.main_waits(event)
+        for block, version, _ in items:
+            fset.versions[block] = version
+        self._bytes_to_device += len(items) * fset.dim * fset.dim * 4
+        self._pending_releases.append((event, [(block_id, version) for _, version, block_id in items]))
+        if event is None:
+            self._release_copied(block_all=True)
+
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine.stats()
+        registry = engine["registry"]
+        pool = engine["pool"]
+        return {
+            "refreshes": engine["refreshes_ok"],
+            "refresh_failures": engine["refreshes_failed"],
+            "float64_retries": engine["float64_retries"],
+            "refresh_seconds_on_workers": engine["refresh_seconds"],
+            "staleness_histogram": registry["staleness_histogram"],
+            "max_staleness_seen": registry["max_staleness_seen"],
+            "waits": registry["waits"],
+            "wait_seconds": registry["wait_seconds"],
+            "max_wait_seconds": registry["max_wait_seconds"],
+            "activations": registry["activations"],
+            "workers": pool["workers"],
+            "worker_busy_fraction": pool["busy_fraction"],
+            "jobs_queued": pool["queue_depth"],
+            "job_mean_latency_seconds": pool["mean_latency_seconds"],
+            "job_max_latency_seconds": pool["max_latency_seconds"],
+            "bytes_to_host": self._bytes_to_host,
+            "bytes_to_device": self._bytes_to_device,
+        }
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.snapshots + self.results)
+
+    def close(self) -> None:
+        # The workers may still read snapshots and write results: stop them before buffers go away.
+        self.engine.close()
+        self._release_copied(block_all=True)
+
+
+def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int) -> Refresher:
+    """The refresher the runtime configuration asks for."""
+    if config.mode == "sync":
+        return SyncRefresher(sets, config, interval)
+    return AsyncRefresher(sets, config, interval)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up the machine and runs the demo: a small byte-level decoder trained with AdamW and with
+# Asteria Shampoo (async), then a report (runs/demo/report.md, loss.png, step_time.png, TensorBoard).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+python3 -m asteria.train.cli demo --out runs/demo --steps 300 "$@"

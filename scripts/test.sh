@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up the machine (scripts/setup.sh) and runs every test: the C++ core's GoogleTest suite in a
+# plain build and under AddressSanitizer+UBSan and ThreadSanitizer, then the Python suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+jobs=$(nproc)
+for variant in plain address thread; do
+  dir=build/cpp-$variant
+  sanitize=$([ "$variant" = plain ] && echo "" || echo "$variant")
+  cmake -S . -B "$dir" -G Ninja -DASTERIA_BUILD_PYTHON=OFF -DASTERIA_BUILD_TESTS=ON \
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo -DASTERIA_SANITIZE="$sanitize" >/dev/null
+  cmake --build "$dir" -j "$jobs" >/dev/null
+  echo "== C++ tests ($variant)"
+  # TSan needs the default address-space layout; ASan must not stop on OpenBLAS's own leaks.
+  ASAN_OPTIONS=detect_leaks=0 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+    setarch "$(uname -m)" -R ctest --test-dir "$dir" --output-on-failure -j "$jobs"
+done
+
+echo "== Python tests"
+python3 -m pytest -q tests

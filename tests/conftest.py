@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    torch.manual_seed(0)
+    yield
+
+
+def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Module:
+    """A small MLP with a bias on every layer (1-D parameters too)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        linear = torch.nn.Linear(a, b)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(b, a, generator=gen) / a**0.5)
+            linear.bias.copy_(torch.randn(b, generator=gen) * 0.1)
+        layers.append(linear)
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def regression_data(n: int = 128, sizes: tuple[int, ...] = (8, 16, 4), seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, sizes[0], generator=gen)
+    w = torch.randn(sizes[0], sizes[-1], generator=gen)
+    y = torch.sin(x @ w) + 0.05 * torch.randn(n, sizes[-1], generator=gen)
+    return x, y
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, data=None, batch: int = 32,
+          hook=None) -> list[float]:
+    """Runs `steps` steps of MSE regression over fixed mini-batches; returns the losses."""
+    x, y = data if data is not None else regression_data()
+    losses = []
+    for step in range(steps):
+        start = (step * batch) % x.shape[0]
+        xb, yb = x[start:start + batch], y[start:start + batch]
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if hook is not None:
+            hook(step + 1, opt)
+    return losses

@@ -1,0 +1,141 @@
+"""Shampoo (sync and async) against an independent float64 reference written here from the math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp, train
+
+
+def reference_root(matrix: np.ndarray, exponent: float, eps: float) -> np.ndarray:
+    eigenvalues, vectors = np.linalg.eigh(matrix)
+    eigenvalues = eigenvalues + eps + max(0.0, -eigenvalues.min())
+    return (vectors * eigenvalues**exponent) @ vectors.T
+
+
+def reference_blocks(shape: tuple[int, ...], max_dim: int) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """Merged view of a parameter and its blocks, written independently of asteria.optim.blocking."""
+    merged: list[int] = []
+    for size in shape:
+        if size > 1:
+            if merged and merged[-1] * size <= max_dim:
+                merged[-1] *= size
+            else:
+                merged.append(size)
+    regions: list[tuple[slice, ...]] = [()]
+    for size in merged:
+        regions = [r + (slice(a, min(a + max_dim, size)),) for r in regions for a in range(0, size, max_dim)]
+    return tuple(merged), regions
+
+
+def mode_unfold(x: np.ndarray, mode: int) -> np.ndarray:
+    return np.moveaxis(x, mode, 0).reshape(x.shape[mode], -1)
+
+
+def mode_multiply(x: np.ndarray, matrix: np.ndarray, mode: int) -> np.ndarray:
+    return np.moveaxis(np.tensordot(matrix, np.moveaxis(x, mode, 0), axes=1), 0, mode)
+
+
+class ReferenceShampoo:
+    """Shampoo with Adam grafting in float64 numpy, one block at a time."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start, max_dim, grafting_eps=1e-8):
+        self.params = params
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.frequency, self.start, self.grafting_eps = frequency, start, grafting_eps
+        self.t = 0
+        self.blocks = []
+        for p in params:
+            merged, regions = reference_blocks(tuple(p.shape), max_dim)
+            for region in regions:
+                dims = [r.stop - r.start for r in region]
+                self.blocks.append(dict(param=p, merged=merged, region=region,
+                                        factors=[np.zeros((d, d)) for d in dims], roots=None,
+                                        m=np.zeros(dims), v=np.zeros(dims)))
+
+    def step(self):
+        self.t += 1
+        t, (b1, b2) = self.t, self.betas
+        refresh = t >= self.start and (t - self.start) % self.frequency == 0
+        updates = []
+        for s in self.blocks:
+            p = s["param"]
+            g = p.grad.double().numpy().reshape(s["merged"])[s["region"]]
+            w = p.detach().double().numpy().reshape(s["merged"])[s["region"]]
+            order = len(s["factors"])
+            for mode in range(order):
+                unfolded = mode_unfold(g, mode)
+                s["factors"][mode] = b2 * s["factors"][mode] + (1 - b2) * unfolded @ unfolded.T
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            if refresh and order:
+                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps) for f in s["factors"]]
+            m_hat = s["m"] / (1 - b1**t)
+            adam = m_hat / (np.sqrt(s["v"] / (1 - b2**t)) + self.grafting_eps)
+            direction = adam
+            if s["roots"] is not None:
+                direction = m_hat
+                for mode, root in enumerate(s["roots"]):
+                    direction = mode_multiply(direction, root, mode)
+                direction = direction * np.linalg.norm(adam) / np.linalg.norm(direction)
+            updates.append((s, w * (1 - self.lr * self.wd) - self.lr * direction))
+        for s, w in updates:
+            with torch.no_grad():
+                s["param"].view(s["merged"])[s["region"]] = torch.from_numpy(w).to(s["param"].dtype)
+
+
+HYPER = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+
+
+def run_reference(steps: int, max_dim: int = 16) -> list[torch.Tensor]:
+    model = small_mlp()
+    ref = ReferenceShampoo(list(model.parameters()), frequency=3, start=2, max_dim=max_dim, **HYPER)
+    x, y = regression_data()
+    for step in range(steps):
+        xb, yb = x[(step * 32) % 128:][:32], y[(step * 32) % 128:][:32]
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        ref.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_asteria(steps: int, runtime: asteria.RuntimeConfig, max_dim: int = 16) -> list[torch.Tensor]:
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), precondition_frequency=3, start_preconditioning_step=2,
+                         max_preconditioner_dim=max_dim, runtime=runtime, **HYPER) as opt:
+        train(model, opt, steps)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float) -> None:
+    for a, e in zip(actual, expected):
+        err = float((a.double() - e.double()).norm() / e.double().norm())
+        assert err < rtol, f"relative error {err:.2e} >= {rtol:.0e} for a parameter of shape {tuple(e.shape)}"
+
+
+@pytest.mark.parametrize("max_dim", [16, 6, 2048])  # order 2 + order 1; split blocks; merged to order 1
+def test_sync_matches_float64_reference(max_dim):
+    actual = run_asteria(14, asteria.RuntimeConfig(mode="sync"), max_dim=max_dim)
+    assert_close(actual, run_reference(14, max_dim=max_dim), rtol=2e-4)
+
+
+def test_async_staleness_zero_matches_reference_and_sync():
+    sync = run_asteria(14, asteria.RuntimeConfig(mode="sync"))
+    async_ = run_asteria(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    assert_close(async_, run_reference(14), rtol=2e-4)
+    assert_close(async_, sync, rtol=3e-4)  # two fp32 eigensolvers (torch's and LAPACK's)
+
+
+def test_reference_differs_from_adam_only_run():
+    """The comparison above can fail: a run that never preconditions is far from the reference."""
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), precondition_frequency=3, start_preconditioning_step=1000,
+                         max_preconditioner_dim=16, runtime=asteria.RuntimeConfig(mode="sync"), **HYPER) as opt:
+        train(model, opt, 14)
+    reference = run_reference(14)
+    errors = [float((p.detach() - r).norm() / r.norm()) for p, r in zip(model.parameters(), reference)]
+    assert max(errors) > 1e-2

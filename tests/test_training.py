@@ -1,0 +1,56 @@
+"""Shampoo trains: a small regression and a small classifier reach a clearly lower loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp, train
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_regression_loss_drops(mode):
+    sizes = (8, 32, 4)
+    model = small_mlp(sizes=sizes)
+    with asteria.Shampoo(model.parameters(), lr=0.03, precondition_frequency=5,
+                         runtime=asteria.RuntimeConfig(mode=mode, staleness=1, workers=1)) as opt:
+        losses = train(model, opt, 150, data=regression_data(sizes=sizes))
+    assert sum(losses[-8:]) / 8 < 0.5 * sum(losses[:8]) / 8
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_classifier_accuracy(mode):
+    gen = torch.Generator().manual_seed(3)
+    centers = torch.randn(5, 12, generator=gen) * 2.0
+    labels = torch.randint(0, 5, (400,), generator=gen)
+    x = centers[labels] + 0.7 * torch.randn(400, 12, generator=gen)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    with asteria.Shampoo(model.parameters(), lr=0.01, precondition_frequency=5, weight_decay=1e-4,
+                         runtime=asteria.RuntimeConfig(mode=mode, staleness=2, workers=1)) as opt:
+        first = None
+        for step in range(60):
+            idx = torch.arange(step * 50, step * 50 + 50) % 400
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
+            loss.backward()
+            opt.step()
+            first = first if first is not None else float(loss)
+    accuracy = float((model(x).argmax(1) == labels).float().mean())
+    assert float(loss) < 0.25 * first
+    assert accuracy > 0.9
+
+
+def test_scalar_and_empty_parameters():
+    scale = torch.nn.Parameter(torch.tensor(2.0))
+    empty = torch.nn.Parameter(torch.zeros(0, 3))
+    vec = torch.nn.Parameter(torch.randn(5))
+    with asteria.Shampoo([scale, empty, vec], lr=0.1, precondition_frequency=2,
+                         runtime=asteria.RuntimeConfig(workers=1, staleness=1)) as opt:
+        for _ in range(20):
+            opt.zero_grad()
+            loss = (scale - 0.5) ** 2 + (vec**2).sum() + empty.sum()
+            loss.backward()
+            opt.step()
+    assert abs(float(scale) - 0.5) < 0.2
+    assert float(vec.norm()) < 1.0
