@@ -47,10 +47,6 @@ void sstedc_(const char* compz, const int* n, float* d, float* e, float* z, cons
              const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
 void dstedc_(const char* compz, const int* n, double* d, double* e, double* z, const int* ldz, double* work,
              const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
-void slarft_(const char* direct, const char* storev, const int* n, const int* k, const float* v, const int* ldv,
-             const float* tau, float* t, const int* ldt, std::size_t direct_len, std::size_t storev_len);
-void dlarft_(const char* direct, const char* storev, const int* n, const int* k, const double* v, const int* ldv,
-             const double* tau, double* t, const int* ldt, std::size_t direct_len, std::size_t storev_len);
 void sgeqrf_(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
              int* info);
 void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,
@@ -166,15 +162,6 @@ void call_stedc(const int* n, float* d, float* e, float* z, const int* ldz, floa
 void call_stedc(const int* n, double* d, double* e, double* z, const int* ldz, double* work, const int* lwork,
                 int* iwork, const int* liwork, int* info) {
   dstedc_("I", n, d, e, z, ldz, work, lwork, iwork, liwork, info, kOptionLen);
-}
-
-void call_larft(const int* n, const int* k, const float* v, const int* ldv, const float* tau, float* t,
-                const int* ldt) {
-  slarft_("F", "C", n, k, v, ldv, tau, t, ldt, kOptionLen, kOptionLen);
-}
-void call_larft(const int* n, const int* k, const double* v, const int* ldv, const double* tau, double* t,
-                const int* ldt) {
-  dlarft_("F", "C", n, k, v, ldv, tau, t, ldt, kOptionLen, kOptionLen);
 }
 
 void call_geqrf(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
@@ -464,6 +451,31 @@ ASTERIA_SIMD_CLONES void tridiagonalize(int n, double* a, int lda, double* d, do
   tridiagonalize_lower(n, a, lda, d, e, tau, w);
 }
 
+// The upper triangular T (ldt) of the block reflector H(0) ... H(k-1) = I - V T V^T, V (rows x k)
+// dense with explicit unit diagonal and zeros above: xLARFT('F', 'C')'s recurrence
+// T(0:i, i) = -tau(i) T(0:i, 0:i) V(:, 0:i)^T V(:, i) on S = V^T V from a single gemm (xLARFT makes
+// one gemv and one trmv per column, each taking OpenBLAS's allocation lock).
+template <typename T>
+void block_reflector_factor(int rows, int k, const T* v, const T* tau, T* t, int ldt) {
+  const T one = 1, zero = 0;
+  call_gemm("T", "N", &k, &k, &rows, &one, v, /* lda = */ &rows, v, /* ldb = */ &rows, &zero, t, /* ldc = */ &ldt);
+  const std::size_t ld = static_cast<std::size_t>(ldt);
+  for (int i = 0; i < k; ++i) {
+    T* column = t + i * ld;  // holds S(0:i, i) on entry
+    if (tau[i] == T(0)) {  // H(i) = I
+      std::fill(column, column + k, T(0));
+      continue;
+    }
+    for (int r = 0; r < i; ++r) {
+      T sum = 0;
+      for (int c = r; c < i; ++c) sum += t[r + c * ld] * column[c];
+      column[r] = -tau[i] * sum;
+    }
+    column[i] = tau[i];
+    std::fill(column + i + 1, column + k, T(0));
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -547,8 +559,7 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
       column[j] = T(1);
       std::copy(reflector + j + 1, reflector + rows, column + j + 1);
     }
-    call_larft(&rows, &width, v, /* ldv = */ &rows, tau + first, t, /* ldt = */ &kBlock);
-    for (int j = 0; j < width; ++j) std::fill(t + j * kBlock + j + 1, t + j * kBlock + width, T(0));
+    block_reflector_factor(rows, width, v, tau + first, t, kBlock);
   }
 
   call_stedc(&n, /* d = */ w, e, /* z = */ a, /* ldz = */ &lda, lapack_work, &lwork, iwork.data(), &liwork, &info);

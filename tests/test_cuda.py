@@ -1,0 +1,68 @@
+"""The CUDA path: side-stream snapshots and installs, events, and results that do not depend on
+stream timing. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from asteria.pipeline.refresh import AsyncRefresher
+from conftest import regression_data, small_mlp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SIZES = (64, 128, 32)
+
+
+def run_cuda(runtime: asteria.RuntimeConfig, steps: int = 24, main_delay: int = 0, side_delay: int = 0):
+    model = small_mlp(sizes=SIZES).cuda()
+    x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+    opt = asteria.Shampoo(model.parameters(), lr=0.02, eps=1e-6, precondition_frequency=3,
+                          max_preconditioner_dim=64, runtime=runtime)
+    with opt:
+        for step in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[:64]), y[:64]).backward()
+            if main_delay:
+                torch.cuda._sleep(main_delay)  # the factor update and snapshot start late
+            if side_delay and isinstance(opt._refresher, AsyncRefresher):
+                for side in opt._refresher.side.values():
+                    with torch.cuda.stream(side.stream):
+                        torch.cuda._sleep(side_delay)  # installs and snapshots finish late
+            opt.step()
+        torch.cuda.synchronize()
+        stats = opt.runtime_stats()
+    return [p.detach().cpu() for p in model.parameters()], stats
+
+
+def test_async_staleness_zero_matches_sync_on_gpu():
+    sync, _ = run_cuda(asteria.RuntimeConfig(mode="sync"))
+    async_, stats = run_cuda(asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    assert stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
+    for a, b in zip(async_, sync):
+        assert float((a - b).norm() / b.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_injected_stream_delays_do_not_change_results(staleness):
+    runtime = asteria.RuntimeConfig(staleness=staleness, workers=2)
+    plain, _ = run_cuda(runtime)
+    delayed_main, _ = run_cuda(runtime, main_delay=20_000_000)
+    delayed_side, _ = run_cuda(runtime, side_delay=20_000_000)
+    for a, b, c in zip(plain, delayed_main, delayed_side):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+
+
+def test_worker_count_does_not_change_bits_on_gpu():
+    one, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=1))
+    four, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=4))
+    for a, b in zip(one, four):
+        assert torch.equal(a, b)
+
+
+def test_refresh_buffers_are_pinned():
+    model = small_mlp(sizes=SIZES).cuda()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(workers=1)) as opt:
+        assert all(t.is_pinned() for t in opt._refresher.snapshots + opt._refresher.results)
