@@ -22,7 +22,7 @@ std::string format(double value) {
   return std::string(buffer, result.ptr);
 }
 
-void require_finite_with(bool ok, const char* field, double value, const char* rule) {
+void require_finite_number(bool ok, const char* field, double value, const char* rule) {
   if (!ok) {
     throw InvalidArgument(std::string("Invalid ") + field + "=" + format(value) + ": must be a finite number " + rule);
   }
@@ -44,16 +44,14 @@ void check_arguments(int n, const T* a, int lda, const T* out, int ldo, const Ro
   if (n > 0 && (a == nullptr || out == nullptr)) {
     throw InvalidArgument("[inverse_root] Invalid null matrix pointer for n=" + std::to_string(n));
   }
-  const std::size_t ld = static_cast<std::size_t>(lda);
-  for (int j = 0; j < n; ++j) {
-    for (int i = 0; i < n; ++i) {
-      const T value = a[i + j * ld];
-      if (!std::isfinite(value)) {
-        throw NumericalError("[inverse_root] non-finite input a(" + std::to_string(i) + ", " + std::to_string(j) +
-                             ")=" + format(value) + " (n=" + std::to_string(n) + ")");
-      }
-    }
-  }
+}
+
+// |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
+template <typename T, typename Limit = T>
+bool all_within(const T* x, std::size_t count) {
+  bool ok = true;
+  for (std::size_t i = 0; i < count; ++i) ok &= std::abs(x[i]) <= static_cast<T>(std::numeric_limits<Limit>::max());
+  return ok;
 }
 
 // Per-thread buffers, grown to the largest n seen and kept: a refresh worker computes roots of
@@ -61,9 +59,9 @@ void check_arguments(int n, const T* a, int lda, const T* out, int ldo, const Ro
 // tens of megabytes per call.
 template <typename T>
 struct Workspace {
-  std::vector<T> matrix;       // input copy (the eigensolver overwrites it), then scaled eigenvectors
+  std::vector<T> matrix;  // input copy (the eigensolver overwrites it), then scaled eigenvectors
   std::vector<T> eigenvalues;
-  std::vector<T> work;         // eigensolver workspace; afterwards it holds the result
+  std::vector<T> work;  // eigensolver workspace; afterwards the lower triangle of the result
   std::vector<int> iwork;
 };
 
@@ -78,7 +76,8 @@ void grow(std::vector<T>& v, std::size_t size) {
   if (v.size() < size) v.resize(size);
 }
 
-// Copies (and converts) the n x n matrix `a` into ws.matrix with leading dimension n.
+// Copies (and converts) the n x n matrix `a` into ws.matrix with leading dimension n; throws on
+// the first non-finite entry.
 template <typename T, typename In>
 void load(int n, const In* a, int lda, Workspace<T>& ws) {
   const std::size_t nn = static_cast<std::size_t>(n);
@@ -86,12 +85,20 @@ void load(int n, const In* a, int lda, Workspace<T>& ws) {
   grow(ws.eigenvalues, nn);
   for (std::size_t j = 0; j < nn; ++j) {
     const In* column = a + j * static_cast<std::size_t>(lda);
+    if (!all_within(column, nn)) {
+      const std::size_t i = static_cast<std::size_t>(std::find_if_not(column, column + nn, [](In x) {
+                                                       return std::isfinite(x);
+                                                     }) -
+                                                     column);
+      throw NumericalError("[inverse_root] non-finite input a(" + std::to_string(i) + ", " + std::to_string(j) +
+                           ")=" + format(column[i]) + " (n=" + std::to_string(n) + ")");
+    }
     std::copy(column, column + nn, ws.matrix.data() + j * nn);
   }
 }
 
-// Computes the root of the matrix loaded into ws.matrix; the result (n x n, leading dimension n,
-// symmetric) lands in ws.work. Returns false when the result is not finite.
+// Computes the root of the matrix loaded into ws.matrix; the lower triangle of the result (n x n,
+// leading dimension n) lands in ws.work. Returns false when the result is not finite.
 template <typename T>
 bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& report) {
   T* q = ws.matrix.data();
@@ -111,8 +118,8 @@ bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& rep
   const double shift = spec.eps + std::max(0.0, -report.lambda_min);
   const double half_exponent = spec.exponent / 2;
 
-  // root = Q diag(lambda'^p) Q^T = B B^T with B = Q diag(lambda'^(p/2)): syrk computes only the
-  // lower triangle of B B^T (n^3 flops, half of a gemm with Q^T).
+  // root = Q diag(lambda'^p) Q^T = B B^T with B = Q diag(lambda'^(p/2)): syrk forms only the lower
+  // triangle of B B^T, n^3 flops where a gemm with Q^T would take 2 n^3.
   const std::size_t nn = static_cast<std::size_t>(n);
   for (std::size_t j = 0; j < nn; ++j) {
     const T d = static_cast<T>(std::pow(spec.scale * static_cast<double>(w[j]) + shift, half_exponent));
@@ -122,22 +129,30 @@ bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& rep
   grow(ws.work, nn * nn);
   T* result = ws.work.data();
   syrk_lower(n, /* k = */ n, /* alpha = */ T(1), q, /* lda = */ n, /* beta = */ T(0), result, /* ldc = */ n);
-
   for (std::size_t j = 0; j < nn; ++j) {
-    for (std::size_t i = j; i < nn; ++i) {
-      if (!std::isfinite(result[i + j * nn])) return false;
-    }
+    if (!all_within(result + j * nn + j, nn - j)) return false;
   }
-  symmetrize_from_lower(n, result, /* lda = */ n);
   return true;
 }
 
+// Writes the full symmetric matrix whose lower triangle is `lower` (leading dimension n) into
+// `out`, converting to its type; the upper triangle is read transposed, in cache-sized tiles.
 template <typename From, typename To>
-void store(int n, const From* result, To* out, int ldo) {
-  const std::size_t nn = static_cast<std::size_t>(n);
-  for (std::size_t j = 0; j < nn; ++j) {
-    const From* column = result + j * nn;
-    std::copy(column, column + nn, out + j * static_cast<std::size_t>(ldo));
+void store_symmetric(int n, const From* lower, To* out, int ldo) {
+  constexpr int kTile = 64;
+  const std::size_t nn = static_cast<std::size_t>(n), ld = static_cast<std::size_t>(ldo);
+  for (int jb = 0; jb < n; jb += kTile) {
+    const int j_end = std::min(jb + kTile, n);
+    for (int ib = 0; ib < jb; ib += kTile) {  // tiles above the diagonal: out(i, j) = lower(j, i)
+      for (int j = jb; j < j_end; ++j) {
+        for (int i = ib; i < ib + kTile; ++i) out[i + j * ld] = static_cast<To>(lower[j + i * nn]);
+      }
+    }
+    for (int j = jb; j < j_end; ++j) {  // the diagonal tile's upper part, then everything below
+      for (int i = jb; i < j; ++i) out[i + j * ld] = static_cast<To>(lower[j + i * nn]);
+      std::transform(lower + j + j * nn, lower + (j + 1) * nn, out + j + j * ld,
+                     [](From x) { return static_cast<To>(x); });
+    }
   }
 }
 
@@ -150,9 +165,9 @@ std::string non_finite_result(int n, const RootSpec& spec, const RootReport& rep
 }  // namespace
 
 void validate(const RootSpec& spec) {
-  require_finite_with(std::isfinite(spec.exponent) && spec.exponent < 0, "exponent", spec.exponent, "< 0");
-  require_finite_with(std::isfinite(spec.eps) && spec.eps > 0, "eps", spec.eps, "> 0");
-  require_finite_with(std::isfinite(spec.scale) && spec.scale > 0, "scale", spec.scale, "> 0");
+  require_finite_number(std::isfinite(spec.exponent) && spec.exponent < 0, "exponent", spec.exponent, "< 0");
+  require_finite_number(std::isfinite(spec.eps) && spec.eps > 0, "eps", spec.eps, "> 0");
+  require_finite_number(std::isfinite(spec.scale) && spec.scale > 0, "scale", spec.scale, "> 0");
 }
 
 RootReport inverse_root(int n, const float* a, int lda, float* out, int ldo, const RootSpec& spec) {
@@ -165,7 +180,7 @@ RootReport inverse_root(int n, const float* a, int lda, float* out, int ldo, con
   load(n, a, lda, ws);
   try {
     if (compute_root(n, spec, ws, report)) {
-      store(n, ws.work.data(), out, ldo);
+      store_symmetric(n, ws.work.data(), out, ldo);
       return report;
     }
     float32_failure = non_finite_result(n, spec, report);
@@ -185,17 +200,21 @@ RootReport inverse_root(int n, const float* a, int lda, float* out, int ldo, con
   } catch (const NumericalError& error) {
     float64_failure = error.what();
   }
-  const double* result = ws64.work.data();
-  const std::size_t count = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
-  if (float64_failure.empty() &&
-      !std::all_of(result, result + count, [](double x) { return std::isfinite(static_cast<float>(x)); })) {
-    float64_failure = "result overflows float32, " + non_finite_result(n, spec, report);
+  const double* lower = ws64.work.data();
+  const std::size_t nn = static_cast<std::size_t>(n);
+  if (float64_failure.empty()) {
+    for (std::size_t j = 0; j < nn; ++j) {
+      if (!all_within<double, float>(lower + j * nn + j, nn - j)) {
+        float64_failure = "result overflows float32, " + non_finite_result(n, spec, report);
+        break;
+      }
+    }
   }
   if (!float64_failure.empty()) {
     throw NumericalError("[inverse_root] float32 attempt failed (" + float32_failure + "); float64 retry failed (" +
                          float64_failure + ")");
   }
-  store(n, result, out, ldo);
+  store_symmetric(n, lower, out, ldo);
   return report;
 }
 
@@ -210,7 +229,7 @@ RootReport inverse_root(int n, const double* a, int lda, double* out, int ldo, c
   if (!compute_root(n, spec, ws, report)) {
     throw NumericalError("[inverse_root] " + non_finite_result(n, spec, report));
   }
-  store(n, ws.work.data(), out, ldo);
+  store_symmetric(n, ws.work.data(), out, ldo);
   return report;
 }
 
