@@ -114,3 +114,35 @@ def test_failing_refresh_keeps_last_good_root_then_raises_naming_the_parameter(m
         with pytest.raises(asteria.RefreshError, match=r"parameter '0.weight'.*non-finite") as info:
             train(model, opt, 2)  # second failure in a row
         assert info.value.param == "0.weight"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_state_dict_round_trip_resumes_training(mode):
+    model, opt = make(mode)
+    with opt:
+        train(model, opt, 5)
+        saved = opt.state_dict()
+        params = [p.detach().clone() for p in model.parameters()]
+        continued = train(model, opt, 4)
+    model2, opt2 = make(mode)
+    with opt2:
+        with torch.no_grad():
+            for p, q in zip(model2.parameters(), params):
+                p.copy_(q)
+        opt2.load_state_dict(saved)
+        resumed = train(model2, opt2, 4)
+        assert opt2.runtime_stats()["step"] == 9
+    if mode == "sync":  # nothing is in flight in sync mode: the resumed run is the same run
+        assert resumed == continued
+    else:
+        assert abs(resumed[-1] - continued[-1]) < 0.05 * continued[-1]
+
+
+def test_load_state_dict_rejects_a_different_model():
+    _, opt = make("sync")
+    other = asteria.Shampoo(small_mlp(sizes=(8, 12, 4)).parameters(), runtime=asteria.RuntimeConfig(mode="sync"))
+    with opt, other:
+        with pytest.raises(ValueError, match="Invalid state_dict: its blocks"):
+            other.load_state_dict(opt.state_dict())
+        with pytest.raises(ValueError, match="Invalid state_dict='dict'"):
+            other.load_state_dict({"state": {}})

@@ -127,6 +127,8 @@ void init_runtime(nb::module_& m) {
       .def_prop_ro("num_blocks", &RefreshEngine::num_blocks)
       .def("block_dim", &RefreshEngine::block_dim, "block"_a)
       .def("depth", &RefreshEngine::depth, "block"_a)
+      .def("start_at", &RefreshEngine::start_at, "blocks"_a, "version"_a,
+           "Declares that versions before `version` will never be written (a resumed run starts there).")
       .def(
           "begin_snapshot",
           [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version, double timeout_s) {

@@ -84,6 +84,14 @@ const RefreshEngine::Block& RefreshEngine::block(std::int64_t id) const {
   return *blocks_[static_cast<std::size_t>(id)];
 }
 
+void RefreshEngine::start_at(const std::vector<std::int64_t>& blocks, std::int64_t version) {
+  if (version < 1) throw InvalidArgument("Invalid version=" + std::to_string(version) + ": must be >= 1");
+  for (const std::int64_t id : blocks) {
+    block(id).snapshots.retire_through(version - 1);
+    block(id).results.retire_through(version - 1);
+  }
+}
+
 void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version,
                                    std::chrono::nanoseconds timeout) {
   const auto deadline = Clock::now() + timeout;

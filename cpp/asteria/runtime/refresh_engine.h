@@ -59,6 +59,9 @@ class RefreshEngine {
   int block_dim(std::int64_t block) const;
   int depth(std::int64_t block) const;
 
+  // Declares that no version before `version` will ever be written for `blocks` (a run resumed from
+  // a checkpoint starts its versions there), so that the rings hand out buffers from that version on.
+  void start_at(const std::vector<std::int64_t>& blocks, std::int64_t version);
   // Claims the snapshot buffers of `version` for `blocks`, waiting up to `timeout` for jobs still
   // reading them, and returns nothing: the caller then fills buffer version % depth.
   void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);

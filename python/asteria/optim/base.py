@@ -171,6 +171,49 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         updated = weights * (1.0 - hyper["lr"] * hyper["weight_decay"]) - hyper["lr"] * direction
         group.scatter_params_(torch.where(F.batch_view(keep, weights), updated, weights))
 
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _layout(self) -> list[list]:
+        return [[g.group_index, list(g.shape), g.batch, [b.name for b in g.blocks]] for g in self._groups]
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The optimizer's full state: step, hyperparameters, every shape group's batched tensors
+        (factors, preconditioners in use, moments, counters) and the version each block uses.
+
+        Refreshes still in flight are not part of it: a run resumed from it re-bootstraps (its first
+        refresh is waited for at its own step), so the staleness bound holds from the first step."""
+        param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(g["params"])))}
+                        for g in self.param_groups]
+        return {
+            "format": "asteria.v1",
+            "step": self._step,
+            "layout": self._layout(),
+            "param_groups": param_groups,
+            "groups": [{k: v.detach().clone() for k, v in g.state.items()} for g in self._groups],
+            "versions": [list(fset.versions) for fset, _ in self._set_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
+        ``ValueError`` naming what differs otherwise, before anything is changed."""
+        check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
+                  type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+        if state_dict["layout"] != self._layout():
+            raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
+                             f"{self._layout()} (parameters or max_preconditioner_dim differ)")
+        for saved, group in zip(state_dict["groups"], self._groups):
+            if saved.keys() != group.state.keys():
+                raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
+                                 f"{sorted(group.state)} (a different optimizer class?)")
+        for saved, group in zip(state_dict["groups"], self._groups):
+            for key, tensor in saved.items():
+                group.state[key].copy_(tensor)
+        for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
+            fset.versions = list(versions)
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._step = state_dict["step"]
+        self._refresher.rebootstrap()
+
     # ---- reporting and life cycle ---------------------------------------------------------------
     def staleness(self) -> int:
         """Refresh intervals by which the most stale preconditioner in use lags its block's newest

@@ -45,6 +45,9 @@ class Refresher(ABC):
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
 
+    def rebootstrap(self) -> None:
+        """After a checkpoint load: the next refresh comes into use at its own step."""
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for ``runtime_stats()``."""
@@ -140,10 +143,14 @@ class AsyncRefresher(Refresher):
         self._snapshot_events: dict[torch.device, torch.cuda.Event | None] = {}
         self._bytes_to_host = 0
         self._bytes_to_device = 0
+        self._bootstrap_pending = config.bootstrap_sync
+
+    def rebootstrap(self) -> None:
+        self._bootstrap_pending = True
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule."""
-        if version == 1 and self.config.bootstrap_sync:
+        if self._bootstrap_pending:
             return step
         return step + self.config.staleness * self.interval
 
@@ -154,6 +161,10 @@ class AsyncRefresher(Refresher):
 
     def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
         due = self.activation_step(step, version)
+        self._bootstrap_pending = False
+        if self._newest_version == 0 and version > 1:  # resumed from a checkpoint
+            for ids in self.ids:
+                self.engine.start_at(ids, version)
         for index, (fset, request) in enumerate(zip(self.sets, requests)):
             self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
             side = self.side[fset.device]
