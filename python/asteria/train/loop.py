@@ -79,7 +79,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
     step_times: list[float] = []
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc=cfg.label, disable=not progress, leave=False)
+    bar = tqdm(range(1, cfg.steps + 1), desc=cfg.label, disable=not progress, leave=False, mininterval=0.5)
     with (out / "metrics.jsonl").open("w") as log:
         for step in bar:
             batch = stream.batch(cfg.batch_size).to(device)
@@ -88,7 +88,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss_value = float(loss)  # synchronizes, so the step time below is the whole step
+            loss_value = loss.item()  # synchronizes, so the step time below is the whole step
             step_times.append(time.perf_counter() - t0)
             record: dict[str, Any] = {"step": step, "loss": loss_value, "step_time": step_times[-1],
                                       "wall": time.perf_counter() - started}
