@@ -9,6 +9,23 @@
 // Columns: blocks/s over the timed pass (after one untimed warm-up block per thread);
 // resid = |A Q - Q diag(w)|_F / |A|_F and orth = |Q^T Q - I|_F / sqrt(n) on the first block.
 // For inverse_root (exponent -1/2) resid = |R A R - I|_F / sqrt(n) and orth is blank.
+//
+// Variants: LAPACK's ssyevd with a fresh or a reused workspace; ssyevr (MRRR); ssytrd + sorgtr +
+// sstedc('V'); ssytrd + sstedc('I') + Q Z by slarft/slarfb 128 wide; the shim's eigh (in-house
+// tridiagonalization, sstedc('I'), Q Z by packed 64-wide block reflectors through gemm on
+// 256-column slices); and the whole inverse_root (eigh + syrk), which uses eigh.
+//
+// Measured (blocks/s; resid ~9e-7, orth ~2e-6 for all but syevr, orth 2e-5..2e-4):
+//                          2-core dev VM, T=2     H200 host, 16 cores, T=16 (OPENBLAS_CORETYPE=SkylakeX)
+//                          n=1024 B=8  2048 B=4   n=1024 B=128   n=2048 B=48
+//   syevd reused workspace    17.2       2.49         69.3          10.1
+//   syevr (MRRR)              10.4       1.72         48.8           9.2
+//   eigh                      22.9       3.03         88.3          15.0
+//   inverse_root              20.3       2.69         78.2          13.3
+//   torch.linalg.eigh (MKL 2024.2, 16 Python threads x 1 MKL thread, same run):  87.8  12.7
+// Run to run, the H200 host varies by about 15% (MKL at n=1024 measured 88 to 111 blocks/s).
+// Without OPENBLAS_CORETYPE, OpenBLAS 0.3.21 does not recognise that CPU (family 6 model 207)
+// and runs its Prescott kernels: gemm at a quarter of the speed, eigh at 37 blocks/s.
 #include <algorithm>
 #include <barrier>
 #include <chrono>
@@ -51,7 +68,7 @@ namespace {
 using asteria::linalg::gemm;
 
 struct Scratch {
-  std::vector<float> a, z, d, e, tau, t, work;
+  std::vector<float> a, e, tau, t, work;
   std::vector<int> iwork, isuppz;
 };
 
@@ -102,8 +119,8 @@ void syevr_into(int n, const float* a, float* q, float* w, Scratch& s) {
   check("ssyevr", info);
 }
 
-// Householder tridiagonalization of a copy of `a` into s.a, d (= w), e and tau.
-void tridiagonalize(int n, const float* a, float* w, Scratch& s) {
+// LAPACK's Householder tridiagonalization of a copy of `a` into s.a, d (= w), e and tau.
+void sytrd_copy(int n, const float* a, float* w, Scratch& s) {
   const std::size_t nn = static_cast<std::size_t>(n);
   s.a.assign(a, a + nn * nn);
   grow(s.e, nn);
@@ -135,7 +152,7 @@ void stedc(const char* compz, int n, float* w, float* z, Scratch& s) {
 
 // Q from sytrd formed explicitly, then sstedc('V') computes Q Z itself.
 void orgtr_stedc_into(int n, const float* a, float* q, float* w, Scratch& s) {
-  tridiagonalize(n, a, w, s);
+  sytrd_copy(n, a, w, s);
   const std::size_t nn = static_cast<std::size_t>(n);
   std::copy(s.a.data(), s.a.data() + nn * nn, q);
   const int query = -1;
@@ -153,7 +170,7 @@ void orgtr_stedc_into(int n, const float* a, float* q, float* w, Scratch& s) {
 // sytrd + sstedc('I') + Q Z applied with block reflectors `nb` wide (sormtr uses ilaenv's 32:
 // its rank-32 gemm updates stream Z from memory n/32 times).
 void wide_backtransform_into(int n, const float* a, float* q, float* w, Scratch& s, int nb) {
-  tridiagonalize(n, a, w, s);
+  sytrd_copy(n, a, w, s);
   stedc("I", n, w, q, s);
   // sytrd('L') leaves H(i) = I - tau v v^T with v(i+1) = 1 and v(i+2:n) in a(i+2:n, i): the
   // reflectors of a QR factorization stored in a(2:n, 1:n-1), acting on rows 2:n of Z.
@@ -234,7 +251,9 @@ Result measure(const Variant& variant, bool is_root, int n, int threads,
       Scratch scratch;
       variant(n, blocks[t % blocks.size()].data(), q[t].data(), w[t].data(), scratch);  // warm-up
       sync.arrive_and_wait();
-      for (std::size_t b = t; b < blocks.size(); b += threads) variant(n, blocks[b].data(), q[t].data(), w[t].data(), scratch);
+      for (std::size_t b = t; b < blocks.size(); b += threads) {
+        variant(n, blocks[b].data(), q[t].data(), w[t].data(), scratch);
+      }
     });
   }
   sync.arrive_and_wait();
@@ -278,7 +297,7 @@ int main(int argc, char** argv) {
       {"sytrd+orgtr+stedc(V)", orgtr_stedc_into},
       {"sytrd+stedc+larfb nb=128",
        [](int n, const float* a, float* q, float* w, Scratch& s) { wide_backtransform_into(n, a, q, w, s, 128); }},
-      {"eigh (sytrd+stedc+panel Q)", eigh_into},
+      {"eigh", eigh_into},
       {"inverse_root(-1/2)",
        [&spec](int n, const float* a, float* r, float*, Scratch&) {
          asteria::linalg::inverse_root(n, a, n, r, n, spec);

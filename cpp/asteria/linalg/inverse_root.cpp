@@ -111,18 +111,22 @@ bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& rep
     syevd(n, q, /* lda = */ n, w, ws.work, ws.iwork);
   }
 
-  // The eigenvalues are ascending; the transform runs in double so that eps survives next to
-  // float32 eigenvalues.
+  // The eigenvalues are ascending. An infinite one (float32 overflow) would turn into a zero of
+  // the root and pass the finiteness check below, so it fails the attempt here.
   report.lambda_min = spec.scale * static_cast<double>(w[0]);
   report.lambda_max = spec.scale * static_cast<double>(w[n - 1]);
-  const double shift = spec.eps + std::max(0.0, -report.lambda_min);
+  if (!all_within(w, static_cast<std::size_t>(n))) return false;
+  // The transform runs in double so that eps survives next to float32 eigenvalues, and adds the
+  // offset before eps so that the smallest eigenvalue becomes exactly eps, not 0 after round-off.
+  const double offset = std::max(0.0, -report.lambda_min);
   const double half_exponent = spec.exponent / 2;
 
   // root = Q diag(lambda'^p) Q^T = B B^T with B = Q diag(lambda'^(p/2)): syrk forms only the lower
   // triangle of B B^T, n^3 flops where a gemm with Q^T would take 2 n^3.
   const std::size_t nn = static_cast<std::size_t>(n);
   for (std::size_t j = 0; j < nn; ++j) {
-    const T d = static_cast<T>(std::pow(spec.scale * static_cast<double>(w[j]) + shift, half_exponent));
+    const double regularized = (spec.scale * static_cast<double>(w[j]) + offset) + spec.eps;
+    const T d = static_cast<T>(std::pow(regularized, half_exponent));
     T* column = q + j * nn;
     for (std::size_t i = 0; i < nn; ++i) column[i] *= d;
   }

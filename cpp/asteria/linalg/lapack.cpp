@@ -189,7 +189,10 @@ void call_orgqr(const int* m, const int* n, const int* k, double* a, const int* 
 // such calls per column: with 16 threads each reducing its own matrix, a 0.4 us ssymv call took
 // 16 us and ssytrd ran 1.55x slower than alone (H200 host). The steps below take no lock.
 
-// GCC/Clang vector extensions; the clones of tridiagonalize() compile them to AVX-512, AVX2 or SSE2.
+constexpr int kTridiagonalPanel = 32;  // xSYTRD's block size and crossover
+
+// GCC/Clang vector extensions; the kernels of tridiagonalize() compile them to AVX-512, AVX2 or
+// the baseline (SSE2 on x86-64, NEON on aarch64).
 template <typename T, int N>
 struct VectorOf {
   typedef T type __attribute__((vector_size(N * sizeof(T))));
@@ -227,7 +230,11 @@ template <typename T, int N>
     fold_to_quad<T, N / 2>(half, quad);
   }
 }
-// {sum(a), sum(b), sum(c), sum(d)} by a transposing butterfly: five shuffles and four adds.
+template <typename T>
+[[gnu::always_inline]] inline T sum(const Quad<T>& q) {
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+// {sum(a), sum(b), sum(c), sum(d)} by a transposing butterfly: six shuffles and three adds.
 template <typename T>
 [[gnu::always_inline]] inline void sum4(const Quad<T>& a, const Quad<T>& b, const Quad<T>& c, const Quad<T>& d,
                                         Quad<T>& sums) {
@@ -283,9 +290,9 @@ template <typename T>
   }
   Quad<T> q;
   fold_to_quad<T, W>(s, q);
-  T sum = (q[0] + q[2]) + (q[1] + q[3]);
-  for (; i < n; ++i) sum += x[i] * y[i];
-  return sum;
+  T total = sum<T>(q);
+  for (; i < n; ++i) total += x[i] * y[i];
+  return total;
 }
 
 // (x . v, y . v)
@@ -302,12 +309,11 @@ template <typename T>
     sx += xi * vi;
     sy += yi * vi;
   }
-  Quad<T> qx, qy, sums;
+  Quad<T> qx, qy;
   fold_to_quad<T, W>(sx, qx);
   fold_to_quad<T, W>(sy, qy);
-  sum4<T>(qx, qy, Quad<T>{}, Quad<T>{}, sums);
-  xv = sums[0];
-  yv = sums[1];
+  xv = sum<T>(qx);
+  yv = sum<T>(qy);
   for (; i < n; ++i) {
     xv += x[i] * v[i];
     yv += y[i] * v[i];
@@ -415,7 +421,7 @@ template <typename T>
 
 template <typename T>
 [[gnu::always_inline]] inline void tridiagonalize_lower(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
-  constexpr int kPanel = 32;  // xSYTRD's block size and crossover
+  constexpr int kPanel = kTridiagonalPanel;
   const std::size_t ld = static_cast<std::size_t>(lda);
   const T one = 1, minus_one = -1;
   int i = 0;
@@ -436,19 +442,42 @@ template <typename T>
   check_info<T>("eigh", "sytd2", info, n);
 }
 
-#if defined(__x86_64__)
-#define ASTERIA_SIMD_CLONES [[gnu::target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")]]
-#else
-#define ASTERIA_SIMD_CLONES
-#endif
-
 // Reduces the lower triangle of `a` to tridiagonal form d, e with reflectors (a, tau) as
-// xSYTRD('L') does; `w` is n x 32 scratch.
-ASTERIA_SIMD_CLONES void tridiagonalize(int n, float* a, int lda, float* d, float* e, float* tau, float* w) {
+// xSYTRD('L') does; `w` is n x kTridiagonalPanel scratch. A build for baseline x86-64 also
+// compiles the kernel for AVX-512 and AVX2 and picks one once by CPU feature (not through
+// target_clones: its ifunc resolver runs before ThreadSanitizer is initialized and crashes the
+// sanitizer build); a build with -march at AVX2 or above uses its own target only.
+template <typename T>
+using TridiagonalizeKernel = void (*)(int n, T* a, int lda, T* d, T* e, T* tau, T* w);
+
+template <typename T>
+void tridiagonalize_baseline(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   tridiagonalize_lower(n, a, lda, d, e, tau, w);
 }
-ASTERIA_SIMD_CLONES void tridiagonalize(int n, double* a, int lda, double* d, double* e, double* tau, double* w) {
+
+#if defined(__x86_64__) && !defined(__AVX2__)
+#define ASTERIA_DISPATCH_BY_CPU 1
+template <typename T>
+[[gnu::target("arch=x86-64-v4")]] void tridiagonalize_avx512(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   tridiagonalize_lower(n, a, lda, d, e, tau, w);
+}
+template <typename T>
+[[gnu::target("arch=x86-64-v3")]] void tridiagonalize_avx2(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
+  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+}
+#endif
+
+template <typename T>
+void tridiagonalize(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
+  static const TridiagonalizeKernel<T> kernel = []() -> TridiagonalizeKernel<T> {
+#if defined(ASTERIA_DISPATCH_BY_CPU)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return &tridiagonalize_avx512<T>;
+    if (__builtin_cpu_supports("x86-64-v3")) return &tridiagonalize_avx2<T>;
+#endif
+    return &tridiagonalize_baseline<T>;
+  }();
+  kernel(n, a, lda, d, e, tau, w);
 }
 
 // The upper triangular T (ldt) of the block reflector H(0) ... H(k-1) = I - V T V^T, V (rows x k)
@@ -508,18 +537,18 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
   require_leading_dim("eigh", "lda", lda, n);
   if (n == 0) return;
 
-  // The tridiagonalization (xSYTRD('L')) leaves H(i) = I - tau(i) v v^T, v(i+1) = 1, v(i+2:n) in a(i+2:n, i), and
-  // Q = H(1) ... H(n-1): the reflectors of a QR factorization stored in a(2:n, 1:n-1), acting on
-  // rows 2:n. They are grouped into blocks of kBlock, H(block) = I - V T V^T.
+  // The tridiagonalization leaves, as xSYTRD('L') does, H(i) = I - tau(i) v v^T with v(i+1) = 1
+  // and v(i+2:n) in a(i+2:n, i), Q = H(1) ... H(n-1): the reflectors of a QR factorization stored
+  // in a(2:n, 1:n-1), acting on rows 2:n. They are grouped into blocks of kBlock,
+  // H(block) = I - V T V^T, with V packed block after block (block b is (m - b kBlock) x kBlock).
   constexpr int kBlock = 64;
   constexpr int kSlice = 256;
   const std::size_t nn = static_cast<std::size_t>(n);
   const int m = n - 1;  // rows the reflectors act on, and their number
   const int blocks = (m + kBlock - 1) / kBlock;
-  std::vector<std::size_t> v_offset(blocks + 1, 0);
-  for (int b = 0; b < blocks; ++b) {
-    v_offset[b + 1] = v_offset[b] + static_cast<std::size_t>(m - b * kBlock) * kBlock;
-  }
+  const auto v_offset = [m](int b) {
+    return static_cast<std::size_t>(kBlock) * (static_cast<std::size_t>(b) * m - kBlock * (b * (b - 1) / 2));
+  };
 
   int info = 0;
   const int query = -1;
@@ -530,11 +559,12 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
   check_info<T>("eigh", "stedc", info, n);
 
   // Layout of `work`: e | tau | packed V blocks | T blocks | two slice products | scratch of the
-  // tridiagonalization (n x 32), then of xSTEDC.
-  const std::size_t e_at = 0, tau_at = nn, v_at = 2 * nn, t_at = v_at + v_offset[blocks];
+  // tridiagonalization, then of xSTEDC.
+  const std::size_t e_at = 0, tau_at = nn, v_at = 2 * nn, t_at = v_at + v_offset(blocks);
   const std::size_t slice_at = t_at + static_cast<std::size_t>(blocks) * kBlock * kBlock;
   const std::size_t lapack_at = slice_at + 2 * static_cast<std::size_t>(kBlock) * kSlice;
-  const std::size_t lapack_size = std::max({queried_size(stedc_query), 1 + 4 * nn + nn * nn, 32 * nn});
+  const std::size_t lapack_size =
+      std::max({queried_size(stedc_query), 1 + 4 * nn + nn * nn, kTridiagonalPanel * nn});
   grow(work, lapack_at + lapack_size);
   grow(iwork, std::max(static_cast<std::size_t>(stedc_iwork_query), 3 + 5 * nn));
   T* e = work.data() + e_at;
@@ -550,7 +580,7 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
   const std::size_t ld = static_cast<std::size_t>(lda);
   for (int b = 0; b < blocks; ++b) {
     const int first = b * kBlock, width = std::min(kBlock, m - first), rows = m - first;
-    T* v = work.data() + v_at + v_offset[b];
+    T* v = work.data() + v_at + v_offset(b);
     T* t = work.data() + t_at + static_cast<std::size_t>(b) * kBlock * kBlock;
     for (int j = 0; j < width; ++j) {
       T* column = v + static_cast<std::size_t>(j) * rows;
@@ -574,7 +604,7 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
     T* z = a + 1 + c0 * ld;
     for (int b = blocks - 1; b >= 0; --b) {
       const int first = b * kBlock, width = std::min(kBlock, m - first), rows = m - first;
-      const T* v = work.data() + v_at + v_offset[b];
+      const T* v = work.data() + v_at + v_offset(b);
       const T* t = work.data() + t_at + static_cast<std::size_t>(b) * kBlock * kBlock;
       call_gemm("T", "N", &width, &slice, &rows, &one, v, /* lda = */ &rows, z + first, /* ldb = */ &lda, &zero, vtz,
                 /* ldc = */ &width);

@@ -16,13 +16,13 @@ namespace asteria::linalg {
 template <typename T>
 void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork);
 
-// The same contract as syevd, computed faster for the core's inverse roots: xSYTRD, then
-// xSTEDC('I') for the eigenvectors Z of the tridiagonal matrix, then Q Z formed here rather than
-// by xORMTR. xORMTR applies the Householder reflectors 32 at a time (xLARFB) and streams all of Z
-// through memory once per group; here they are grouped 64 wide and applied with gemm to 256-column
-// slices of Z, one cache-resident slice at a time: half the time of xORMTR, the same result up to
-// rounding. `work` also holds the packed reflectors (~n^2/2 entries next to xSTEDC's n^2).
-// Throws NumericalError("[eigh] ssytrd failed, ..."), "[eigh] sstedc failed, ...".
+// The same contract as syevd, computed faster for the core's inverse roots (bench/eigh_variants.cpp
+// measures it): a Householder tridiagonalization with the xSYTRD algorithm but in-house BLAS-2
+// steps (OpenBLAS serializes concurrent ?symv/?gemv calls on a lock), xSTEDC('I') for the
+// eigenvectors Z of the tridiagonal matrix, then Q Z formed here rather than by xORMTR: the
+// reflectors grouped 64 wide and applied through gemm to 256-column slices of Z, one
+// cache-resident slice at a time. `work` grows to about 1.5 n^2 entries.
+// Throws NumericalError("[eigh] sstedc failed, info=... (n=...)") on failure.
 template <typename T>
 void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork);
 
