@@ -1,10 +1,13 @@
 // Inverse roots checked against a reference that shares no code with LAPACK: a cyclic Jacobi
-// eigensolver in double, written here, and the identity root^(-1/p) A = I computed with plain
-// loops. Tolerances are float32's (about 1e-6 relative per operation) times the conditioning.
+// eigensolver in double, written here, and the identity root^p A = I for root = A^(-1/p),
+// computed with plain loops. Tolerances are float32's (about 1e-6 relative per operation) times
+// the conditioning.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
