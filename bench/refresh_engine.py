@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = args.blocks or [4 * args.cores] * len(args.sizes)
-    device = f"{cpu_name()}, {args.cores} cores; torch {torch.__version__}"
+    device = f"{cpu_name()}, {args.cores} cores, OpenBLAS kernels {_core.blas_core()}; torch {torch.__version__}"
     print(f"device: {device}")
     rows = []
     for n, count in zip(args.sizes, counts):

@@ -85,6 +85,9 @@ void init_runtime(nb::module_& m) {
   m.def("set_blas_threads", &runtime::set_blas_threads, "threads"_a,
         "Sets the thread count of the BLAS library the core links (OpenBLAS).");
   m.def("blas_threads", &runtime::blas_threads, "The BLAS library's current thread count.");
+  m.def("blas_core", &runtime::blas_core,
+        "The CPU kernel family OpenBLAS dispatches to; 'Prescott' on a modern CPU means slow generic kernels "
+        "(set OPENBLAS_CORETYPE before import to override).");
 
   nb::class_<RefreshEngine>(m, "RefreshEngine",
                             "Computes inverse roots of snapshotted factor matrices on C++ worker threads and "

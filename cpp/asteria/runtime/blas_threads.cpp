@@ -7,6 +7,7 @@
 
 extern "C" void openblas_set_num_threads(int);
 extern "C" int openblas_get_num_threads(void);
+extern "C" char* openblas_get_corename(void);
 
 namespace asteria::runtime {
 
@@ -31,5 +32,7 @@ int blas_threads() {
   std::lock_guard lock(setter_mutex());
   return openblas_get_num_threads();
 }
+
+const char* blas_core() { return openblas_get_corename(); }
 
 }  // namespace asteria::runtime

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
@@ -226,7 +227,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def runtime_stats(self) -> dict[str, Any]:
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy
         fraction, bytes copied between tiers, and skipped non-finite gradient steps."""
-        stats = {"mode": self.runtime.mode, "staleness_budget": self.runtime.staleness, "step": self._step}
+        stats = {"mode": self.runtime.mode, "staleness_budget": self.runtime.staleness, "step": self._step,
+                 "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))
         return stats

@@ -30,8 +30,6 @@ class Refresher(ABC):
         self.sets = sets
         self.config = config
         self.interval = interval
-        self._refreshes = 0
-        self._failures = 0
         self._newest_version = 0
 
     @abstractmethod
@@ -68,6 +66,8 @@ class SyncRefresher(Refresher):
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
+        self._refreshes = 0
+        self._failures = 0
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._last_error = "non-finite factor or root"
         self._seconds = 0.0
