@@ -35,9 +35,9 @@ def test_classifier_accuracy(mode):
             loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
             loss.backward()
             opt.step()
-            first = first if first is not None else float(loss)
+            first = first if first is not None else loss.item()
     accuracy = float((model(x).argmax(1) == labels).float().mean())
-    assert float(loss) < 0.25 * first
+    assert loss.item() < 0.25 * first
     assert accuracy > 0.9
 
 

@@ -178,10 +178,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The optimizer's full state: step, hyperparameters, every shape group's batched tensors
-        (factors, preconditioners in use, moments, counters) and the version each block uses.
-
-        Refreshes still in flight are not part of it: a run resumed from it re-bootstraps (its first
-        refresh is waited for at its own step), so the staleness bound holds from the first step."""
+        (factors, preconditioners in use, moments, counters), the version each block uses, and the
+        refreshes scheduled but not yet in use (as their snapshots, recomputed on load). With
+        ``deterministic=True`` a run resumed from it continues bit for bit."""
         param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(g["params"])))}
                         for g in self.param_groups]
         return {
@@ -191,6 +190,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             "param_groups": param_groups,
             "groups": [{k: v.detach().clone() for k, v in g.state.items()} for g in self._groups],
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
+            "refresher": self._refresher.state(self._step),
+            "runtime_mode": self.runtime.mode,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -198,6 +199,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         ``ValueError`` naming what differs otherwise, before anything is changed."""
         check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
                   type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+        if state_dict["runtime_mode"] != self.runtime.mode:
+            raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
+                             f"mode {self.runtime.mode!r}")
         if state_dict["layout"] != self._layout():
             raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                              f"{self._layout()} (parameters or max_preconditioner_dim differ)")
@@ -213,7 +217,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]
-        self._refresher.rebootstrap()
+        self._refresher.load_state(state_dict["refresher"])
 
     # ---- reporting and life cycle ---------------------------------------------------------------
     def staleness(self) -> int:

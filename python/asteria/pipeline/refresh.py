@@ -43,8 +43,13 @@ class Refresher(ABC):
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
 
-    def rebootstrap(self) -> None:
-        """After a checkpoint load: the next refresh comes into use at its own step."""
+    @abstractmethod
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at ``step`` must hold for a resumed run to continue bit for bit."""
+
+    @abstractmethod
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restores ``state()`` into a refresher over the same factor sets."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:
@@ -97,6 +102,13 @@ class SyncRefresher(Refresher):
     def activate(self, step: int) -> None:
         """Nothing to do: a sync refresh is in use from its own step."""
 
+    def state(self, step: int) -> dict[str, Any]:
+        return {"newest_version": self._newest_version, "consecutive_failures": [c.copy() for c in self._consecutive]}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._newest_version = state["newest_version"]
+        self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
+
     def stats(self) -> dict[str, Any]:
         return {
             "refreshes": self._refreshes,
@@ -144,9 +156,8 @@ class AsyncRefresher(Refresher):
         self._bytes_to_host = 0
         self._bytes_to_device = 0
         self._bootstrap_pending = config.bootstrap_sync
-
-    def rebootstrap(self) -> None:
-        self._bootstrap_pending = True
+        # Versions snapshotted but not yet activated: (version, activation step, requests).
+        self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule."""
@@ -162,9 +173,7 @@ class AsyncRefresher(Refresher):
     def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
         due = self.activation_step(step, version)
         self._bootstrap_pending = False
-        if self._newest_version == 0 and version > 1:  # resumed from a checkpoint
-            for ids in self.ids:
-                self.engine.start_at(ids, version)
+        self._scheduled.append((version, due, list(requests)))
         for index, (fset, request) in enumerate(zip(self.sets, requests)):
             self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
             side = self.side[fset.device]
@@ -205,6 +214,7 @@ class AsyncRefresher(Refresher):
     def activate(self, step: int) -> None:
         self._submit_ready(step)
         self._release_copied(block_all=False)
+        self._scheduled = [entry for entry in self._scheduled if not self._applied(entry, step)]
         try:
             changes = self.engine.activate(step, self.config.timeout_s)
         except _core.BlockFailure as failure:
@@ -217,6 +227,45 @@ class AsyncRefresher(Refresher):
             by_set.setdefault(index, []).append((block, version, block_id))
         for index, items in by_set.items():
             self._install(index, items)
+
+    def _applied(self, entry: tuple[int, int, list[RootRequest]], step: int) -> bool:
+        """Whether a scheduled version has had its turn: its activation step has passed (deterministic),
+        or every block uses it or a newer version (non-deterministic)."""
+        version, due, _ = entry
+        if self.config.deterministic:
+            return due <= step
+        return all(min(fset.versions) >= version for fset in self.sets)
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The versions not yet applied travel as their snapshots: recomputing them on the workers after a
+        resume gives the same bits (one BLAS thread per job), so the resumed run continues exactly."""
+        for _, _, _, _, event in self._pending_snapshots:
+            streams.wait(event)
+        scheduled = []
+        for version, due, requests in self._scheduled:
+            snapshots = [ring[version % self.depth].clone() for ring in self.snapshots]
+            scheduled.append({"version": version, "due": due, "requests": [(r.scale, r.eps) for r in requests],
+                              "snapshots": snapshots})
+        return {"newest_version": self._newest_version, "bootstrap_pending": self._bootstrap_pending,
+                "scheduled": scheduled}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._newest_version = state["newest_version"]
+        self._bootstrap_pending = state["bootstrap_pending"]
+        scheduled = state["scheduled"]
+        first = scheduled[0]["version"] if scheduled else self._newest_version + 1
+        for ids in self.ids:
+            self.engine.start_at(ids, first)
+        self._scheduled = []
+        for entry in scheduled:
+            version, due = entry["version"], entry["due"]
+            requests = [RootRequest(scale, eps) for scale, eps in entry["requests"]]
+            for index, (snapshot, request) in enumerate(zip(entry["snapshots"], requests)):
+                self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+                self.snapshots[index][version % self.depth].copy_(snapshot)
+                self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
+                                   request.scale)
+            self._scheduled.append((version, due, requests))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
         fset = self.sets[index]
