@@ -3,27 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
 
 namespace asteria::coherence {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// A deadline `timeout` from now, clamped so that "forever" (nanoseconds::max()) does not overflow.
-Clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
-  constexpr std::chrono::nanoseconds kForever = std::chrono::hours(24 * 365 * 100);
-  return Clock::now() + std::min(timeout, kForever);
-}
-
-std::string format_seconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3f s", seconds);
-  return text;
-}
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 std::string timeout_message(std::int64_t step, std::size_t block, std::int64_t awaited, double waited,
                             const BlockStatus& status, const RegistryConfig& config) {

@@ -4,21 +4,15 @@
 #include <chrono>
 #include <string>
 
+#include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
 
 namespace asteria::runtime {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 std::size_t matrix_bytes(int n) {
   return static_cast<std::size_t>(n) * static_cast<std::size_t>(n) * sizeof(float);
-}
-
-std::chrono::nanoseconds time_left(Clock::time_point deadline) {
-  return std::max(std::chrono::nanoseconds::zero(),
-                  std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()));
 }
 
 }  // namespace
@@ -94,7 +88,7 @@ void RefreshEngine::start_at(const std::vector<std::int64_t>& blocks, std::int64
 
 void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version,
                                    std::chrono::nanoseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   for (const std::int64_t id : blocks) block(id).snapshots.begin_write(version, time_left(deadline));
 }
 
@@ -189,7 +183,7 @@ void RefreshEngine::drain(std::chrono::nanoseconds timeout) {
     std::lock_guard lock(mutex_);
     jobs = in_flight_;
   }
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   for (const JobHandle& job : jobs) {
     try {
       job.wait(time_left(deadline));

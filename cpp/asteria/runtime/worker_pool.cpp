@@ -4,12 +4,11 @@
 #include <cstdio>
 #include <string>
 
+#include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
 #include "asteria/runtime/blas_threads.h"
 
 namespace asteria::runtime {
-
-using Clock = std::chrono::steady_clock;
 
 namespace detail {
 
@@ -36,18 +35,6 @@ struct JobRecord {
 namespace {
 
 using detail::JobRecord;
-
-// A deadline `timeout` from now, clamped so that "forever" (nanoseconds::max()) does not overflow.
-Clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
-  constexpr std::chrono::nanoseconds kForever = std::chrono::hours(24 * 365 * 100);
-  return Clock::now() + std::min(timeout, kForever);
-}
-
-std::string format_seconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3f s", seconds);
-  return text;
-}
 
 bool is_final(JobState state) {
   return state == JobState::kDone || state == JobState::kFailed || state == JobState::kCancelled;
