@@ -273,13 +273,13 @@ class AsyncRefresher(Refresher):
         results = self.results[index]
         versions = {version for _, version, _ in items}
         with side.staging():
-            if len(items) == fset.batch and len(versions) == 1:
+            if len(items) == fset.batch and len(versions) == 1:  # the usual case: one copy for the whole set
                 fset.roots.copy_(results[next(iter(versions)) % self.depth], non_blocking=side.cuda)
+                fset.has_root.fill_(True)
             else:
                 for block, version, _ in items:
                     fset.roots[block].copy_(results[version % self.depth, block], non_blocking=side.cuda)
-            blocks = torch.tensor([block for block, _, _ in items], device=fset.device)
-            fset.has_root.index_fill_(0, blocks, True)
+                    fset.has_root[block] = True
         event = side.record()
         side.main_waits(event)
         for block, version, _ in items:
