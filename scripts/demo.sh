@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python3 -m asteria.train.cli demo --out runs/demo --steps 300 "$@"
+python3 -m asteria.train.cli demo --out runs/demo --steps 300 --precondition-frequency 20 "$@"

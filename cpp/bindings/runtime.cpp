@@ -31,18 +31,23 @@ std::chrono::nanoseconds seconds_arg(double seconds, const char* name) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
 }
 
-// Checks that `ring` is (depth, n, n) with contiguous rows and columns, and returns the stride
-// between its buffers in elements.
-std::int64_t ring_stride(const Ring& ring, const char* name) {
+std::string shape_text(const Ring& ring) {
+  return "(" + std::to_string(ring.shape(0)) + ", " + std::to_string(ring.shape(1)) + ", " +
+         std::to_string(ring.shape(2)) + ")";
+}
+
+// Checks that `ring` is (depth, n + extra_rows, n) with contiguous rows and columns, and returns the
+// stride between its buffers in elements. `expected` describes the shape for the message.
+std::int64_t ring_stride(const Ring& ring, const char* name, std::size_t extra_rows, const std::string& expected) {
   const auto depth = ring.shape(0), rows = ring.shape(1), cols = ring.shape(2);
-  if (rows != cols || rows == 0 || depth == 0) {
-    throw InvalidArgument(std::string("Invalid ") + name + " shape (" + std::to_string(depth) + ", " +
-                          std::to_string(rows) + ", " + std::to_string(cols) + "): must be (depth, n, n) with depth, n >= 1");
+  if (rows != cols + extra_rows || cols == 0 || depth == 0) {
+    throw InvalidArgument(std::string("Invalid ") + name + " shape " + shape_text(ring) + ": must be " + expected +
+                          " with depth, n >= 1");
   }
   if (ring.stride(2) != 1 || ring.stride(1) != static_cast<std::int64_t>(cols)) {
     throw InvalidArgument(std::string("Invalid ") + name + " strides (" + std::to_string(ring.stride(0)) + ", " +
                           std::to_string(ring.stride(1)) + ", " + std::to_string(ring.stride(2)) +
-                          "): each n x n buffer must be contiguous");
+                          "): each buffer must be contiguous");
   }
   return ring.stride(0);
 }
@@ -90,7 +95,8 @@ void init_runtime(nb::module_& m) {
         "(set OPENBLAS_CORETYPE before import to override).");
 
   nb::class_<RefreshEngine>(m, "RefreshEngine",
-                            "Computes inverse roots of snapshotted factor matrices on C++ worker threads and "
+                            "Computes inverse roots (or SOAP eigenbases) of snapshotted factor matrices on C++ worker "
+                            "threads and "
                             "decides, by a deterministic or bounded-staleness schedule, which version each "
                             "block uses at each step. Memory is owned by the caller (pinned torch tensors) "
                             "and must outlive close().")
@@ -111,22 +117,36 @@ void init_runtime(nb::module_& m) {
           "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0)
       .def(
           "add_block",
-          [](RefreshEngine& e, Ring snapshots, Ring results) {
-            if (snapshots.shape(0) != results.shape(0) || snapshots.shape(1) != results.shape(1)) {
-              throw InvalidArgument("Invalid block rings: snapshots and results must have the same (depth, n, n) shape");
-            }
+          [](RefreshEngine& e, Ring snapshots, Ring results, const std::string& kind) {
             runtime::BlockMemory memory;
+            std::size_t extra_rows = 0;
+            if (kind == "eigenbasis") {
+              memory.kind = runtime::RefreshKind::kEigenbasis;
+              extra_rows = 2;
+            } else if (kind != "root") {
+              throw InvalidArgument("Invalid kind='" + kind + "': must be 'root' or 'eigenbasis'");
+            }
+            memory.snapshot_stride = ring_stride(snapshots, "snapshots", 0, "(depth, n, n)");
+            const std::string expected = extra_rows == 0 ? "(depth, n, n)" : "(depth, n + 2, n)";
+            memory.result_stride = ring_stride(results, "results", extra_rows, expected + " for kind='" + kind + "'");
+            if (results.shape(0) != snapshots.shape(0) || results.shape(2) != snapshots.shape(2)) {
+              throw InvalidArgument("Invalid results shape " + shape_text(results) + ": must be " + expected +
+                                    " = (" + std::to_string(snapshots.shape(0)) + ", " +
+                                    std::to_string(snapshots.shape(2) + extra_rows) + ", " +
+                                    std::to_string(snapshots.shape(2)) + ") to match snapshots " +
+                                    shape_text(snapshots) + " for kind='" + kind + "'");
+            }
             memory.n = static_cast<int>(snapshots.shape(1));
             memory.depth = static_cast<int>(snapshots.shape(0));
-            memory.snapshot_stride = ring_stride(snapshots, "snapshots");
-            memory.result_stride = ring_stride(results, "results");
             memory.snapshots = snapshots.data();
             memory.results = results.data();
             return e.add_block(memory);
           },
-          "snapshots"_a, "results"_a,
-          "Registers a block whose snapshot and result rings are (depth, n, n) float32 host arrays; version v "
-          "lives at index v % depth. Returns the block id.")
+          "snapshots"_a, "results"_a, "kind"_a = "root",
+          "Registers a block. `snapshots` is a (depth, n, n) float32 host array; `results` is (depth, n, n) for "
+          "kind='root' (inverse roots) or (depth, n + 2, n) for kind='eigenbasis' (rows 0..n-1: the basis Q, "
+          "vectors as columns; row n: eigenvalue estimates; row n + 1: the permutation of the previous basis's "
+          "columns, as floats). Version v lives at index v % depth. Returns the block id.")
       .def_prop_ro("num_blocks", &RefreshEngine::num_blocks)
       .def("block_dim", &RefreshEngine::block_dim, "block"_a)
       .def("depth", &RefreshEngine::depth, "block"_a)
@@ -142,12 +162,30 @@ void init_runtime(nb::module_& m) {
       .def(
           "submit",
           [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version,
-             std::int64_t activation_step, double exponent, double eps, double scale) {
-            e.submit(blocks, version, activation_step, linalg::RootSpec{exponent, eps, scale});
+             std::int64_t activation_step, double exponent, double eps, double scale, double skip_tol) {
+            e.submit(blocks, version, activation_step, linalg::RootSpec{exponent, eps, scale}, skip_tol);
           },
-          "blocks"_a, "version"_a, "activation_step"_a, "exponent"_a, "eps"_a, "scale"_a = 1.0,
+          "blocks"_a, "version"_a, "activation_step"_a, "exponent"_a, "eps"_a, "scale"_a = 1.0, "skip_tol"_a = 0.0,
           nb::call_guard<nb::gil_scoped_release>(),
-          "Publishes the filled snapshots and queues one refresh job per block, due at `activation_step`.")
+          "Publishes the filled snapshots and queues one refresh job per block, due at `activation_step`. "
+          "Eigenbasis blocks use `scale` and `skip_tol` only; their versions must be submitted in increasing "
+          "order with non-decreasing activation steps, since each job warm-starts from the newest good basis "
+          "before it (the first, with none, is a full eigendecomposition).")
+      .def(
+          "set_basis",
+          [](RefreshEngine& e, std::int64_t block, std::int64_t version,
+             nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> basis) {
+            const auto n = static_cast<std::size_t>(e.block_dim(block));
+            if (basis.shape(0) != n || basis.shape(1) != n) {
+              throw InvalidArgument("Invalid basis shape (" + std::to_string(basis.shape(0)) + ", " +
+                                    std::to_string(basis.shape(1)) + "): must be (n, n) = (" + std::to_string(n) +
+                                    ", " + std::to_string(n) + ")");
+            }
+            e.set_basis(block, version, basis.data());
+          },
+          "block"_a, "version"_a, "basis"_a,
+          "Seeds an eigenbasis block's warm-start chain with the good basis (n, n) of `version` (copied), e.g. the "
+          "basis in use when a run resumes; the next submitted version warm-starts from it.")
       .def(
           "activate",
           [](RefreshEngine& e, std::int64_t step, double timeout_s) {
@@ -189,6 +227,7 @@ void init_runtime(nb::module_& m) {
         d["refreshes_ok"] = s.refreshes_ok;
         d["refreshes_failed"] = s.refreshes_failed;
         d["float64_retries"] = s.float64_retries;
+        d["refreshes_skipped"] = s.refreshes_skipped;
         d["refresh_seconds"] = s.refresh_seconds;
         return d;
       });

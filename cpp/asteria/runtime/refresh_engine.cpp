@@ -2,10 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <string>
 
 #include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
+#include "asteria/linalg/eigenbasis.h"
 
 namespace asteria::runtime {
 
@@ -15,21 +19,43 @@ std::size_t matrix_bytes(int n) {
   return static_cast<std::size_t>(n) * static_cast<std::size_t>(n) * sizeof(float);
 }
 
+// Elements of one result buffer: the root, or the basis plus its estimates and permutation rows.
+std::int64_t result_elements(int n, RefreshKind kind) {
+  const std::int64_t rows = kind == RefreshKind::kEigenbasis ? n + 2 : n;
+  return rows * n;
+}
+
+std::string block_name(std::int64_t id) { return "block " + std::to_string(id); }
+
 }  // namespace
 
 struct RefreshEngine::Block {
   Block(std::int64_t id, const BlockMemory& memory)
       : n(memory.n),
+        kind(memory.kind),
         snapshots(reinterpret_cast<std::byte*>(memory.snapshots), matrix_bytes(memory.n),
                   static_cast<std::size_t>(memory.snapshot_stride) * sizeof(float), memory.depth,
                   "block " + std::to_string(id) + " snapshots"),
-        results(reinterpret_cast<std::byte*>(memory.results), matrix_bytes(memory.n),
+        results(reinterpret_cast<std::byte*>(memory.results),
+                static_cast<std::size_t>(result_elements(memory.n, memory.kind)) * sizeof(float),
                 static_cast<std::size_t>(memory.result_stride) * sizeof(float), memory.depth,
                 "block " + std::to_string(id) + " results") {}
 
   const int n;
+  const RefreshKind kind;
   store::VersionedRing snapshots;
   store::VersionedRing results;
+
+  // The eigenbasis chain, submission side; guarded by the engine's mutex_.
+  std::optional<JobHandle> last_job;
+  std::int64_t last_version = 0;  // newest version submitted or seeded
+  std::int64_t last_activation_step = std::numeric_limits<std::int64_t>::min();
+
+  // The eigenbasis chain, job side. The block's jobs already run one at a time, each waiting for its
+  // predecessor; the mutex makes that visible and protects set_basis().
+  std::mutex chain_mutex;
+  std::vector<float> good_basis;  // guarded by chain_mutex; n x n, torch layout
+  std::int64_t good_version = 0;  // guarded by chain_mutex; 0: no good basis yet
 };
 
 RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(config.registry) {
@@ -47,10 +73,16 @@ std::int64_t RefreshEngine::add_block(const BlockMemory& memory) {
   if (memory.depth < 1) {
     throw InvalidArgument("Invalid depth=" + std::to_string(memory.depth) + ": must be >= 1");
   }
+  if (memory.kind != RefreshKind::kInverseRoot && memory.kind != RefreshKind::kEigenbasis) {
+    throw InvalidArgument("Invalid kind=" + std::to_string(static_cast<int>(memory.kind)));
+  }
   const std::int64_t elems = static_cast<std::int64_t>(memory.n) * memory.n;
-  if (memory.depth > 1 && (memory.snapshot_stride < elems || memory.result_stride < elems)) {
+  const std::int64_t result_elems = result_elements(memory.n, memory.kind);
+  if (memory.depth > 1 && (memory.snapshot_stride < elems || memory.result_stride < result_elems)) {
     throw InvalidArgument("Invalid strides (snapshots " + std::to_string(memory.snapshot_stride) + ", results " +
-                          std::to_string(memory.result_stride) + "): must be >= n*n = " + std::to_string(elems));
+                          std::to_string(memory.result_stride) + "): must be >= n*n = " + std::to_string(elems) +
+                          " and >= " + std::to_string(result_elems) +
+                          (memory.kind == RefreshKind::kEigenbasis ? " = (n+2)*n" : " = n*n"));
   }
   if (memory.snapshots == nullptr || memory.results == nullptr) {
     throw InvalidArgument("Invalid block memory: snapshot and result buffers must not be null");
@@ -93,16 +125,41 @@ void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std:
 }
 
 void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t version,
-                           std::int64_t activation_step, const linalg::RootSpec& spec) {
-  linalg::validate(spec);
+                           std::int64_t activation_step, const linalg::RootSpec& spec, double skip_tol) {
+  const bool any_root = std::any_of(blocks.begin(), blocks.end(),
+                                    [&](std::int64_t id) { return block(id).kind == RefreshKind::kInverseRoot; });
+  if (any_root) {
+    linalg::validate(spec);
+  } else if (!(std::isfinite(spec.scale) && spec.scale > 0)) {
+    throw InvalidArgument("Invalid scale=" + std::to_string(spec.scale) + ": must be a finite number > 0");
+  }
+  if (!(std::isfinite(skip_tol) && skip_tol >= 0)) {
+    throw InvalidArgument("Invalid skip_tol=" + std::to_string(skip_tol) + ": must be a finite number >= 0");
+  }
   {
     std::lock_guard lock(mutex_);
     if (closed_) throw CancelledError("[RefreshEngine::submit] the engine is closed");
+    for (const std::int64_t id : blocks) {
+      const Block& b = block(id);
+      if (b.kind != RefreshKind::kEigenbasis) continue;
+      if (version <= b.last_version || activation_step < b.last_activation_step) {
+        throw InvalidArgument("[RefreshEngine::submit] " + block_name(id) + ": eigenbasis version " +
+                              std::to_string(version) + " (activation step " + std::to_string(activation_step) +
+                              ") must come after version " + std::to_string(b.last_version) +
+                              " with an activation step >= " + std::to_string(b.last_activation_step) +
+                              ": each job warm-starts from the one before");
+      }
+    }
     // Ended jobs are dropped here so that the list only ever holds the work in flight.
     std::erase_if(in_flight_, [](const JobHandle& job) { return job.finished(); });
   }
   for (const std::int64_t id : blocks) {
     Block& b = block(id);
+    std::optional<JobHandle> previous;
+    if (b.kind == RefreshKind::kEigenbasis) {
+      std::lock_guard lock(mutex_);
+      previous = b.last_job;
+    }
     b.snapshots.publish(version);
     // The job's pin keeps the snapshot intact until the job has read it; retiring it right away lets
     // the buffer be reused as soon as that pin is released.
@@ -111,21 +168,50 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
     registry_.note_snapshot(id, version, activation_step);
     JobHandle job;
     try {
-      job = pool_->submit(activation_step, [this, id, version, spec] { run_job(id, version, spec); });
+      job = pool_->submit(activation_step, [this, id, version, spec, skip_tol, previous] {
+        run_job(id, version, spec, skip_tol, previous);
+      });
     } catch (const CancelledError& e) {
       b.snapshots.release(version);
       registry_.note_finished(id, version, false, e.what());
       throw;
     }
     std::lock_guard lock(mutex_);
+    if (b.kind == RefreshKind::kEigenbasis) {
+      b.last_job = job;
+      b.last_version = version;
+      b.last_activation_step = activation_step;
+    }
     in_flight_.push_back(std::move(job));
   }
 }
 
-void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec) {
+void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float* basis) {
+  Block& b = block(id);
+  const std::string where = "[RefreshEngine::set_basis] " + block_name(id) + ": ";
+  if (b.kind != RefreshKind::kEigenbasis) throw InvalidArgument(where + "not an eigenbasis block");
+  if (basis == nullptr) throw InvalidArgument(where + "Invalid null basis");
+  const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+  if (!std::all_of(basis, basis + nn, [](float x) { return std::isfinite(x); })) {
+    throw InvalidArgument(where + "the basis of version " + std::to_string(version) + " is not finite");
+  }
+  std::lock_guard lock(mutex_);
+  if (version < 1 || version < b.last_version || (b.last_job && !b.last_job->finished())) {
+    throw InvalidArgument(where + "Invalid version=" + std::to_string(version) +
+                          ": must be >= 1 and >= the newest submitted version " + std::to_string(b.last_version) +
+                          ", with no eigenbasis job of the block in flight");
+  }
+  b.last_version = version;
+  std::lock_guard chain(b.chain_mutex);
+  b.good_basis.assign(basis, basis + nn);
+  b.good_version = version;
+}
+
+void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec, double skip_tol,
+                            const std::optional<JobHandle>& previous) {
   Block& b = block(id);
   const auto started = Clock::now();
-  bool used_float64 = false;
+  JobOutcome outcome;
   std::string error;
   try {
     // Same buffer that submit() pinned: acquiring again only reads its address.
@@ -133,13 +219,28 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     b.snapshots.release(version);
     float* output = nullptr;
     try {
+      if (previous) {
+        // The previous job of the chain was dequeued before this one (submit() keeps the chain's
+        // deadlines in order), so it is running or has ended; its failure is in the registry already.
+        try {
+          previous->wait(config_.slot_timeout);
+        } catch (const TimeoutError& e) {
+          throw TimeoutError("[RefreshEngine] " + block_name(id) + " version " + std::to_string(version) +
+                             ": the previous eigenbasis job did not end: " + e.what());
+        } catch (const std::exception&) {
+        }
+      }
       output = reinterpret_cast<float*>(b.results.begin_write(version, config_.slot_timeout));
     } catch (...) {
       b.snapshots.release(version);
       throw;
     }
     try {
-      used_float64 = linalg::inverse_root(b.n, input, b.n, output, b.n, spec).used_float64;
+      if (b.kind == RefreshKind::kInverseRoot) {
+        outcome.used_float64 = linalg::inverse_root(b.n, input, b.n, output, b.n, spec).used_float64;
+      } else {
+        outcome = compute_eigenbasis(b, version, input, output, spec, skip_tol);
+      }
     } catch (...) {
       b.snapshots.release(version);
       b.results.fail(version);
@@ -157,10 +258,34 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
   {
     std::lock_guard lock(mutex_);
     (error.empty() ? refreshes_ok_ : refreshes_failed_) += 1;
-    float64_retries_ += used_float64 ? 1 : 0;
+    float64_retries_ += outcome.used_float64 ? 1 : 0;
+    refreshes_skipped_ += outcome.skipped ? 1 : 0;
     refresh_seconds_ += seconds;
   }
   registry_.note_finished(id, version, error.empty(), error);
+}
+
+RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64_t version, const float* input,
+                                                            float* output, const linalg::RootSpec& spec,
+                                                            double skip_tol) {
+  const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+  float* q = output;
+  float* estimates = output + nn;
+  float* perm = estimates + b.n;
+  JobOutcome outcome;
+  std::lock_guard chain(b.chain_mutex);
+  if (b.good_version == 0) {
+    outcome.used_float64 = linalg::eigenbasis(b.n, input, q, estimates, spec.scale).used_float64;
+    std::iota(perm, perm + b.n, 0.0f);
+  } else {
+    const linalg::BasisReport report =
+        linalg::qr_refresh(b.n, input, b.good_basis.data(), q, estimates, perm, spec.scale, skip_tol);
+    outcome.used_float64 = report.used_float64;
+    outcome.skipped = report.skipped;
+  }
+  b.good_basis.assign(q, q + nn);
+  b.good_version = version;
+  return outcome;
 }
 
 std::vector<coherence::Activation> RefreshEngine::activate(std::int64_t step, std::chrono::nanoseconds timeout) {
@@ -224,6 +349,7 @@ EngineStats RefreshEngine::stats() const {
   out.refreshes_ok = refreshes_ok_;
   out.refreshes_failed = refreshes_failed_;
   out.float64_retries = float64_retries_;
+  out.refreshes_skipped = refreshes_skipped_;
   out.refresh_seconds = refresh_seconds_;
   return out;
 }

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,8 +25,18 @@ struct EngineConfig {
   std::chrono::nanoseconds slot_timeout = std::chrono::seconds(300);  // workers waiting for a result buffer
 };
 
-// Where one block's memory lives. Both rings hold `depth` buffers of n x n float32, buffer i at
-// base + i * stride (elements). The memory belongs to the caller and must stay valid until close().
+// What a block's jobs compute from its snapshot A.
+enum class RefreshKind {
+  kInverseRoot,  // (scale A + ...)^exponent, linalg::inverse_root
+  kEigenbasis,   // SOAP's eigenbasis: linalg::eigenbasis first, then linalg::qr_refresh warm-started
+};
+
+// Where one block's memory lives. Both rings hold `depth` buffers, buffer i at base + i * stride
+// (elements): snapshots n x n float32; results n x n for kInverseRoot and (n + 2) x n for
+// kEigenbasis (rows 0..n-1 the basis Q in torch's layout, Q[i * n + j] component i of vector j;
+// row n the eigenvalue estimates, the eigenvalues for a block's first, full decomposition; row n + 1
+// the permutation applied to the previous basis's order, as floats). The memory belongs to the
+// caller and must stay valid until close().
 struct BlockMemory {
   int n = 0;
   int depth = 1;
@@ -32,6 +44,7 @@ struct BlockMemory {
   std::int64_t snapshot_stride = 0;
   float* results = nullptr;
   std::int64_t result_stride = 0;
+  RefreshKind kind = RefreshKind::kInverseRoot;
 };
 
 struct EngineStats {
@@ -40,6 +53,7 @@ struct EngineStats {
   std::uint64_t refreshes_ok = 0;
   std::uint64_t refreshes_failed = 0;
   std::uint64_t float64_retries = 0;
+  std::uint64_t refreshes_skipped = 0;  // eigenbasis refreshes that kept the previous basis (skip_tol)
   double refresh_seconds = 0.0;  // summed numerics time over jobs
 };
 
@@ -67,8 +81,19 @@ class RefreshEngine {
   void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);
   // Publishes the filled snapshots of `version` and queues one job per block computing the root
   // `spec` into the block's result ring. The jobs are due at `activation_step` (their deadline).
+  // kEigenbasis blocks use spec.scale only (exponent and eps are neither used nor validated) and
+  // `skip_tol` (>= 0, see linalg::qr_refresh). A block's eigenbasis jobs form a chain: job v starts
+  // from the basis of the newest version before v that succeeded (or the one given to set_basis),
+  // and the block's first job, with none, decomposes fully. The chain needs each block's eigenbasis
+  // versions submitted in increasing order with non-decreasing activation steps (so that the pool
+  // starts them in that order); anything else throws InvalidArgument before any block is touched.
   void submit(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step,
-              const linalg::RootSpec& spec);
+              const linalg::RootSpec& spec, double skip_tol = 0.0);
+  // Seeds a kEigenbasis block's chain with the good basis `basis` (n x n, torch layout, copied) of
+  // `version` (>= 1): a run resumed from a checkpoint warm-starts its next job from the basis in use.
+  // Throws InvalidArgument for an inverse-root block, a version not after the newest submitted one,
+  // or a non-finite basis. Must not race with submit() for the same block.
+  void set_basis(std::int64_t block, std::int64_t version, const float* basis);
 
   // Chooses the versions in use at `step` (CoherenceRegistry::activate) and pins the result buffer
   // of every block whose version changes; the caller copies it and then calls release().
@@ -88,7 +113,16 @@ class RefreshEngine {
 
  private:
   struct Block;
-  void run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec);
+  // What a job computed, for the counters.
+  struct JobOutcome {
+    bool used_float64 = false;
+    bool skipped = false;
+  };
+  // `previous` is the block's previous eigenbasis job (empty for inverse roots and a chain's first).
+  void run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec, double skip_tol,
+               const std::optional<JobHandle>& previous);
+  JobOutcome compute_eigenbasis(Block& b, std::int64_t version, const float* input, float* output,
+                                const linalg::RootSpec& spec, double skip_tol);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
 
@@ -100,6 +134,7 @@ class RefreshEngine {
   std::uint64_t refreshes_ok_ = 0;            // guarded by mutex_
   std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
   std::uint64_t float64_retries_ = 0;         // guarded by mutex_
+  std::uint64_t refreshes_skipped_ = 0;       // guarded by mutex_
   double refresh_seconds_ = 0.0;              // guarded by mutex_
   bool closed_ = false;                       // guarded by mutex_
   std::unique_ptr<WorkerPool> pool_;

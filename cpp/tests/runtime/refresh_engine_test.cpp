@@ -3,11 +3,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <vector>
 
 #include "asteria/common/errors.h"
+#include "asteria/linalg/eigenbasis.h"
+#include "asteria/runtime/blas_threads.h"
 
 namespace asteria::runtime {
 namespace {
@@ -143,6 +148,203 @@ TEST(RefreshEngine, CloseCancelsQueuedWorkAndRefusesMore) {
   EXPECT_THROW(engine.activate(100, 10ms), CancelledError);
   const auto stats = engine.stats();
   EXPECT_EQ(stats.pool.completed + stats.pool.cancelled, 16u);
+}
+
+// Eigenbasis blocks: (n + 2) x n results, a chain of warm-started jobs.
+
+// G G^T / (2n) + 0.1 I with G n x 2n Gaussian, in torch's row-major layout.
+std::vector<float> random_factor(int n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const int cols = 2 * n;
+  std::vector<float> g(static_cast<std::size_t>(n) * cols);
+  for (float& x : g) x = normal(rng);
+  std::vector<float> a(static_cast<std::size_t>(n) * n);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double sum = 0;
+      for (int k = 0; k < cols; ++k) sum += static_cast<double>(g[i * cols + k]) * g[j * cols + k];
+      a[i * n + j] = static_cast<float>(sum / cols + (i == j ? 0.1 : 0.0));
+    }
+  }
+  return a;
+}
+
+struct BasisRings {
+  BasisRings(int depth, int n)
+      : n(n), depth(depth), snapshots(static_cast<std::size_t>(depth * n * n)),
+        results(static_cast<std::size_t>(depth * (n + 2) * n)) {}
+  BlockMemory memory() {
+    BlockMemory m{n, depth, snapshots.data(), static_cast<std::int64_t>(n) * n, results.data(),
+                  static_cast<std::int64_t>(n + 2) * n};
+    m.kind = RefreshKind::kEigenbasis;
+    return m;
+  }
+  float* snapshot(std::int64_t version) { return snapshots.data() + (version % depth) * n * n; }
+  std::vector<float> result(std::int64_t version) const {
+    const float* begin = results.data() + (version % depth) * (n + 2) * n;
+    return std::vector<float>(begin, begin + (n + 2) * n);
+  }
+  int n, depth;
+  std::vector<float> snapshots;
+  std::vector<float> results;
+};
+
+// What the chain must produce: (n + 2) x n buffers from direct calls.
+std::vector<float> direct_eigenbasis(int n, const std::vector<float>& a, double scale) {
+  std::vector<float> out(static_cast<std::size_t>(n + 2) * n);
+  linalg::eigenbasis(n, a.data(), out.data(), out.data() + n * n, scale);
+  for (int j = 0; j < n; ++j) out[(n + 1) * n + j] = static_cast<float>(j);
+  return out;
+}
+
+std::vector<float> direct_refresh(int n, const std::vector<float>& a, const std::vector<float>& previous,
+                                  double scale, double skip_tol) {
+  std::vector<float> out(static_cast<std::size_t>(n + 2) * n);
+  linalg::qr_refresh(n, a.data(), previous.data(), out.data(), out.data() + n * n, out.data() + (n + 1) * n, scale,
+                     skip_tol);
+  return out;
+}
+
+bool bitwise_equal(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+
+constexpr double kBasisScale = 1.5;
+
+// Runs versions 1..factors.size() of one eigenbasis block (a NaN factor fails its version) and
+// returns the result buffers of all versions (empty for failed ones).
+std::vector<std::vector<float>> run_chain(int workers, const std::vector<std::vector<float>>& factors,
+                                          double skip_tol = 0.0, EngineStats* stats = nullptr) {
+  const int n = static_cast<int>(std::sqrt(static_cast<double>(factors[0].size())));
+  const int depth = static_cast<int>(factors.size()) + 1;
+  RefreshEngine engine(config(/*staleness=*/depth - 1, workers));
+  BasisRings rings(depth, n);
+  const auto block = engine.add_block(rings.memory());
+  for (std::size_t i = 0; i < factors.size(); ++i) {
+    const std::int64_t version = static_cast<std::int64_t>(i) + 1;
+    engine.begin_snapshot({block}, version, 1s);
+    std::copy(factors[i].begin(), factors[i].end(), rings.snapshot(version));
+    engine.submit({block}, version, /*activation_step=*/10 * version, linalg::RootSpec{0.0, 0.0, kBasisScale},
+                  skip_tol);
+  }
+  engine.drain(10s);
+  std::vector<std::vector<float>> out;
+  for (std::size_t i = 0; i < factors.size(); ++i) {
+    const std::int64_t version = static_cast<std::int64_t>(i) + 1;
+    const bool ok = std::all_of(factors[i].begin(), factors[i].end(), [](float x) { return std::isfinite(x); });
+    EXPECT_GE(engine.status(block).newest_finished, version);
+    out.push_back(ok ? rings.result(version) : std::vector<float>{});
+  }
+  if (stats != nullptr) *stats = engine.stats();
+  return out;
+}
+
+TEST(RefreshEngineEigenbasis, ChainMatchesDirectCallsBitForBitWithAnyWorkerCount) {
+  set_blas_threads(1);
+  constexpr int kN = 24;
+  const std::vector<std::vector<float>> factors = {random_factor(kN, 1), random_factor(kN, 2),
+                                                   random_factor(kN, 3)};
+  const auto v1 = direct_eigenbasis(kN, factors[0], kBasisScale);
+  const auto basis = [](const std::vector<float>& result) {
+    return std::vector<float>(result.begin(), result.begin() + kN * kN);
+  };
+  const auto v2 = direct_refresh(kN, factors[1], basis(v1), kBasisScale, 0);
+  const auto v3 = direct_refresh(kN, factors[2], basis(v2), kBasisScale, 0);
+  EngineStats stats;
+  const auto one_worker = run_chain(1, factors, 0.0, &stats);
+  ASSERT_EQ(one_worker.size(), 3u);
+  EXPECT_TRUE(bitwise_equal(one_worker[0], v1));
+  EXPECT_TRUE(bitwise_equal(one_worker[1], v2));
+  EXPECT_TRUE(bitwise_equal(one_worker[2], v3));
+  EXPECT_EQ(stats.refreshes_ok, 3u);
+  EXPECT_EQ(stats.refreshes_skipped, 0u);
+  const auto four_workers = run_chain(4, factors);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(bitwise_equal(four_workers[i], one_worker[i])) << "version " << i + 1;
+}
+
+TEST(RefreshEngineEigenbasis, FailedVersionIsSkippedByTheChain) {
+  set_blas_threads(1);
+  constexpr int kN = 16;
+  std::vector<std::vector<float>> factors = {random_factor(kN, 4), random_factor(kN, 5), random_factor(kN, 6)};
+  factors[1][0] = NAN;
+  const auto v1 = direct_eigenbasis(kN, factors[0], kBasisScale);
+  const auto v3 = direct_refresh(kN, factors[2], std::vector<float>(v1.begin(), v1.begin() + kN * kN), kBasisScale, 0);
+  for (const int workers : {1, 4}) {
+    EngineStats stats;
+    const auto results = run_chain(workers, factors, 0.0, &stats);
+    EXPECT_TRUE(bitwise_equal(results[0], v1));
+    EXPECT_TRUE(results[1].empty());
+    EXPECT_TRUE(bitwise_equal(results[2], v3)) << workers << " workers";
+    EXPECT_EQ(stats.refreshes_ok, 2u);
+    EXPECT_EQ(stats.refreshes_failed, 1u);
+  }
+}
+
+TEST(RefreshEngineEigenbasis, FirstVersionFailingLeavesTheNextToDecomposeFully) {
+  constexpr int kN = 8;
+  std::vector<std::vector<float>> factors = {random_factor(kN, 7), random_factor(kN, 8)};
+  factors[0][3] = INFINITY;
+  const auto results = run_chain(2, factors);
+  EXPECT_TRUE(results[0].empty());
+  EXPECT_TRUE(bitwise_equal(results[1], direct_eigenbasis(kN, factors[1], kBasisScale)));
+}
+
+TEST(RefreshEngineEigenbasis, SkipsAndCountsANearlyDiagonalRefresh) {
+  constexpr int kN = 12;
+  const std::vector<float> factor = random_factor(kN, 9);
+  EngineStats stats;
+  const auto results = run_chain(1, {factor, factor}, /*skip_tol=*/1e-3, &stats);
+  EXPECT_EQ(stats.refreshes_skipped, 1u);
+  EXPECT_EQ(std::memcmp(results[0].data(), results[1].data(), kN * kN * sizeof(float)), 0);
+  for (int j = 0; j < kN; ++j) EXPECT_EQ(results[1][(kN + 1) * kN + j], static_cast<float>(j));
+}
+
+TEST(RefreshEngineEigenbasis, SetBasisSeedsTheChain) {
+  constexpr int kN = 8, kDepth = 2;
+  RefreshEngine engine(config(/*staleness=*/1, /*workers=*/2));
+  BasisRings rings(kDepth, kN);
+  const auto block = engine.add_block(rings.memory());
+  const std::vector<float> seed_factor = random_factor(kN, 10), factor = random_factor(kN, 11);
+  const auto seed = direct_eigenbasis(kN, seed_factor, 1.0);
+  const std::vector<float> basis(seed.begin(), seed.begin() + kN * kN);
+  engine.start_at({block}, 6);
+  engine.set_basis(block, 5, basis.data());
+  engine.begin_snapshot({block}, 6, 1s);
+  std::copy(factor.begin(), factor.end(), rings.snapshot(6));
+  engine.submit({block}, 6, 60, linalg::RootSpec{0.0, 0.0, 1.0});
+  engine.drain(5s);
+  EXPECT_TRUE(bitwise_equal(rings.result(6), direct_refresh(kN, factor, basis, 1.0, 0.0)));
+  EXPECT_THROW(engine.set_basis(block, 5, basis.data()), InvalidArgument);  // not after version 6
+}
+
+TEST(RefreshEngineEigenbasis, RejectsBadArguments) {
+  constexpr int kN = 4;
+  RefreshEngine engine(config(/*staleness=*/1));
+  BasisRings rings(2, kN);
+  BlockMemory short_stride = rings.memory();
+  short_stride.result_stride = kN * kN;
+  EXPECT_THROW(engine.add_block(short_stride), InvalidArgument);
+  const auto block = engine.add_block(rings.memory());
+  Rings root_rings(1, kN);
+  const auto root_block = engine.add_block(root_rings.memory(1));
+  std::vector<float> basis(kN * kN, 0.0f);
+  EXPECT_THROW(engine.set_basis(root_block, 1, basis.data()), InvalidArgument);
+  basis[1] = NAN;
+  EXPECT_THROW(engine.set_basis(block, 1, basis.data()), InvalidArgument);
+
+  engine.start_at({block}, 2);
+  engine.begin_snapshot({block}, 2, 1s);
+  fill_diagonal(rings.snapshot(2), kN, 1.0f);
+  EXPECT_THROW(engine.submit({block}, 2, 20, linalg::RootSpec{0.0, 0.0, 0.0}), InvalidArgument);  // scale
+  EXPECT_THROW(engine.submit({block}, 2, 20, linalg::RootSpec{0.0, 0.0, 1.0}, -1.0), InvalidArgument);
+  engine.submit({block}, 2, 20, linalg::RootSpec{0.0, 0.0, 1.0});  // exponent and eps do not apply
+  engine.begin_snapshot({block}, 3, 1s);
+  fill_diagonal(rings.snapshot(3), kN, 1.0f);
+  EXPECT_THROW(engine.submit({block}, 3, 19, linalg::RootSpec{0.0, 0.0, 1.0}), InvalidArgument);  // step order
+  engine.submit({block}, 3, 20, linalg::RootSpec{0.0, 0.0, 1.0});
+  engine.drain(5s);
+  EXPECT_EQ(engine.stats().refreshes_ok, 2u);
 }
 
 }  // namespace

@@ -53,6 +53,9 @@ def check_positive(value: Any, name: str) -> None:
 class SecondOrderOptimizer(torch.optim.Optimizer):
     """Base of the Asteria optimizers (see the module docstring)."""
 
+    #: whether small adjacent dimensions are merged before blocking (see ``asteria.optim.blocking``)
+    MERGE_DIMS = True
+
     def __init__(
         self,
         params: Iterable,
@@ -78,7 +81,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
         self._step = 0
-        self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim)
+        self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
         for group in self._groups:
             group.state[NONFINITE_STREAK] = torch.zeros(group.batch, dtype=torch.int32, device=group.device)
@@ -100,8 +103,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         """Updates the group's statistics from ``grads`` (zero in blocks that are not kept)."""
 
     @abstractmethod
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor:
-        """The (B, *shape) direction to step against, before the learning rate."""
+    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
+        """The (B, *shape) direction to step against, before the learning rate; ``None`` leaves the
+        parameters as they are this step."""
 
     def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
         """What a refresh of ``group``'s factors at ``step`` computes; override for other rules."""
@@ -168,6 +172,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _apply(self, group: ShapeGroup, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]
         direction = self._direction(group, step)
+        if direction is None:
+            return
         weights = group.gather_params()
         updated = weights * (1.0 - hyper["lr"] * hyper["weight_decay"]) - hyper["lr"] * direction
         group.scatter_params_(torch.where(F.batch_view(keep, weights), updated, weights))

@@ -54,12 +54,14 @@ class Block:
         return tensor.view(self.merged_shape)[self.region]
 
 
-def partition(param: torch.Tensor, param_index: int, name: str, max_dim: int) -> list[Block]:
-    """Cuts one parameter into blocks; raises ``ValueError`` if it cannot be viewed without a copy."""
+def partition(param: torch.Tensor, param_index: int, name: str, max_dim: int, merge: bool = True) -> list[Block]:
+    """Cuts one parameter into blocks; raises ``ValueError`` if it cannot be viewed without a copy.
+
+    With ``merge=False`` only size-1 dimensions are dropped (SOAP keeps a matrix a matrix)."""
     if not param.is_contiguous():
         raise ValueError(f"Invalid parameter {name!r}: it is not contiguous (strides {tuple(param.stride())}); "
                          "Asteria updates parameters through views and needs contiguous storage")
-    merged = merge_dims(tuple(param.shape), max_dim)
+    merged = merge_dims(tuple(param.shape), max_dim) if merge else tuple(d for d in param.shape if d != 1)
     # An empty parameter has a zero-size dimension, which splits into no chunks: no blocks.
     regions = itertools.product(*(split_dim(size, max_dim) for size in merged))
     blocks = [Block(param_index, name, merged, region) for region in regions]

@@ -98,3 +98,51 @@ def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float) -> t
     roots = ((vectors * powers.unsqueeze(-2)) @ vectors.mT).to(factor.dtype)
     usable = usable_input & finite_rows(roots)
     return torch.where(batch_view(usable, roots), roots, eye), usable
+
+
+def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvectors (as columns, by descending eigenvalue) of a batch of symmetric matrices, and a (B,)
+    bool of which are usable; unusable rows hold identity. float64 retry when float32 fails."""
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    usable_input = finite_rows(factor)
+    matrix = torch.where(batch_view(usable_input, factor), factor, eye)
+    try:
+        _, vectors = torch.linalg.eigh(matrix)
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence in float32
+        _, vectors = torch.linalg.eigh(matrix.double())
+    vectors = vectors.flip(-1).to(factor.dtype)
+    usable = usable_input & finite_rows(vectors)
+    return torch.where(batch_view(usable, vectors), vectors, eye), usable
+
+
+def qr_refresh(factor: Tensor, basis: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SOAP's warm-started eigenbasis refresh: the old basis' columns sorted by their Rayleigh quotients
+    diag(Q^T F Q) (descending), one power step F Q, and a QR factorization.
+
+    Returns the new bases, the (B, n) column order applied to the old basis, and a (B,) usability mask
+    (unusable rows keep the old basis)."""
+    power = factor @ basis
+    estimates = (basis * power).sum(dim=-2)
+    order = torch.argsort(estimates, dim=-1, descending=True, stable=True)
+    power = power.gather(-1, order.unsqueeze(-2).expand_as(power))
+    usable_input = finite_rows(factor)
+    power = torch.where(batch_view(usable_input, power), power, basis)
+    vectors = torch.linalg.qr(power).Q
+    usable = usable_input & finite_rows(vectors)
+    return torch.where(batch_view(usable, vectors), vectors, basis), order, usable
+
+
+def project(x: Tensor, bases: list[Tensor | None], back: bool = False) -> Tensor:
+    """Rotates (B, d_0, ..., d_k) into the eigenbases (x ×_i Q_i^T), or back (x ×_i Q_i); a ``None``
+    basis leaves its dimension as it is."""
+    for mode, basis in enumerate(bases):
+        if basis is not None:
+            x = apply_mode(x, basis if back else basis.mT, mode)
+    return x
+
+
+def permute_mode_(x: Tensor, blocks: Tensor, order: Tensor, mode: int) -> None:
+    """Reorders dimension ``mode`` of the listed blocks of (B, d_0, ..., d_k) by ``order`` (b, d_mode)."""
+    picked = x[blocks]
+    index = order.view(order.shape[0], *([1] * mode), order.shape[1], *([1] * (x.dim() - mode - 2)))
+    x[blocks] = picked.gather(mode + 1, index.expand_as(picked))

@@ -65,14 +65,14 @@ class ShapeGroup:
         torch._foreach_copy_(targets, list(values.to(targets[0].dtype).unbind(0)))
 
 
-def build_shape_groups(param_groups: list[dict], max_dim: int) -> list[ShapeGroup]:
+def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = True) -> list[ShapeGroup]:
     """Partitions every parameter and batches blocks by (param group, block shape, device)."""
     groups: dict[tuple, ShapeGroup] = {}
     for group_index, group in enumerate(param_groups):
         names = group.get("param_names") or [None] * len(group["params"])
         for param_index, (param, name) in enumerate(zip(group["params"], names)):
             label = name or f"param_groups[{group_index}][{param_index}] {tuple(param.shape)}"
-            for block in partition(param, param_index, label, max_dim):
+            for block in partition(param, param_index, label, max_dim, merge):
                 key = (group_index, block.shape, param.device)
                 if key not in groups:
                     groups[key] = ShapeGroup(group_index, block.shape, param.device, [], [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,19 +16,26 @@ class FactorSet:
     Attributes:
         name: where the set comes from, for messages ("group 0, blocks (64, 32), mode 1").
         factors: (B, n, n) statistics, updated every step on the parameter's device.
-        roots: (B, n, n) the preconditioners in use (inverse roots), on the same device.
-        has_root: (B,) bool, which blocks have received a preconditioner yet.
-        exponent: the root's exponent (-1 / (2 * order) for Shampoo).
+        preconditioners: (B, n, n) what is in use, on the same device: inverse roots (kind
+            ``"root"``) or eigenbases with the vectors as columns (kind ``"eigenbasis"``).
+        installed: (B,) bool, which blocks have received a preconditioner yet.
+        exponent: the root's exponent (-1 / (2 * order) for Shampoo); unused for eigenbases.
         block_params: per block, the name of the parameter it belongs to.
+        kind: ``"root"`` or ``"eigenbasis"``.
+        permute: for eigenbases, called as ``permute(blocks, order)`` when new bases are installed:
+            (b,) block indices and (b, n) the old basis' column order the new one follows, so that
+            state kept in the eigenbasis (SOAP's second moment) can follow the reordering.
         versions: per block, the version in use (0: none yet), kept on the host.
     """
 
     name: str
     factors: Tensor
-    roots: Tensor
-    has_root: Tensor
+    preconditioners: Tensor
+    installed: Tensor
     exponent: float
     block_params: list[str]
+    kind: str = "root"
+    permute: Callable[[Tensor, Tensor], None] | None = None
     versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class Refresher(ABC):
 
     @abstractmethod
     def activate(self, step: int) -> None:
-        """Installs into ``roots`` the versions the schedule gives for ``step``."""
+        """Installs into ``preconditioners`` the versions the schedule gives for ``step``."""
 
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
@@ -81,16 +81,24 @@ class SyncRefresher(Refresher):
         started = time.perf_counter()
         results = []
         for fset, request in zip(self.sets, requests):
-            roots, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
-            results.append((roots, usable, usable.cpu().numpy()))
+            order = None
+            if fset.kind == "root":
+                new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
+            else:
+                new, usable, order = self._eigenbases(fset)
+            results.append((new, usable, usable.cpu().numpy(), order))
         # Check every bound before changing anything, so that a raise leaves all state as it was.
-        for fset, consecutive, (_, _, ok) in zip(self.sets, self._consecutive, results):
+        for fset, consecutive, (_, _, ok, _) in zip(self.sets, self._consecutive, results):
             failing = np.where(~ok & (consecutive + 1 >= self.config.max_consecutive_failures))[0]
             if failing.size:
                 self._raise_failure(fset, int(failing[0]), version, self._last_error)
-        for fset, consecutive, (roots, usable, ok) in zip(self.sets, self._consecutive, results):
-            fset.roots.copy_(torch.where(F.batch_view(usable, roots), roots, fset.roots))
-            fset.has_root |= usable
+        for fset, consecutive, (new, usable, ok, order) in zip(self.sets, self._consecutive, results):
+            if order is not None and fset.permute is not None:
+                refreshed = (usable & fset.installed).nonzero().flatten()
+                if refreshed.numel():
+                    fset.permute(refreshed, order[refreshed])
+            fset.preconditioners.copy_(torch.where(F.batch_view(usable, new), new, fset.preconditioners))
+            fset.installed |= usable
             consecutive[:] = np.where(ok, 0, consecutive + 1)
             for block in np.where(ok)[0]:
                 fset.versions[block] = version
@@ -98,6 +106,21 @@ class SyncRefresher(Refresher):
         self._refreshes += sum(s.batch for s in self.sets)
         self._newest_version = version
         self._seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _eigenbases(fset: FactorSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A full eigendecomposition for blocks without a basis yet, the warm-started QR refresh for the
+        others; the column order is None when no block was refreshed from an old basis."""
+        installed = fset.installed
+        if not bool(installed.any()):
+            bases, usable = F.eigenbasis(fset.factors)
+            return bases, usable, None
+        refreshed, order, usable = F.qr_refresh(fset.factors, fset.preconditioners)
+        if bool(installed.all()):
+            return refreshed, usable, order
+        fresh, fresh_usable = F.eigenbasis(fset.factors)
+        mask = F.batch_view(installed, fresh)
+        return torch.where(mask, refreshed, fresh), torch.where(installed, usable, fresh_usable), order
 
     def activate(self, step: int) -> None:
         """Nothing to do: a sync refresh is in use from its own step."""
@@ -142,10 +165,12 @@ class AsyncRefresher(Refresher):
         self.owner: dict[int, tuple[int, int]] = {}
         for index, fset in enumerate(sets):
             pin = fset.device.type == "cuda"
-            shape = (self.depth, fset.batch, fset.dim, fset.dim)
-            snapshots = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-            results = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-            ids = [self.engine.add_block(snapshots[:, b], results[:, b]) for b in range(fset.batch)]
+            n = fset.dim
+            snapshots = torch.empty((self.depth, fset.batch, n, n), dtype=torch.float32, pin_memory=pin)
+            # An eigenbasis result carries two more rows: the eigenvalue estimates and the column order.
+            rows = n + 2 if fset.kind == "eigenbasis" else n
+            results = torch.empty((self.depth, fset.batch, rows, n), dtype=torch.float32, pin_memory=pin)
+            ids = [self.engine.add_block(snapshots[:, b], results[:, b], kind=fset.kind) for b in range(fset.batch)]
             self.owner.update({block_id: (index, b) for b, block_id in enumerate(ids)})
             self.snapshots.append(snapshots)
             self.results.append(results)
@@ -256,6 +281,13 @@ class AsyncRefresher(Refresher):
         first = scheduled[0]["version"] if scheduled else self._newest_version + 1
         for ids in self.ids:
             self.engine.start_at(ids, first)
+        # An eigenbasis chain warm-starts from the newest good basis before it: the one in use now.
+        for fset, ids in zip(self.sets, self.ids):
+            if fset.kind == "eigenbasis":
+                for block, block_id in enumerate(ids):
+                    if fset.versions[block] > 0:
+                        basis = fset.preconditioners[block].detach().to("cpu", torch.float32).contiguous()
+                        self.engine.set_basis(block_id, fset.versions[block], basis)
         self._scheduled = []
         for entry in scheduled:
             version, due = entry["version"], entry["due"]
@@ -272,14 +304,21 @@ class AsyncRefresher(Refresher):
         side = self.side[fset.device]
         results = self.results[index]
         versions = {version for _, version, _ in items}
+        n = fset.dim
         with side.staging():
             if len(items) == fset.batch and len(versions) == 1:  # the usual case: one copy for the whole set
-                fset.roots.copy_(results[next(iter(versions)) % self.depth], non_blocking=side.cuda)
-                fset.has_root.fill_(True)
+                fset.preconditioners.copy_(results[next(iter(versions)) % self.depth, :, :n], non_blocking=side.cuda)
+                fset.installed.fill_(True)
             else:
                 for block, version, _ in items:
-                    fset.roots[block].copy_(results[version % self.depth, block], non_blocking=side.cuda)
-                    fset.has_root[block] = True
+                    fset.preconditioners[block].copy_(results[version % self.depth, block, :n],
+                                                      non_blocking=side.cuda)
+                    fset.installed[block] = True
+            if fset.permute is not None:
+                blocks = [block for block, _, _ in items]
+                orders = torch.stack([results[version % self.depth, block, n + 1] for block, version, _ in items])
+                fset.permute(torch.tensor(blocks, device=fset.device),
+                             orders.to(fset.device, non_blocking=side.cuda).long())
         event = side.record()
         side.main_waits(event)
         for block, version, _ in items:
@@ -296,6 +335,7 @@ class AsyncRefresher(Refresher):
         return {
             "refreshes": engine["refreshes_ok"],
             "refresh_failures": engine["refreshes_failed"],
+            "refreshes_skipped": engine["refreshes_skipped"],
             "float64_retries": engine["float64_retries"],
             "refresh_seconds_on_workers": engine["refresh_seconds"],
             "staleness_histogram": registry["staleness_histogram"],

@@ -1,0 +1,307 @@
+#include "asteria/linalg/eigenbasis.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "asteria/common/errors.h"
+#include "asteria/linalg/lapack.h"
+
+namespace asteria::linalg {
+namespace {
+
+// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
+std::string format(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
+
+void check_arguments(const char* routine, int n, bool pointers_ok, double scale, double skip_tol) {
+  const std::string where = std::string("[") + routine + "] ";
+  if (n < 0) throw InvalidArgument(where + "Invalid n=" + std::to_string(n) + ": must be >= 0");
+  if (n > 0 && !pointers_ok) {
+    throw InvalidArgument(where + "Invalid null matrix pointer for n=" + std::to_string(n));
+  }
+  if (!(std::isfinite(scale) && scale > 0)) {
+    throw InvalidArgument(where + "Invalid scale=" + format(scale) + ": must be a finite number > 0");
+  }
+  if (!(std::isfinite(skip_tol) && skip_tol >= 0)) {
+    throw InvalidArgument(where + "Invalid skip_tol=" + format(skip_tol) + ": must be a finite number >= 0");
+  }
+}
+
+// |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
+template <typename T, typename Limit = T>
+bool all_within(const T* x, std::size_t count) {
+  bool ok = true;
+  for (std::size_t i = 0; i < count; ++i) ok &= std::abs(x[i]) <= static_cast<T>(std::numeric_limits<Limit>::max());
+  return ok;
+}
+
+// Throws NumericalError naming the first non-finite entry of the n x n torch-layout matrix `x`.
+template <typename In>
+void require_finite_input(const char* routine, const char* name, int n, const In* x) {
+  const std::size_t count = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
+  if (all_within(x, count)) return;
+  const std::size_t k =
+      static_cast<std::size_t>(std::find_if_not(x, x + count, [](In v) { return std::isfinite(v); }) - x);
+  const std::size_t nn = static_cast<std::size_t>(n);
+  throw NumericalError(std::string("[") + routine + "] non-finite input " + name + "(" + std::to_string(k / nn) +
+                       ", " + std::to_string(k % nn) + ")=" + format(x[k]) + " (n=" + std::to_string(n) + ")");
+}
+
+// dst[r * n + c] = src[c * n + r], converting: turns torch's row-major layout into LAPACK's
+// column-major one and back. Tiled so that the strided side stays in cache.
+template <typename From, typename To>
+void transpose(int n, const From* src, To* dst) {
+  constexpr int kTile = 64;
+  const std::size_t nn = static_cast<std::size_t>(n);
+  for (int rb = 0; rb < n; rb += kTile) {
+    const int r_end = std::min(rb + kTile, n);
+    for (int cb = 0; cb < n; cb += kTile) {
+      const int c_end = std::min(cb + kTile, n);
+      for (int r = rb; r < r_end; ++r) {
+        for (int c = cb; c < c_end; ++c) dst[r * nn + c] = static_cast<To>(src[c * nn + r]);
+      }
+    }
+  }
+}
+
+// Per-thread buffers, grown to the largest n seen and kept (see inverse_root.cpp). Matrices are
+// column-major with leading dimension n.
+template <typename T>
+struct Workspace {
+  std::vector<T> a;        // scale-free copy of A; eigenbasis(): overwritten by the eigenvectors
+  std::vector<T> basis;    // Q_prev
+  std::vector<T> product;  // T = scale A Q_prev
+  std::vector<T> factor;   // T's columns in `order`, then the Q factor
+  std::vector<T> gram;     // M = Q_prev^T T (adaptive skip only)
+  std::vector<T> w, tau, work;
+  std::vector<int> iwork;
+  std::vector<double> est;     // diag(M) in Q_prev's order
+  std::vector<double> values;  // the result's eigenvalues or estimates, in the result's order
+  std::vector<int> order;
+};
+
+template <typename T>
+Workspace<T>& workspace() {
+  thread_local Workspace<T> ws;
+  return ws;
+}
+
+template <typename T>
+void grow(std::vector<T>& v, std::size_t size) {
+  if (v.size() < size) v.resize(size);
+}
+
+std::string non_finite_result(int n, double scale) {
+  return "non-finite result (n=" + std::to_string(n) + ", scale=" + format(scale) + ")";
+}
+
+// Eigenvectors of A loaded into ws.a, sorted by descending eigenvalue, left in ws.a; the eigenvalues
+// of scale * A in ws.values. Returns false when the result is not finite.
+template <typename T>
+bool compute_eigenbasis(int n, double scale, Workspace<T>& ws) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  grow(ws.w, nn);
+  grow(ws.values, nn);
+  T* z = ws.a.data();
+  // float32 takes the restructured eigh (the throughput path); float64, the retry, takes LAPACK's
+  // own xSYEVD so that a failure of one code path is retried by another.
+  if constexpr (std::is_same_v<T, float>) {
+    eigh(n, z, /* lda = */ n, ws.w.data(), ws.work, ws.iwork);
+  } else {
+    syevd(n, z, /* lda = */ n, ws.w.data(), ws.work, ws.iwork);
+  }
+  // LAPACK's order is ascending; an infinite eigenvalue (float32 overflow) fails the attempt.
+  for (std::size_t j = 0; j < nn; ++j) ws.values[j] = scale * static_cast<double>(ws.w[nn - 1 - j]);
+  if (!all_within(ws.values.data(), nn)) return false;
+  for (std::size_t j = 0; j < nn / 2; ++j) std::swap_ranges(z + j * nn, z + (j + 1) * nn, z + (nn - 1 - j) * nn);
+  return all_within(z, nn * nn);
+}
+
+// SOAP's refresh from Q_prev (ws.basis) of A (ws.a): Q in ws.factor, estimates in ws.values and the
+// permutation in ws.order; a skipped refresh leaves ws.factor alone. Returns false when the result is
+// not finite.
+template <typename T>
+bool compute_refresh(int n, double scale, double skip_tol, Workspace<T>& ws, BasisReport& report) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  grow(ws.product, nn * nn);
+  grow(ws.est, nn);
+  grow(ws.values, nn);
+  grow(ws.order, nn);
+  const T* q_prev = ws.basis.data();
+  T* t = ws.product.data();
+  gemm(false, false, n, n, n, /* alpha = */ static_cast<T>(scale), ws.a.data(), /* lda = */ n, q_prev,
+       /* ldb = */ n, /* beta = */ T(0), t, /* ldc = */ n);
+  for (std::size_t j = 0; j < nn; ++j) {
+    double sum = 0;
+    for (std::size_t i = 0; i < nn; ++i) sum += static_cast<double>(q_prev[i + j * nn]) * t[i + j * nn];
+    ws.est[j] = sum;
+  }
+  // A NaN estimate would also break the sort's strict weak order.
+  if (!all_within(ws.est.data(), nn)) return false;
+  std::iota(ws.order.begin(), ws.order.begin() + n, 0);
+
+  if (skip_tol > 0) {
+    grow(ws.gram, nn * nn);
+    T* m = ws.gram.data();
+    gemm(true, false, n, n, n, /* alpha = */ T(1), q_prev, /* lda = */ n, t, /* ldb = */ n, /* beta = */ T(0), m,
+         /* ldc = */ n);
+    double off = 0, diagonal = 0;
+    for (std::size_t j = 0; j < nn; ++j) {
+      for (std::size_t i = 0; i < nn; ++i) {
+        const double x = m[i + j * nn];
+        (i == j ? diagonal : off) += x * x;
+      }
+    }
+    if (!std::isfinite(off + diagonal)) return false;
+    report.off_diagonal_ratio = off + diagonal > 0 ? std::sqrt(off / (off + diagonal)) : 0.0;
+    if (report.off_diagonal_ratio <= skip_tol) {
+      report.skipped = true;
+      std::copy(ws.est.begin(), ws.est.begin() + n, ws.values.begin());
+      return true;
+    }
+  }
+
+  std::stable_sort(ws.order.begin(), ws.order.begin() + n, [&](int x, int y) { return ws.est[x] > ws.est[y]; });
+  grow(ws.factor, nn * nn);
+  grow(ws.tau, nn);
+  T* p = ws.factor.data();
+  for (std::size_t j = 0; j < nn; ++j) {
+    const std::size_t source = static_cast<std::size_t>(ws.order[j]);
+    ws.values[j] = ws.est[source];
+    std::copy(t + source * nn, t + (source + 1) * nn, p + j * nn);
+  }
+  qr_q(n, n, p, /* lda = */ n, ws.tau.data(), ws.work);
+  return all_within(p, nn * nn);
+}
+
+// Runs `attempt(ws, report)` in float32 and, if it throws NumericalError or returns a failure
+// message, again in float64 (Out = float); in float64 only for Out = double. `store(ws, report)`
+// writes the outputs of the attempt that succeeded.
+template <typename Out, typename Attempt, typename Store>
+BasisReport with_float64_retry(const char* routine, Attempt attempt, Store store) {
+  auto run = [&](auto& ws, BasisReport& report) -> std::string {
+    try {
+      return attempt(ws, report);
+    } catch (const NumericalError& error) {
+      return error.what();
+    }
+  };
+  std::string float32_failure;
+  if constexpr (std::is_same_v<Out, float>) {
+    BasisReport report;
+    Workspace<float>& ws = workspace<float>();
+    float32_failure = run(ws, report);
+    if (float32_failure.empty()) {
+      store(ws, report);
+      return report;
+    }
+  }
+  // float32 ran out of range or LAPACK gave up; float64 has 8 more exponent bits and 29 more
+  // mantissa bits, and the result must still fit the output type.
+  BasisReport report;
+  report.used_float64 = true;
+  Workspace<double>& ws = workspace<double>();
+  const std::string float64_failure = run(ws, report);
+  if (float64_failure.empty()) {
+    store(ws, report);
+    return report;
+  }
+  if constexpr (std::is_same_v<Out, float>) {
+    throw NumericalError(std::string("[") + routine + "] float32 attempt failed (" + float32_failure +
+                         "); float64 retry failed (" + float64_failure + ")");
+  } else {
+    throw NumericalError(std::string("[") + routine + "] " + float64_failure);
+  }
+}
+
+template <typename Out>
+BasisReport eigenbasis_impl(int n, const Out* a, Out* q, Out* values, double scale) {
+  check_arguments("eigenbasis", n, a != nullptr && q != nullptr && values != nullptr, scale, /* skip_tol = */ 0);
+  if (n == 0) return BasisReport{};
+  require_finite_input("eigenbasis", "a", n, a);
+  const std::size_t nn = static_cast<std::size_t>(n);
+  auto attempt = [&](auto& ws, BasisReport&) -> std::string {
+    using T = typename std::decay_t<decltype(ws.a)>::value_type;
+    grow(ws.a, nn * nn);
+    transpose(n, a, ws.a.data());
+    if (!compute_eigenbasis(n, scale, ws)) return non_finite_result(n, scale);
+    if (!all_within<double, Out>(ws.values.data(), nn) || !all_within<T, Out>(ws.a.data(), nn * nn)) {
+      return "result overflows the output type, " + non_finite_result(n, scale);
+    }
+    return {};
+  };
+  auto store = [&](const auto& ws, const BasisReport&) {
+    transpose(n, ws.a.data(), q);
+    std::transform(ws.values.begin(), ws.values.begin() + n, values, [](double x) { return static_cast<Out>(x); });
+  };
+  return with_float64_retry<Out>("eigenbasis", attempt, store);
+}
+
+template <typename Out>
+BasisReport qr_refresh_impl(int n, const Out* a, const Out* q_prev, Out* q, Out* estimates, Out* perm, double scale,
+                            double skip_tol) {
+  check_arguments("qr_refresh", n,
+                  a != nullptr && q_prev != nullptr && q != nullptr && estimates != nullptr && perm != nullptr, scale,
+                  skip_tol);
+  if (n == 0) return BasisReport{};
+  require_finite_input("qr_refresh", "a", n, a);
+  require_finite_input("qr_refresh", "q_prev", n, q_prev);
+  const std::size_t nn = static_cast<std::size_t>(n);
+  auto attempt = [&](auto& ws, BasisReport& report) -> std::string {
+    using T = typename std::decay_t<decltype(ws.a)>::value_type;
+    grow(ws.a, nn * nn);
+    grow(ws.basis, nn * nn);
+    transpose(n, a, ws.a.data());
+    transpose(n, q_prev, ws.basis.data());
+    if (!compute_refresh(n, scale, skip_tol, ws, report)) return non_finite_result(n, scale);
+    if (!all_within<double, Out>(ws.values.data(), nn) ||
+        (!report.skipped && !all_within<T, Out>(ws.factor.data(), nn * nn))) {
+      return "result overflows the output type, " + non_finite_result(n, scale);
+    }
+    return {};
+  };
+  auto store = [&](const auto& ws, const BasisReport& report) {
+    if (!report.skipped) {
+      transpose(n, ws.factor.data(), q);
+    } else if (q != q_prev) {
+      std::copy(q_prev, q_prev + nn * nn, q);
+    }
+    for (std::size_t j = 0; j < nn; ++j) {
+      estimates[j] = static_cast<Out>(ws.values[j]);
+      perm[j] = static_cast<Out>(ws.order[j]);
+    }
+  };
+  return with_float64_retry<Out>("qr_refresh", attempt, store);
+}
+
+}  // namespace
+
+BasisReport eigenbasis(int n, const float* a, float* q, float* values, double scale) {
+  return eigenbasis_impl(n, a, q, values, scale);
+}
+
+BasisReport eigenbasis(int n, const double* a, double* q, double* values, double scale) {
+  return eigenbasis_impl(n, a, q, values, scale);
+}
+
+BasisReport qr_refresh(int n, const float* a, const float* q_prev, float* q, float* estimates, float* perm,
+                       double scale, double skip_tol) {
+  return qr_refresh_impl(n, a, q_prev, q, estimates, perm, scale, skip_tol);
+}
+
+BasisReport qr_refresh(int n, const double* a, const double* q_prev, double* q, double* estimates, double* perm,
+                       double scale, double skip_tol) {
+  return qr_refresh_impl(n, a, q_prev, q, estimates, perm, scale, skip_tol);
+}
+
+}  // namespace asteria::linalg

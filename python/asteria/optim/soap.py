@@ -1,0 +1,141 @@
+"""SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's factors, on Asteria's refresh runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from asteria.config import RuntimeConfig
+from asteria.optim import functional as F
+from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.groups import ShapeGroup
+from asteria.pipeline.factors import FactorSet, RootRequest
+
+EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
+EXP_AVG_SQ = "exp_avg_sq"    # second moment, in the eigenbasis
+
+
+def factor_key(mode: int) -> str:
+    return f"factor_{mode}"
+
+
+def basis_key(mode: int) -> str:
+    return f"basis_{mode}"
+
+
+def has_basis_key(mode: int) -> str:
+    return f"has_basis_{mode}"
+
+
+def debiased(beta: float, step: int) -> float:
+    """The EMA weight that makes an exponential average started at zero unbiased at ``step`` >= 1."""
+    return 1.0 - (1.0 - beta) / (1.0 - beta**step)
+
+
+class SOAP(SecondOrderOptimizer):
+    """SOAP: per block, Kronecker factors L_i of the gradient; Adam's moments live in their eigenbasis
+    Q_i (G' = G ×_i Q_i^T), and the Adam direction is rotated back. The first step only builds the
+    factors and takes their eigenbasis; from then on every ``precondition_frequency`` steps the
+    bases are refreshed by one warm-started power step and a QR factorization, with the second
+    moment reordered to the new eigenvalue order — on the C++ workers in ``mode="async"``, inside
+    ``step()`` in ``mode="sync"``. Averages are debiased EMAs; weight decay is decoupled.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: (beta1, beta2) of Adam in the eigenbasis.
+        shampoo_beta: decay of the factors (default: ``betas[1]``).
+        eps: Adam's epsilon (a floor under the root of the second moment).
+        weight_decay: decoupled weight decay.
+        max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
+        precondition_frequency: steps between basis refreshes (f).
+        precondition_1d: rotate 1-D parameters too (default: plain Adam for them).
+        runtime: an ``asteria.RuntimeConfig``. Async mode needs ``deterministic=True``: the second
+            moment's reordering is computed against the basis that the schedule says is in use.
+    """
+
+    MERGE_DIMS = False  # a matrix stays a matrix: SOAP rotates each of its dimensions
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        max_preconditioner_dim: int = 2048,
+        precondition_frequency: int = 10,
+        precondition_1d: bool = False,
+        runtime: RuntimeConfig | None = None,
+    ) -> None:
+        check_nonnegative(lr, "lr")
+        check_betas(betas)
+        shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
+        check_arg(isinstance(shampoo_beta, (int, float)) and 0.0 <= shampoo_beta < 1.0, "shampoo_beta",
+                  shampoo_beta, "must be None or in [0, 1)")
+        check_positive(eps, "eps")
+        check_nonnegative(weight_decay, "weight_decay")
+        check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
+        check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
+                  or runtime.deterministic, "runtime", runtime,
+                  "SOAP in async mode needs deterministic=True (the second moment follows the scheduled basis)")
+        self.precondition_1d = precondition_1d
+        defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
+                         precondition_frequency=precondition_frequency, start_preconditioning_step=1,
+                         runtime=runtime)
+        self._directions: dict[int, Tensor] = {}
+
+    def _rotated(self, group: ShapeGroup) -> bool:
+        return group.order >= 2 or (group.order == 1 and self.precondition_1d)
+
+    def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
+        batch, device = group.batch, group.device
+        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), device=device)
+        group.state[EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
+        if not self._rotated(group):
+            return []
+        sets = []
+        for mode, dim in enumerate(group.shape):
+            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
+            basis = group.state[basis_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
+            installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
+
+            def permute(blocks: Tensor, order: Tensor, mode: int = mode, group: ShapeGroup = group) -> None:
+                F.permute_mode_(group.state[EXP_AVG_SQ], blocks, order, mode)
+
+            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=basis,
+                                  installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
+                                  block_params=[block.name for block in group.blocks]))
+        return sets
+
+    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
+        # The factors are debiased averages already; eps does not enter an eigenbasis.
+        return RootRequest(scale=1.0, eps=self.param_groups[group.group_index]["eps"])
+
+    def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
+        if not self._rotated(group):
+            return [None] * group.order
+        return [group.state[basis_key(mode)] for mode in range(group.order)]
+
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+        hyper = self.param_groups[group.group_index]
+        factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
+        if step == 1:  # only the factors: the first gradient never meets its own projection
+            F.update_factors_(factors, grads, 0.0, keep)
+            return
+        beta1, beta2 = hyper["betas"]
+        s = step - 1
+        bases = self._bases(group)
+        F.masked_ema_(group.state[EXP_AVG], grads, debiased(beta1, s), keep)
+        rotated = F.project(grads, bases)
+        F.masked_ema_(group.state[EXP_AVG_SQ], rotated * rotated, debiased(beta2, s), keep)
+        denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(hyper["eps"])
+        self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
+        F.update_factors_(factors, grads, debiased(hyper["shampoo_beta"], s), keep)
+
+    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
+        return self._directions.pop(id(group), None)

@@ -1,0 +1,156 @@
+"""SOAP (sync and async) against an independent float64 reference written here from the published math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp, train
+
+SIZES = (8, 8, 8)  # square weights: the first factors are full rank, so their eigenbases are unique
+HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+FREQUENCY = 3
+
+
+def debias(beta: float, step: int) -> float:
+    return 1.0 - (1.0 - beta) / (1.0 - beta**step)
+
+
+def eig_desc(matrix: np.ndarray) -> np.ndarray:
+    return np.linalg.eigh(matrix)[1][:, ::-1]
+
+
+class ReferenceSOAP:
+    """SOAP for 2-D weights (Adam in the eigenbases of L = E[G G^T], R = E[G^T G]) and Adam for 1-D."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency):
+        self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
+        self.t = 0
+        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
+
+    def step(self):
+        self.t += 1
+        b1, b2 = self.betas
+        for p, s in zip(self.params, self.state):
+            g = p.grad.double().numpy()
+            matrix = g.ndim == 2
+            if self.t == 1:
+                if matrix:
+                    s["L"], s["R"] = g @ g.T, g.T @ g
+                    s["QL"], s["QR"] = eig_desc(s["L"]), eig_desc(s["R"])
+                continue
+            k = self.t - 1
+            rotate = (lambda x: s["QL"].T @ x @ s["QR"]) if matrix else (lambda x: x)
+            back = (lambda x: s["QL"] @ x @ s["QR"].T) if matrix else (lambda x: x)
+            s["m"] = debias(b1, k) * s["m"] + (1 - debias(b1, k)) * g
+            s["v"] = debias(b2, k) * s["v"] + (1 - debias(b2, k)) * rotate(g) ** 2
+            direction = back(rotate(s["m"]) / np.maximum(np.sqrt(s["v"]), self.eps))
+            if matrix:
+                beta = debias(b2, k)
+                s["L"] = beta * s["L"] + (1 - beta) * g @ g.T
+                s["R"] = beta * s["R"] + (1 - beta) * g.T @ g
+                if k % self.f == 0:
+                    for axis, (factor, basis) in enumerate((("L", "QL"), ("R", "QR"))):
+                        power = s[factor] @ s[basis]
+                        order = np.argsort(-np.einsum("ij,ij->j", s[basis], power), kind="stable")
+                        s["v"] = np.take(s["v"], order, axis=axis)
+                        s[basis] = np.linalg.qr(power[:, order])[0]
+            w = p.detach().double().numpy() * (1 - self.lr * self.wd) - self.lr * direction
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(w))
+
+
+def run_reference(steps: int) -> list[torch.Tensor]:
+    model = small_mlp(sizes=SIZES)
+    ref = ReferenceSOAP(list(model.parameters()), frequency=FREQUENCY, **HYPER)
+    x, y = regression_data(sizes=SIZES)
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(x[(step * 32) % 128:][:32]), y[(step * 32) % 128:][:32]).backward()
+        ref.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_soap(steps: int, runtime: asteria.RuntimeConfig) -> list[torch.Tensor]:
+    model = small_mlp(sizes=SIZES)
+    with asteria.SOAP(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER) as opt:
+        train(model, opt, steps, data=regression_data(sizes=SIZES))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def relative_errors(actual, expected) -> list[float]:
+    return [float((a.double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
+
+
+def test_sync_matches_float64_reference():
+    assert max(relative_errors(run_soap(14, asteria.RuntimeConfig(mode="sync")), run_reference(14))) < 2e-4
+
+
+def test_reference_comparison_can_fail():
+    """Plain AdamW from the same start lands far from the SOAP reference."""
+    model = small_mlp(sizes=SIZES)
+    opt = torch.optim.AdamW(model.parameters(), lr=HYPER["lr"], betas=HYPER["betas"], weight_decay=0.01)
+    train(model, opt, 14, data=regression_data(sizes=SIZES))
+    assert max(relative_errors(list(model.parameters()), run_reference(14))) > 1e-2
+
+
+def test_async_rejects_nondeterministic_activation():
+    with pytest.raises(ValueError, match="Invalid runtime=.*deterministic=True"):
+        asteria.SOAP(small_mlp().parameters(), runtime=asteria.RuntimeConfig(deterministic=False))
+
+
+def test_async_staleness_zero_matches_sync_and_reference():
+    async_ = run_soap(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    assert max(relative_errors(async_, run_reference(14))) < 2e-4
+    assert max(relative_errors(async_, run_soap(14, asteria.RuntimeConfig(mode="sync")))) < 2e-4
+
+
+def test_async_worker_count_does_not_change_bits():
+    one = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=1))
+    three = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=3))
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+
+
+def test_soap_trains_a_classifier():
+    gen = torch.Generator().manual_seed(3)
+    centers = torch.randn(5, 12, generator=gen) * 2.0
+    labels = torch.randint(0, 5, (400,), generator=gen)
+    x = centers[labels] + 0.7 * torch.randn(400, 12, generator=gen)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    with asteria.SOAP(model.parameters(), lr=0.01, precondition_frequency=5,
+                      runtime=asteria.RuntimeConfig(staleness=1, workers=1)) as opt:
+        for step in range(60):
+            idx = torch.arange(step * 50, step * 50 + 50) % 400
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
+            loss.backward()
+            opt.step()
+        stats = opt.runtime_stats()
+    assert float((model(x).argmax(1) == labels).float().mean()) > 0.9
+    assert stats["refreshes"] > 0 and stats["refresh_failures"] == 0
+
+
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=2, workers=2)],
+                         ids=["sync", "async"])
+def test_state_dict_resume_is_bit_for_bit(runtime):
+    def make():
+        model = small_mlp(sizes=SIZES)
+        return model, asteria.SOAP(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER)
+
+    data = regression_data(sizes=SIZES)
+    model, opt = make()
+    with opt:
+        train(model, opt, 8, data=data)
+        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+        train(model, opt, 7, data=data)
+    resumed_model, resumed = make()
+    with resumed:
+        with torch.no_grad():
+            for p, q in zip(resumed_model.parameters(), params):
+                p.copy_(q)
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, 7, data=data)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
