@@ -17,7 +17,7 @@ import asteria
 from asteria.train.data import VOCAB_SIZE, TokenStream, load_corpus
 from asteria.train.model import PRESETS, DecoderLM
 
-OPTIMIZERS = ("adamw", "shampoo", "soap")
+OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
 
 
 @dataclass(kw_only=True)
@@ -61,7 +61,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr or 3e-3, weight_decay=cfg.weight_decay)
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, workers=cfg.workers)
-    kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP}[cfg.optimizer]
+    kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.lr or 3e-3, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency, runtime=runtime)
 

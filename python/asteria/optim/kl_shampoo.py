@@ -1,0 +1,181 @@
+"""KL-Shampoo (Lin et al. 2025): Kronecker factors estimated by KL minimization, each through the other
+side's inverse, on Asteria's refresh runtime."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from asteria.config import RuntimeConfig
+from asteria.optim import functional as F
+from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.groups import ShapeGroup
+from asteria.pipeline.factors import FactorSet, RootRequest
+
+EXP_AVG = "exp_avg"
+ADAM_EXP_AVG_SQ = "adam_exp_avg_sq"  # 1-D parameters only: they take Adam's step
+
+
+def factor_key(mode: int) -> str:
+    return f"factor_{mode}"
+
+
+def basis_key(mode: int) -> str:
+    return f"basis_{mode}"
+
+
+def has_basis_key(mode: int) -> str:
+    return f"has_basis_{mode}"
+
+
+def inv_sqrt_key(mode: int) -> str:
+    return f"eigen_inv_sqrt_{mode}"
+
+
+class KLShampoo(SecondOrderOptimizer):
+    """KL-Shampoo for blocks of order >= 2 (1-D parameters take Adam's step).
+
+    Per block, with eigenbases Q_a and eigenvalue estimates d_a of the factors S_a:
+      S_a <- beta S_a + (1 - beta) / prod_{b != a} n_b · G_(a) (⊗_{b != a} Q_b diag(1/d_b) Q_b^T) G_(a)^T
+      d_a <- beta d_a + (1 - beta) diag(Q_a^T S-estimate Q_a), re-estimated every step in the stale basis
+      direction = (M ×_a Q_a^T) ⊙ ⊗_a d_a^(-1/2) / (1 + eps ⊗_a d_a^(-1/2)), rotated back
+    with M the gradient's EMA (beta1); d_a^(-1/2) is clamped at max(10, min(n_a, 4000)). The first step
+    builds the factors and their eigenbasis (eigenvalues start at ``init_factor``) and takes no step;
+    every ``precondition_frequency`` steps the bases are refreshed by one power step and a QR
+    factorization, on the C++ workers in ``mode="async"`` — there, as in SOAP, the old basis' columns
+    are first ordered by their Rayleigh quotients and d follows that order. No grafting; decoupled
+    weight decay.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: (beta1 of the gradient's EMA, beta of the factors and eigenvalue estimates).
+        eps: damping of the preconditioned step (and Adam's epsilon for 1-D parameters).
+        weight_decay: decoupled weight decay.
+        max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
+        precondition_frequency: steps between basis refreshes (f).
+        init_factor: the eigenvalue estimates' starting value.
+        runtime: an ``asteria.RuntimeConfig``; async mode needs ``deterministic=True``.
+    """
+
+    MERGE_DIMS = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.98),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        max_preconditioner_dim: int = 2048,
+        precondition_frequency: int = 10,
+        init_factor: float = 0.1,
+        runtime: RuntimeConfig | None = None,
+    ) -> None:
+        check_nonnegative(lr, "lr")
+        check_betas(betas)
+        check_positive(eps, "eps")
+        check_nonnegative(weight_decay, "weight_decay")
+        check_positive(init_factor, "init_factor")
+        check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
+                  or runtime.deterministic, "runtime", runtime,
+                  "KL-Shampoo in async mode needs deterministic=True (the eigenvalue estimates follow the "
+                  "scheduled basis)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, init_factor=init_factor)
+        super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
+                         precondition_frequency=precondition_frequency, start_preconditioning_step=1,
+                         runtime=runtime)
+        self._directions: dict[int, Tensor] = {}
+
+    def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
+        batch, device = group.batch, group.device
+        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), device=device)
+        if group.order < 2:
+            group.state[ADAM_EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
+            return []
+        init = 1.0 / math.sqrt(self.param_groups[group.group_index]["init_factor"])
+        sets = []
+        for mode, dim in enumerate(group.shape):
+            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
+            basis = group.state[basis_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
+            installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
+            group.state[inv_sqrt_key(mode)] = torch.full((batch, dim), init, device=device)
+
+            def permute(blocks: Tensor, order: Tensor, mode: int = mode, group: ShapeGroup = group) -> None:
+                F.permute_mode_(group.state[inv_sqrt_key(mode)], blocks, order, 0)
+
+            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=basis,
+                                  installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
+                                  block_params=[block.name for block in group.blocks]))
+        return sets
+
+    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
+        return RootRequest(scale=1.0, eps=self.param_groups[group.group_index]["eps"])
+
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+        hyper = self.param_groups[group.group_index]
+        beta1, beta = hyper["betas"]
+        if step == 1:  # the factors from the first gradient alone; no step is taken
+            if group.order >= 2:
+                self._update_factors(group, grads, keep, beta, rotate=False)
+            return
+        F.masked_ema_(group.state[EXP_AVG], grads, beta1, keep)
+        if group.order < 2:
+            s = step - 1
+            F.masked_ema_(group.state[ADAM_EXP_AVG_SQ], grads * grads, hyper["betas"][1], keep)
+            self._directions[id(group)] = F.adam_direction(group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
+                                                           1.0 - beta1**s, 1.0 - hyper["betas"][1] ** s, hyper["eps"])
+            return
+        bases = [group.state[basis_key(m)] for m in range(group.order)]
+        scale = self._inv_sqrt_outer(group)
+        scale = scale / (1.0 + hyper["eps"] * scale)
+        self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) * scale, bases, back=True)
+        self._update_factors(group, grads, keep, beta, rotate=True)
+
+    def _inv_sqrt_outer(self, group: ShapeGroup, skip: int | None = None) -> Tensor:
+        """(B, n_0, ..., n_k): the outer product of every mode's d^(-1/2) (mode ``skip`` left out)."""
+        out = None
+        for mode in range(group.order):
+            if mode == skip:
+                continue
+            shape = [group.batch] + [1] * group.order
+            shape[mode + 1] = group.shape[mode]
+            term = group.state[inv_sqrt_key(mode)].view(shape)
+            out = term if out is None else out * term
+        return out
+
+    def _update_factors(self, group: ShapeGroup, grads: Tensor, keep: Tensor, beta: float, rotate: bool) -> None:
+        """The KL factor update (each factor through the other modes' inverse) and, after the first
+        step, the eigenvalue estimates in the stale bases; all from the state before this step."""
+        bases = [group.state[basis_key(m)] for m in range(group.order)]
+        numel = math.prod(group.shape)
+        updates = []
+        for mode in range(group.order):
+            if rotate:
+                others = [None if b == mode else bases[b] for b in range(group.order)]
+                half = F.project(grads, others) * self._inv_sqrt_outer(group, skip=mode)
+            else:
+                half = grads
+            unfolded = F.mode_matrix(half, mode)
+            updates.append(unfolded @ unfolded.mT * (group.shape[mode] / numel))
+        if rotate:
+            rotated = F.project(grads, bases)
+            estimates = []
+            for mode in range(group.order):
+                weighted = (rotated * self._inv_sqrt_outer(group, skip=mode)) ** 2
+                estimates.append(F.mode_matrix(weighted, mode).mean(dim=-1))
+            for mode, estimate in enumerate(estimates):
+                inv_sqrt = group.state[inv_sqrt_key(mode)]
+                d = (1.0 / inv_sqrt.square()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                d = torch.lerp(d, estimate, 1.0 - beta)
+                new = (1.0 / d.sqrt()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                new.clamp_(max=float(max(10, min(group.shape[mode], 4000))))
+                inv_sqrt.copy_(torch.where(F.batch_view(keep, new), new, inv_sqrt))
+        for mode, update in enumerate(updates):
+            F.masked_ema_(group.state[factor_key(mode)], update * F.batch_view(keep, update), beta, keep)
+
+    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
+        return self._directions.pop(id(group), None)

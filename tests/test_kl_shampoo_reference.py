@@ -1,0 +1,140 @@
+"""KL-Shampoo (sync and async) against an independent float64 reference written here from the math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp, train
+
+SIZES = (8, 8, 8)
+HYPER = dict(lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+FREQUENCY = 3
+INIT = 0.1
+
+
+class ReferenceKLShampoo:
+    """2-D weights: S_L <- b S_L + (1-b)/n G Q_R D_R^-1 Q_R^T G^T (and symmetric), eigenvalues re-estimated
+    each step in the stale bases, bases refreshed by QR(S Q) after ordering Q's columns by Rayleigh
+    quotient; 1-D parameters: Adam."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency):
+        self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
+        self.t = 0
+        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
+
+    def step(self):
+        self.t += 1
+        b1, b = self.betas
+        for p, s in zip(self.params, self.state):
+            g = p.grad.double().numpy()
+            if g.ndim == 1:
+                if self.t > 1:
+                    k = self.t - 1
+                    s["m"] = b1 * s["m"] + (1 - b1) * g
+                    s["v"] = b * s["v"] + (1 - b) * g * g
+                    direction = (s["m"] / (1 - b1**k)) / (np.sqrt(s["v"] / (1 - b**k)) + self.eps)
+                    self._apply(p, direction)
+                continue
+            m, n = g.shape
+            if self.t == 1:
+                s["SL"], s["SR"] = (1 - b) / n * g @ g.T, (1 - b) / m * g.T @ g
+                s["QL"], s["QR"] = (np.linalg.eigh(x)[1][:, ::-1] for x in (s["SL"], s["SR"]))
+                s["eL"], s["eR"] = np.full(m, INIT**-0.5), np.full(n, INIT**-0.5)
+                continue
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            e = np.outer(s["eL"], s["eR"])
+            e = e / (1 + self.eps * e)
+            direction = s["QL"] @ ((s["QL"].T @ s["m"] @ s["QR"]) * e) @ s["QR"].T
+            inv_r = s["QR"] @ np.diag(s["eR"] ** 2) @ s["QR"].T
+            inv_l = s["QL"] @ np.diag(s["eL"] ** 2) @ s["QL"].T
+            rotated = s["QL"].T @ g @ s["QR"]
+            diag_l = np.mean((rotated * s["eR"][None, :]) ** 2, axis=1)
+            diag_r = np.mean((rotated * s["eL"][:, None]) ** 2, axis=0)
+            s["SL"] = b * s["SL"] + (1 - b) / n * g @ inv_r @ g.T
+            s["SR"] = b * s["SR"] + (1 - b) / m * g.T @ inv_l @ g
+            for key, diag in (("eL", diag_l), ("eR", diag_r)):
+                d = b / s[key] ** 2 + (1 - b) * diag
+                s[key] = np.minimum(1 / np.sqrt(d), max(10, min(len(d), 4000)))
+            if (self.t - 1) % self.f == 0:
+                for factor, basis, key in (("SL", "QL", "eL"), ("SR", "QR", "eR")):
+                    power = s[factor] @ s[basis]
+                    order = np.argsort(-np.einsum("ij,ij->j", s[basis], power), kind="stable")
+                    s[key] = s[key][order]
+                    s[basis] = np.linalg.qr(power[:, order])[0]
+            self._apply(p, direction)
+
+    def _apply(self, p, direction):
+        w = p.detach().double().numpy() * (1 - self.lr * self.wd) - self.lr * direction
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(w))
+
+
+def run_reference(steps: int) -> list[torch.Tensor]:
+    model = small_mlp(sizes=SIZES)
+    ref = ReferenceKLShampoo(list(model.parameters()), frequency=FREQUENCY, **HYPER)
+    x, y = regression_data(sizes=SIZES)
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(x[(step * 32) % 128:][:32]), y[(step * 32) % 128:][:32]).backward()
+        ref.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_kl(steps: int, runtime: asteria.RuntimeConfig) -> list[torch.Tensor]:
+    model = small_mlp(sizes=SIZES)
+    with asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, init_factor=INIT, runtime=runtime,
+                           **HYPER) as opt:
+        train(model, opt, steps, data=regression_data(sizes=SIZES))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def relative_errors(actual, expected) -> list[float]:
+    return [float((a.double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
+
+
+def test_sync_matches_float64_reference():
+    assert max(relative_errors(run_kl(14, asteria.RuntimeConfig(mode="sync")), run_reference(14))) < 2e-4
+
+
+def test_async_staleness_zero_matches_reference():
+    assert max(relative_errors(run_kl(14, asteria.RuntimeConfig(staleness=0, workers=2)), run_reference(14))) < 2e-4
+
+
+def test_reference_comparison_can_fail():
+    model = small_mlp(sizes=SIZES)
+    opt = torch.optim.AdamW(model.parameters(), lr=HYPER["lr"], weight_decay=0.01)
+    train(model, opt, 14, data=regression_data(sizes=SIZES))
+    assert max(relative_errors(list(model.parameters()), run_reference(14))) > 1e-3
+
+
+def test_async_worker_count_does_not_change_bits():
+    one = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=1))
+    three = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=3))
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+
+
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=2, workers=2)],
+                         ids=["sync", "async"])
+def test_state_dict_resume_is_bit_for_bit(runtime):
+    def make():
+        model = small_mlp(sizes=SIZES)
+        return model, asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER)
+
+    data = regression_data(sizes=SIZES)
+    model, opt = make()
+    with opt:
+        train(model, opt, 8, data=data)
+        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+        train(model, opt, 7, data=data)
+    resumed_model, resumed = make()
+    with resumed:
+        with torch.no_grad():
+            for p, q in zip(resumed_model.parameters(), params):
+                p.copy_(q)
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, 7, data=data)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))

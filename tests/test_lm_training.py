@@ -1,0 +1,25 @@
+"""All three optimizers train a small byte-level transformer LM at least as well as AdamW in the same
+number of steps (sensible learning rates, async mode, the default embedded corpus)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asteria.train.loop import RunConfig, train
+
+COMMON = dict(steps=120, batch_size=8, seq_len=64, staleness=1, precondition_frequency=10, workers=1,
+              eval_every=60, max_bytes=400_000)
+
+
+@pytest.fixture(scope="module")
+def adamw_loss(tmp_path_factory) -> float:
+    cfg = RunConfig(optimizer="adamw", lr=3e-3, **COMMON)
+    return train(cfg, tmp_path_factory.mktemp("adamw"), progress=False)["final_loss"]
+
+
+@pytest.mark.parametrize("optimizer, lr", [("shampoo", 3e-3), ("soap", 3e-3), ("kl-shampoo", 1e-2)])
+def test_second_order_optimizers_match_or_beat_adamw(optimizer, lr, adamw_loss, tmp_path):
+    summary = train(RunConfig(optimizer=optimizer, lr=lr, mode="async", **COMMON), tmp_path, progress=False)
+    assert summary["final_loss"] <= adamw_loss, (optimizer, summary["final_loss"], adamw_loss)
+    assert summary["runtime_stats"]["refreshes"] > 0
+    assert summary["runtime_stats"]["refresh_failures"] == 0
