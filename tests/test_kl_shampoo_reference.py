@@ -138,3 +138,13 @@ def test_state_dict_resume_is_bit_for_bit(runtime):
         resumed.load_state_dict(saved)
         train(resumed_model, resumed, 7, data=data)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": float("inf")}, "Invalid lr=inf"), ({"betas": (0.9, -0.1)}, r"Invalid betas\[1\]=-0.1"),
+    ({"init_factor": 0.0}, "Invalid init_factor=0.0"), ({"eps": -1.0}, "Invalid eps=-1.0"),
+    ({"runtime": asteria.RuntimeConfig(deterministic=False)}, "Invalid runtime=.*deterministic=True"),
+])
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asteria.KLShampoo(small_mlp().parameters(), **kwargs)

@@ -154,3 +154,50 @@ def test_state_dict_resume_is_bit_for_bit(runtime):
         resumed.load_state_dict(saved)
         train(resumed_model, resumed, 7, data=data)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=0, workers=1)],
+                         ids=["sync", "async"])
+def test_refresh_skip_is_counted_and_keeps_the_basis(runtime):
+    model = small_mlp(sizes=SIZES)
+    # Any basis passes a tolerance of 1: every refresh after the first eigendecomposition is skipped.
+    with asteria.SOAP(model.parameters(), precondition_frequency=FREQUENCY, refresh_skip_tol=1.0,
+                      runtime=runtime, **HYPER) as opt:
+        train(model, opt, 2, data=regression_data(sizes=SIZES))
+        first = [t.clone() for g in opt._groups for k, t in g.state.items() if k.startswith("basis")]
+        train(model, opt, 12, data=regression_data(sizes=SIZES))
+        later = [t for g in opt._groups for k, t in g.state.items() if k.startswith("basis")]
+        stats = opt.runtime_stats()
+    assert stats["refreshes_skipped"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(first, later))
+    default = run_soap(14, runtime)  # tol 0 (the default) never skips: the bases move
+    assert not all(torch.equal(a, b) for a, b in zip(default, [p.detach() for p in model.parameters()]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": -1.0}, "Invalid lr=-1.0"), ({"betas": (1.0, 0.9)}, r"Invalid betas\[0\]=1.0"),
+    ({"shampoo_beta": 2.0}, "Invalid shampoo_beta=2.0"), ({"eps": 0}, "Invalid eps=0"),
+    ({"refresh_skip_tol": -0.1}, "Invalid refresh_skip_tol=-0.1"), ({"precondition_1d": "yes"}, "Invalid precondition_1d"),
+    ({"precondition_frequency": 0}, "Invalid precondition_frequency=0"),
+])
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asteria.SOAP(small_mlp().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", [asteria.SOAP, asteria.KLShampoo])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nan_gradient_is_skipped_and_counted(optimizer, mode):
+    model = small_mlp(sizes=SIZES)
+    with optimizer(model.parameters(), precondition_frequency=2,
+                   runtime=asteria.RuntimeConfig(mode=mode, staleness=0, workers=1)) as opt:
+        train(model, opt, 4, data=regression_data(sizes=SIZES))
+        before = model[0].weight.detach().clone()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        model[0].weight.grad[1, 1] = float("nan")
+        opt.step()
+        assert torch.equal(model[0].weight, before)
+        train(model, opt, 5, data=regression_data(sizes=SIZES))
+        assert opt.runtime_stats()["nonfinite_grad_skips"] == 1
+        assert all(torch.isfinite(t).all() for g in opt._groups for t in g.state.values() if t.is_floating_point())

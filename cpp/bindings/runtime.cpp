@@ -228,6 +228,8 @@ void init_runtime(nb::module_& m) {
         d["refreshes_failed"] = s.refreshes_failed;
         d["float64_retries"] = s.float64_retries;
         d["refreshes_skipped"] = s.refreshes_skipped;
+        d["snapshot_waits"] = s.snapshot_waits;
+        d["snapshot_wait_seconds"] = s.snapshot_wait_seconds;
         d["refresh_seconds"] = s.refresh_seconds;
         return d;
       });

@@ -120,8 +120,22 @@ void RefreshEngine::start_at(const std::vector<std::int64_t>& blocks, std::int64
 
 void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version,
                                    std::chrono::nanoseconds timeout) {
+  const auto started = Clock::now();
   const auto deadline = deadline_after(timeout);
-  for (const std::int64_t id : blocks) block(id).snapshots.begin_write(version, time_left(deadline));
+  bool any_waited = false;
+  for (const std::int64_t id : blocks) {
+    bool waited = false;
+    block(id).snapshots.begin_write(version, time_left(deadline), &waited);
+    any_waited = any_waited || waited;
+  }
+  if (any_waited) {
+    // A snapshot buffer still being read means the workers lag the schedule: the training thread
+    // blocks here as it would at the activation barrier, and is counted the same way.
+    const double seconds = seconds_since(started);
+    std::lock_guard lock(mutex_);
+    snapshot_waits_ += 1;
+    snapshot_wait_seconds_ += seconds;
+  }
 }
 
 void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t version,
@@ -350,6 +364,8 @@ EngineStats RefreshEngine::stats() const {
   out.refreshes_failed = refreshes_failed_;
   out.float64_retries = float64_retries_;
   out.refreshes_skipped = refreshes_skipped_;
+  out.snapshot_waits = snapshot_waits_;
+  out.snapshot_wait_seconds = snapshot_wait_seconds_;
   out.refresh_seconds = refresh_seconds_;
   return out;
 }

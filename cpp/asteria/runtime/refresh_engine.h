@@ -54,6 +54,8 @@ struct EngineStats {
   std::uint64_t refreshes_failed = 0;
   std::uint64_t float64_retries = 0;
   std::uint64_t refreshes_skipped = 0;  // eigenbasis refreshes that kept the previous basis (skip_tol)
+  std::uint64_t snapshot_waits = 0;     // begin_snapshot() calls that blocked on a buffer still in use
+  double snapshot_wait_seconds = 0.0;
   double refresh_seconds = 0.0;  // summed numerics time over jobs
 };
 
@@ -135,6 +137,8 @@ class RefreshEngine {
   std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
   std::uint64_t float64_retries_ = 0;         // guarded by mutex_
   std::uint64_t refreshes_skipped_ = 0;       // guarded by mutex_
+  std::uint64_t snapshot_waits_ = 0;          // guarded by mutex_
+  double snapshot_wait_seconds_ = 0.0;        // guarded by mutex_
   double refresh_seconds_ = 0.0;              // guarded by mutex_
   bool closed_ = false;                       // guarded by mutex_
   std::unique_ptr<WorkerPool> pool_;

@@ -39,11 +39,12 @@ VersionedRing::VersionedRing(std::byte* base, std::size_t buffer_bytes, std::siz
   slots_.resize(static_cast<std::size_t>(depth_));
 }
 
-std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanoseconds timeout) {
+std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanoseconds timeout, bool* waited) {
   const auto started = Clock::now();
   const auto deadline = deadline_after(timeout);
   std::unique_lock lock(mutex_);
   bool timed_out = false;
+  if (waited != nullptr) *waited = false;
   // Re-checked after every wake-up: the version may be retired while its writer waits.
   for (check_writable_version(version); !writable(version); check_writable_version(version)) {
     if (timed_out) {
@@ -51,6 +52,7 @@ std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanosec
                          format_seconds(std::chrono::duration<double>(Clock::now() - started).count()) +
                          " for buffer " + std::to_string(version % depth_) + ", " + describe_holder(version));
     }
+    if (waited != nullptr) *waited = true;
     timed_out = changed_.wait_until(lock, deadline) == std::cv_status::timeout;
   }
   Slot& target = slots_[index(version, "begin_write")];

@@ -40,7 +40,8 @@ class VersionedRing {
   // buffer to become free; throws TimeoutError naming the ring, the version and what holds the
   // buffer. Throws InvalidArgument if v < 1, if v has been retired already, or if v was written
   // before (versions may arrive out of order: two workers may write v and v + 1 at once).
-  std::byte* begin_write(std::int64_t version, std::chrono::nanoseconds timeout);
+  // `waited`, when given, says whether the call had to block for the buffer.
+  std::byte* begin_write(std::int64_t version, std::chrono::nanoseconds timeout, bool* waited = nullptr);
   // Makes version v visible to readers and wakes waiters. Throws InvalidArgument unless v is being written.
   void publish(std::int64_t version);
   // Marks version v as failed (its buffer holds nothing usable and is free for version v + depth)

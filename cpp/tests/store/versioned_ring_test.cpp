@@ -42,7 +42,9 @@ TEST(VersionedRingTest, VersionsLiveInBufferVersionModuloDepth) {
   EXPECT_EQ(ring.latest_published(), 0);
 
   for (std::int64_t v = 1; v <= 3; ++v) {
-    std::byte* buffer = ring.begin_write(v, nanoseconds(0));
+    bool waited = true;
+    std::byte* buffer = ring.begin_write(v, nanoseconds(0), &waited);
+    EXPECT_FALSE(waited);  // a free buffer is handed over at once
     EXPECT_EQ(buffer, memory.base() + (v % 3) * memory.bytes());
     EXPECT_EQ(ring.state(v), SlotState::kWriting);
     fill(buffer, memory.elements, v);
@@ -154,10 +156,12 @@ TEST(VersionedRingTest, BeginWriteTimesOutNamingWhatHoldsTheBuffer) {
   ring.publish(1);
   ring.acquire(1);
   ring.retire_through(1);
+  bool waited = false;
   try {
-    ring.begin_write(3, milliseconds(50));
+    ring.begin_write(3, milliseconds(50), &waited);
     FAIL() << "begin_write did not time out";
   } catch (const TimeoutError& e) {
+    EXPECT_TRUE(waited);
     EXPECT_PRED_FORMAT2(IsSubstring, "[VersionedRing::begin_write] block 3 results: version 3 waited ", e.what());
     EXPECT_PRED_FORMAT2(IsSubstring, " s for buffer 1, held by version 1 (published, 1 reader)", e.what());
   }

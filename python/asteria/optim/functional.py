@@ -115,21 +115,32 @@ def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(batch_view(usable, vectors), vectors, eye), usable
 
 
-def qr_refresh(factor: Tensor, basis: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def qr_refresh(factor: Tensor, basis: Tensor, skip_tol: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """SOAP's warm-started eigenbasis refresh: the old basis' columns sorted by their Rayleigh quotients
-    diag(Q^T F Q) (descending), one power step F Q, and a QR factorization.
+    diag(Q^T F Q) (descending), one power step F Q, and a QR factorization. With ``skip_tol`` > 0 a
+    block whose old basis already diagonalizes F up to that off-diagonal ratio keeps it unchanged.
 
-    Returns the new bases, the (B, n) column order applied to the old basis, and a (B,) usability mask
-    (unusable rows keep the old basis)."""
+    Returns the new bases, the (B, n) column order applied to the old basis, a (B,) usability mask
+    (unusable rows keep the old basis) and a (B,) mask of skipped blocks."""
     power = factor @ basis
     estimates = (basis * power).sum(dim=-2)
     order = torch.argsort(estimates, dim=-1, descending=True, stable=True)
+    skipped = torch.zeros(factor.shape[0], dtype=torch.bool, device=factor.device)
+    if skip_tol > 0:
+        rotated = basis.mT @ power
+        diagonal = torch.linalg.vector_norm(torch.diagonal(rotated, dim1=-2, dim2=-1), dim=-1)
+        total = torch.linalg.matrix_norm(rotated)
+        off = (total.square() - diagonal.square()).clamp_min(0).sqrt()
+        skipped = off <= skip_tol * total
+        identity = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        order = torch.where(skipped.unsqueeze(-1), identity, order)
     power = power.gather(-1, order.unsqueeze(-2).expand_as(power))
     usable_input = finite_rows(factor)
     power = torch.where(batch_view(usable_input, power), power, basis)
     vectors = torch.linalg.qr(power).Q
+    vectors = torch.where(batch_view(skipped, vectors), basis, vectors)
     usable = usable_input & finite_rows(vectors)
-    return torch.where(batch_view(usable, vectors), vectors, basis), order, usable
+    return torch.where(batch_view(usable, vectors), vectors, basis), order, usable, skipped
 
 
 def project(x: Tensor, bases: list[Tensor | None], back: bool = False) -> Tensor:

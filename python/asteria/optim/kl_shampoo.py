@@ -58,6 +58,9 @@ class KLShampoo(SecondOrderOptimizer):
         max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
         precondition_frequency: steps between basis refreshes (f).
         init_factor: the eigenvalue estimates' starting value.
+        refresh_skip_tol: skip a block's basis refresh when its old basis diagonalizes the factor up to
+            this off-diagonal ratio ||Q^T F Q - diag||_F / ||Q^T F Q||_F (0: never; skips are counted
+            in ``runtime_stats()["refreshes_skipped"]``).
         runtime: an ``asteria.RuntimeConfig``; async mode needs ``deterministic=True``.
     """
 
@@ -73,18 +76,21 @@ class KLShampoo(SecondOrderOptimizer):
         max_preconditioner_dim: int = 2048,
         precondition_frequency: int = 10,
         init_factor: float = 0.1,
+        refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
     ) -> None:
         check_nonnegative(lr, "lr")
         check_betas(betas)
         check_positive(eps, "eps")
         check_nonnegative(weight_decay, "weight_decay")
+        check_nonnegative(refresh_skip_tol, "refresh_skip_tol")
         check_positive(init_factor, "init_factor")
         check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
                   or runtime.deterministic, "runtime", runtime,
                   "KL-Shampoo in async mode needs deterministic=True (the eigenvalue estimates follow the "
                   "scheduled basis)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, init_factor=init_factor)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        refresh_skip_tol=refresh_skip_tol, init_factor=init_factor)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
@@ -113,7 +119,8 @@ class KLShampoo(SecondOrderOptimizer):
         return sets
 
     def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
-        return RootRequest(scale=1.0, eps=self.param_groups[group.group_index]["eps"])
+        hyper = self.param_groups[group.group_index]
+        return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])
 
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]

@@ -52,6 +52,9 @@ class SOAP(SecondOrderOptimizer):
         max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
         precondition_frequency: steps between basis refreshes (f).
         precondition_1d: rotate 1-D parameters too (default: plain Adam for them).
+        refresh_skip_tol: skip a block's basis refresh when its old basis diagonalizes the factor up to
+            this off-diagonal ratio ||Q^T F Q - diag||_F / ||Q^T F Q||_F (0: never; skips are counted
+            in ``runtime_stats()["refreshes_skipped"]``).
         runtime: an ``asteria.RuntimeConfig``. Async mode needs ``deterministic=True``: the second
             moment's reordering is computed against the basis that the schedule says is in use.
     """
@@ -69,6 +72,7 @@ class SOAP(SecondOrderOptimizer):
         max_preconditioner_dim: int = 2048,
         precondition_frequency: int = 10,
         precondition_1d: bool = False,
+        refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
     ) -> None:
         check_nonnegative(lr, "lr")
@@ -78,12 +82,14 @@ class SOAP(SecondOrderOptimizer):
                   shampoo_beta, "must be None or in [0, 1)")
         check_positive(eps, "eps")
         check_nonnegative(weight_decay, "weight_decay")
+        check_nonnegative(refresh_skip_tol, "refresh_skip_tol")
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
                   or runtime.deterministic, "runtime", runtime,
                   "SOAP in async mode needs deterministic=True (the second moment follows the scheduled basis)")
         self.precondition_1d = precondition_1d
-        defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+                        refresh_skip_tol=refresh_skip_tol)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
@@ -114,7 +120,8 @@ class SOAP(SecondOrderOptimizer):
 
     def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
         # The factors are debiased averages already; eps does not enter an eigenbasis.
-        return RootRequest(scale=1.0, eps=self.param_groups[group.group_index]["eps"])
+        hyper = self.param_groups[group.group_index]
+        return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])
 
     def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
         if not self._rotated(group):

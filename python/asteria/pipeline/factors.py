@@ -60,7 +60,10 @@ class FactorSet:
 
 @dataclass(frozen=True)
 class RootRequest:
-    """What a refresh of one factor set computes: (scale * F)^exponent with ``eps`` regularization."""
+    """What a refresh of one factor set computes: (scale * F)^exponent with ``eps`` regularization, or
+    for eigenbases the refreshed basis of scale * F, kept as it is when its off-diagonal ratio
+    ||Q^T F Q - diag||_F / ||Q^T F Q||_F is at most ``skip_tol`` (0: never skip)."""
 
     scale: float
     eps: float
+    skip_tol: float = 0.0

@@ -73,6 +73,7 @@ class SyncRefresher(Refresher):
         super().__init__(sets, config, interval)
         self._refreshes = 0
         self._failures = 0
+        self._skipped = 0
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._last_error = "non-finite factor or root"
         self._seconds = 0.0
@@ -85,7 +86,7 @@ class SyncRefresher(Refresher):
             if fset.kind == "root":
                 new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
             else:
-                new, usable, order = self._eigenbases(fset)
+                new, usable, order = self._eigenbases(fset, request.skip_tol)
             results.append((new, usable, usable.cpu().numpy(), order))
         # Check every bound before changing anything, so that a raise leaves all state as it was.
         for fset, consecutive, (_, _, ok, _) in zip(self.sets, self._consecutive, results):
@@ -107,15 +108,15 @@ class SyncRefresher(Refresher):
         self._newest_version = version
         self._seconds += time.perf_counter() - started
 
-    @staticmethod
-    def _eigenbases(fset: FactorSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _eigenbases(self, fset: FactorSet, skip_tol: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A full eigendecomposition for blocks without a basis yet, the warm-started QR refresh for the
         others; the column order is None when no block was refreshed from an old basis."""
         installed = fset.installed
         if not bool(installed.any()):
             bases, usable = F.eigenbasis(fset.factors)
             return bases, usable, None
-        refreshed, order, usable = F.qr_refresh(fset.factors, fset.preconditioners)
+        refreshed, order, usable, skipped = F.qr_refresh(fset.factors, fset.preconditioners, skip_tol)
+        self._skipped += int((skipped & installed).sum())
         if bool(installed.all()):
             return refreshed, usable, order
         fresh, fresh_usable = F.eigenbasis(fset.factors)
@@ -136,6 +137,7 @@ class SyncRefresher(Refresher):
         return {
             "refreshes": self._refreshes,
             "refresh_failures": self._failures,
+            "refreshes_skipped": self._skipped,
             "refresh_seconds_on_step": self._seconds,
             "staleness_histogram": [],
             "waits": 0,
@@ -221,7 +223,8 @@ class AsyncRefresher(Refresher):
                     waiting.append((index, version, due, request, event))
                     continue
                 streams.wait(event)
-            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps, request.scale)
+            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps, request.scale,
+                               skip_tol=request.skip_tol)
         self._pending_snapshots = waiting
 
     def _release_copied(self, block_all: bool) -> None:
@@ -269,7 +272,8 @@ class AsyncRefresher(Refresher):
         scheduled = []
         for version, due, requests in self._scheduled:
             snapshots = [ring[version % self.depth].clone() for ring in self.snapshots]
-            scheduled.append({"version": version, "due": due, "requests": [(r.scale, r.eps) for r in requests],
+            scheduled.append({"version": version, "due": due,
+                              "requests": [(r.scale, r.eps, r.skip_tol) for r in requests],
                               "snapshots": snapshots})
         return {"newest_version": self._newest_version, "bootstrap_pending": self._bootstrap_pending,
                 "scheduled": scheduled}
@@ -291,12 +295,12 @@ class AsyncRefresher(Refresher):
         self._scheduled = []
         for entry in scheduled:
             version, due = entry["version"], entry["due"]
-            requests = [RootRequest(scale, eps) for scale, eps in entry["requests"]]
+            requests = [RootRequest(*request) for request in entry["requests"]]
             for index, (snapshot, request) in enumerate(zip(entry["snapshots"], requests)):
                 self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
                 self.snapshots[index][version % self.depth].copy_(snapshot)
                 self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
-                                   request.scale)
+                                   request.scale, skip_tol=request.skip_tol)
             self._scheduled.append((version, due, requests))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
@@ -340,8 +344,11 @@ class AsyncRefresher(Refresher):
             "refresh_seconds_on_workers": engine["refresh_seconds"],
             "staleness_histogram": registry["staleness_histogram"],
             "max_staleness_seen": registry["max_staleness_seen"],
-            "waits": registry["waits"],
-            "wait_seconds": registry["wait_seconds"],
+            # Waits at the activation barrier and for snapshot buffers the workers still read.
+            "waits": registry["waits"] + engine["snapshot_waits"],
+            "wait_seconds": registry["wait_seconds"] + engine["snapshot_wait_seconds"],
+            "activation_waits": registry["waits"],
+            "snapshot_waits": engine["snapshot_waits"],
             "max_wait_seconds": registry["max_wait_seconds"],
             "activations": registry["activations"],
             "workers": pool["workers"],
