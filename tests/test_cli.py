@@ -30,7 +30,8 @@ def test_demo_writes_runs_and_report(tmp_path):
     [
         (["train", "--optimizer", "lion", "--out", "x"], "Invalid optimizer='lion'"),
         (["train", "--steps", "-3", "--out", "x"], "Invalid steps=-3"),
-        (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "x"], "Invalid data='/nonexistent/corpus'"),
+        (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "x"],
+         "Invalid data='/nonexistent/corpus'"),
     ],
 )
 def test_bad_input_names_the_value(argv, message, capsys, tmp_path):

@@ -66,3 +66,29 @@ def test_refresh_buffers_are_pinned():
     model = small_mlp(sizes=SIZES).cuda()
     with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(workers=1)) as opt:
         assert all(t.is_pinned() for t in opt._refresher.snapshots + opt._refresher.results)
+
+
+@pytest.mark.parametrize("optimizer", [asteria.SOAP, asteria.KLShampoo])
+def test_eigenbasis_optimizers_async_match_sync_and_ignore_stream_delays(optimizer):
+    def run(runtime, side_delay=0):
+        model = small_mlp(sizes=SIZES).cuda()
+        x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+        with optimizer(model.parameters(), precondition_frequency=3, runtime=runtime) as opt:
+            for _ in range(16):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[:64]), y[:64]).backward()
+                if side_delay:
+                    for side in opt._refresher.side.values():
+                        with torch.cuda.stream(side.stream):
+                            torch.cuda._sleep(side_delay)
+                opt.step()
+            torch.cuda.synchronize()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    sync = run(asteria.RuntimeConfig(mode="sync"))
+    async_ = run(asteria.RuntimeConfig(staleness=0, workers=2))
+    for a, b in zip(async_, sync):
+        assert float((a - b).norm() / b.norm()) < 1e-3
+    stale = asteria.RuntimeConfig(staleness=2, workers=2)
+    for a, b in zip(run(stale), run(stale, side_delay=20_000_000)):
+        assert torch.equal(a, b)

@@ -116,7 +116,8 @@ def test_failing_refresh_keeps_last_good_root_then_raises_naming_the_parameter(m
         assert info.value.param == "0.weight"
 
 
-@pytest.mark.parametrize("mode, staleness, workers", [("sync", 0, 1), ("async", 0, 1), ("async", 2, 1), ("async", 2, 3)])
+@pytest.mark.parametrize("mode, staleness, workers",
+                         [("sync", 0, 1), ("async", 0, 1), ("async", 2, 1), ("async", 2, 3)])
 def test_state_dict_round_trip_resumes_training(mode, staleness, workers):
     def make(mode):
         model = small_mlp()

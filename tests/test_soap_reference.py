@@ -177,7 +177,8 @@ def test_refresh_skip_is_counted_and_keeps_the_basis(runtime):
 @pytest.mark.parametrize("kwargs, match", [
     ({"lr": -1.0}, "Invalid lr=-1.0"), ({"betas": (1.0, 0.9)}, r"Invalid betas\[0\]=1.0"),
     ({"shampoo_beta": 2.0}, "Invalid shampoo_beta=2.0"), ({"eps": 0}, "Invalid eps=0"),
-    ({"refresh_skip_tol": -0.1}, "Invalid refresh_skip_tol=-0.1"), ({"precondition_1d": "yes"}, "Invalid precondition_1d"),
+    ({"refresh_skip_tol": -0.1}, "Invalid refresh_skip_tol=-0.1"),
+    ({"precondition_1d": "yes"}, "Invalid precondition_1d"),
     ({"precondition_frequency": 0}, "Invalid precondition_frequency=0"),
 ])
 def test_invalid_hyperparameters(kwargs, match):

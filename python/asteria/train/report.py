@@ -46,7 +46,8 @@ def write_report(run_dirs: list[Path], out: Path) -> Path:
     lines = [
         f"# Training report ({runs[0][0]['device']})",
         "",
-        "| run | final loss | val loss | median step (ms) | max step (ms) | max/median | wall (s) | refreshes | waits |",
+        "| run | final loss | val loss | median step (ms) | max step (ms) | max/median | wall (s) "
+        "| refreshes | waits |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for summary, _ in runs:
