@@ -38,3 +38,16 @@ def test_bad_input_names_the_value(argv, message, capsys, tmp_path):
     argv[argv.index("x")] = str(tmp_path / "run")
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_compares_configs_side_by_side(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path), "--steps", "6", "--eval-every", "6", "--batch-size", "4",
+                 "--seq-len", "32", "--precondition-frequency", "2", "--staleness", "1", "--workers", "1",
+                 "--configs", "adamw", "soap-sync", "kl-shampoo-async"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async"]
+    assert results["runs"]["adamw"]["median_step_vs_adamw"] == 1.0
+    assert results["runs"]["kl-shampoo-async"]["max_staleness_seen"] <= 1
+    assert "soap-sync" in capsys.readouterr().out
+    assert (tmp_path / "step_time.png").exists()
+    assert main(["bench", "--out", str(tmp_path), "--configs", "lion-async"]) == 2

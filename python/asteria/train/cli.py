@@ -1,5 +1,5 @@
 """The ``asteria`` command: ``train`` one run, ``demo`` (AdamW vs Asteria Shampoo with a report),
-``report`` over finished runs."""
+``bench`` (every optimizer x mode side by side), ``report`` over finished runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from asteria.train.bench import CONFIGS, format_table, run_bench
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
 
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_p = sub.add_parser("demo", help="AdamW vs Asteria Shampoo (async), with a report")
     _add_run_arguments(demo_p)
     demo_p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    bench_p = sub.add_parser("bench", help="every optimizer x mode side by side: results.json, plots, a table")
+    _add_run_arguments(bench_p)
+    bench_p.add_argument("--out", type=Path, required=True)
+    bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {CONFIGS}")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
     report_p.add_argument("--out", type=Path, required=True)
@@ -57,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
+        elif args.command == "bench":
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            results = run_bench(_run_config(args, device=device), args.out, tuple(args.configs))
+            print(format_table(results))
+            print(f"results: {args.out / 'results.json'}")
         else:
             print(f"report: {write_report(args.runs, args.out)}")
     except (ValueError, FileNotFoundError) as error:

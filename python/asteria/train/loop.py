@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 import asteria
 from asteria.train.data import VOCAB_SIZE, TokenStream, load_corpus
+from asteria.train.meters import EnergyMeter, StepTimer
 from asteria.train.model import PRESETS, DecoderLM
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
@@ -77,6 +78,9 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
     stream = TokenStream(load_corpus(cfg.data, cfg.max_bytes), cfg.seq_len, seed=cfg.seed)
     opt = make_optimizer(cfg, model)
     writer = SummaryWriter(str(out / "tensorboard"))
+    energy, timer = EnergyMeter(device), StepTimer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     step_times: list[float] = []
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -84,15 +88,23 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
     with (out / "metrics.jsonl").open("w") as log:
         for step in bar:
             batch = stream.batch(cfg.batch_size).to(device)
+            joules = energy.joules()
             t0 = time.perf_counter()
-            loss = model.loss(batch)
+            timer.begin()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model.loss(batch)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            gpu_seconds = timer.finish()
             loss_value = loss.item()  # synchronizes, so the step time below is the whole step
             step_times.append(time.perf_counter() - t0)
             record: dict[str, Any] = {"step": step, "loss": loss_value, "step_time": step_times[-1],
                                       "wall": time.perf_counter() - started}
+            if gpu_seconds is not None:
+                record["gpu_step_time"] = gpu_seconds
+            if joules is not None:
+                record["energy_joules"] = energy.joules() - joules
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 record["val_loss"] = evaluate(model, stream, device)
             if hasattr(opt, "staleness"):
@@ -105,6 +117,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
             bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_times[-1]:.0f}",
                             stale=record.get("staleness", "-"))
     writer.close()
+    steady = step_times[1:] or step_times  # the first step compiles and allocates: not a steady step
     summary = {
         "config": asdict(cfg),
         "label": cfg.label,
@@ -114,7 +127,11 @@ def train(cfg: RunConfig, out: Path, progress: bool = True) -> dict[str, Any]:
         "final_val_loss": records[-1]["val_loss"],
         "wall_seconds": time.perf_counter() - started,
         "median_step_seconds": statistics.median(step_times),
-        "max_step_seconds": max(step_times[1:] or step_times),
+        "max_step_seconds": max(steady),
+        "p99_step_seconds": sorted(steady)[min(len(steady) - 1, int(0.99 * len(steady)))],
+        "energy_joules_per_step": (statistics.fmean(r["energy_joules"] for r in records)
+                                   if energy.available else None),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "runtime_stats": opt.runtime_stats() if hasattr(opt, "runtime_stats") else {},
     }
     if hasattr(opt, "close"):
