@@ -17,3 +17,6 @@ g++ -O3 -march=native -std=c++20 bench/eigh_variants.cpp -I cpp cpp/asteria/lina
   && /tmp/eigh_variants 32 16 2048 2>&1 | tee -a "$OUT/eigh_variants.txt"
 python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 32 --out "$OUT/refresh_engine.json" 2>&1 \
   | tee "$OUT/refresh_engine.txt"
+python3 -m asteria.train.cli bench --model olmo-160m --steps 60 --batch-size 8 --seq-len 512 \
+  --precondition-frequency 10 --staleness 5 --eval-every 60 --out "$OUT/bench" 2>&1 | grep -v "it/s" \
+  | tee "$OUT/bench.txt"
