@@ -11,23 +11,12 @@ from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.groups import ShapeGroup
+from asteria.optim.state_keys import factor_key, root_key, has_root_key
 from asteria.pipeline.factors import FactorSet
 
 GRAFTINGS = ("adam", "none")
 MOMENTUM = "momentum"
 GRAFTING_SECOND_MOMENT = "grafting_second_moment"
-
-
-def factor_key(mode: int) -> str:
-    return f"factor_{mode}"
-
-
-def root_key(mode: int) -> str:
-    return f"root_{mode}"
-
-
-def has_root_key(mode: int) -> str:
-    return f"has_root_{mode}"
 
 
 class Shampoo(SecondOrderOptimizer):

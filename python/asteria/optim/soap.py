@@ -11,22 +11,11 @@ from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.groups import ShapeGroup
+from asteria.optim.state_keys import factor_key, basis_key, has_basis_key
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
 EXP_AVG_SQ = "exp_avg_sq"    # second moment, in the eigenbasis
-
-
-def factor_key(mode: int) -> str:
-    return f"factor_{mode}"
-
-
-def basis_key(mode: int) -> str:
-    return f"basis_{mode}"
-
-
-def has_basis_key(mode: int) -> str:
-    return f"has_basis_{mode}"
 
 
 def debiased(beta: float, step: int) -> float:
