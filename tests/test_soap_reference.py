@@ -82,7 +82,7 @@ def run_soap(steps: int, runtime: asteria.RuntimeConfig) -> list[torch.Tensor]:
 
 
 def relative_errors(actual, expected) -> list[float]:
-    return [float((a.double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
+    return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
 
 
 def test_sync_matches_float64_reference():
