@@ -11,10 +11,11 @@ from torch import Tensor
 
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
-from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
-from asteria.optim.state_keys import factor_key, basis_key, has_basis_key
-from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.optim.state_keys import basis_key, factor_key
+from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"
 ADAM_EXP_AVG_SQ = "adam_exp_avg_sq"  # 1-D parameters only: they take Adam's step
@@ -24,7 +25,7 @@ def inv_sqrt_key(mode: int) -> str:
     return f"eigen_inv_sqrt_{mode}"
 
 
-class KLShampoo(SecondOrderOptimizer):
+class KLShampoo(EigenbasisOptimizer):
     """KL-Shampoo for blocks of order >= 2 (1-D parameters take Adam's step).
 
     Per block, with eigenbases Q_a and eigenvalue estimates d_a of the factors S_a:
@@ -52,8 +53,6 @@ class KLShampoo(SecondOrderOptimizer):
             in ``runtime_stats()["refreshes_skipped"]``).
         runtime: an ``asteria.RuntimeConfig``; async mode needs ``deterministic=True``.
     """
-
-    MERGE_DIMS = False
 
     def __init__(
         self,
@@ -83,7 +82,6 @@ class KLShampoo(SecondOrderOptimizer):
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
-        self._directions: dict[int, Tensor] = {}
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
@@ -92,24 +90,10 @@ class KLShampoo(SecondOrderOptimizer):
             group.state[ADAM_EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
             return []
         init = 1.0 / math.sqrt(self.param_groups[group.group_index]["init_factor"])
-        sets = []
         for mode, dim in enumerate(group.shape):
-            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
-            basis = group.state[basis_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
-            installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
             group.state[inv_sqrt_key(mode)] = torch.full((batch, dim), init, device=device)
-
-            def permute(blocks: Tensor, order: Tensor, mode: int = mode, group: ShapeGroup = group) -> None:
-                F.permute_mode_(group.state[inv_sqrt_key(mode)], blocks, order, 0)
-
-            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=basis,
-                                  installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
-                                  block_params=[block.name for block in group.blocks]))
-        return sets
-
-    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
-        hyper = self.param_groups[group.group_index]
-        return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])
+        return self._eigenbasis_sets(
+            group, lambda mode, blocks, order: F.permute_mode_(group.state[inv_sqrt_key(mode)], blocks, order, 0))
 
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]
@@ -173,5 +157,3 @@ class KLShampoo(SecondOrderOptimizer):
         for mode, update in enumerate(updates):
             F.masked_ema_(group.state[factor_key(mode)], update * F.batch_view(keep, update), beta, keep)
 
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
-        return self._directions.pop(id(group), None)

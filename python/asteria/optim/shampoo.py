@@ -11,7 +11,7 @@ from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.groups import ShapeGroup
-from asteria.optim.state_keys import factor_key, root_key, has_root_key
+from asteria.optim.state_keys import factor_key, has_root_key, root_key
 from asteria.pipeline.factors import FactorSet
 
 GRAFTINGS = ("adam", "none")

@@ -9,10 +9,11 @@ from torch import Tensor
 
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
-from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
-from asteria.optim.state_keys import factor_key, basis_key, has_basis_key
-from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.optim.state_keys import basis_key, factor_key
+from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
 EXP_AVG_SQ = "exp_avg_sq"    # second moment, in the eigenbasis
@@ -23,7 +24,7 @@ def debiased(beta: float, step: int) -> float:
     return 1.0 - (1.0 - beta) / (1.0 - beta**step)
 
 
-class SOAP(SecondOrderOptimizer):
+class SOAP(EigenbasisOptimizer):
     """SOAP: per block, Kronecker factors L_i of the gradient; Adam's moments live in their eigenbasis
     Q_i (G' = G ×_i Q_i^T), and the Adam direction is rotated back. The first step only builds the
     factors and takes their eigenbasis; from then on every ``precondition_frequency`` steps the
@@ -47,8 +48,6 @@ class SOAP(SecondOrderOptimizer):
         runtime: an ``asteria.RuntimeConfig``. Async mode needs ``deterministic=True``: the second
             moment's reordering is computed against the basis that the schedule says is in use.
     """
-
-    MERGE_DIMS = False  # a matrix stays a matrix: SOAP rotates each of its dimensions
 
     def __init__(
         self,
@@ -82,7 +81,6 @@ class SOAP(SecondOrderOptimizer):
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
-        self._directions: dict[int, Tensor] = {}
 
     def _rotated(self, group: ShapeGroup) -> bool:
         return group.order >= 2 or (group.order == 1 and self.precondition_1d)
@@ -93,24 +91,8 @@ class SOAP(SecondOrderOptimizer):
         group.state[EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
         if not self._rotated(group):
             return []
-        sets = []
-        for mode, dim in enumerate(group.shape):
-            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
-            basis = group.state[basis_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
-            installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
-
-            def permute(blocks: Tensor, order: Tensor, mode: int = mode, group: ShapeGroup = group) -> None:
-                F.permute_mode_(group.state[EXP_AVG_SQ], blocks, order, mode)
-
-            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=basis,
-                                  installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
-                                  block_params=[block.name for block in group.blocks]))
-        return sets
-
-    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
-        # The factors are debiased averages already; eps does not enter an eigenbasis.
-        hyper = self.param_groups[group.group_index]
-        return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])
+        return self._eigenbasis_sets(
+            group, lambda mode, blocks, order: F.permute_mode_(group.state[EXP_AVG_SQ], blocks, order, mode))
 
     def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
         if not self._rotated(group):
@@ -133,5 +115,3 @@ class SOAP(SecondOrderOptimizer):
         self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
         F.update_factors_(factors, grads, debiased(hyper["shampoo_beta"], s), keep)
 
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
-        return self._directions.pop(id(group), None)
