@@ -52,5 +52,5 @@ def test_scalar_and_empty_parameters():
             loss = (scale - 0.5) ** 2 + (vec**2).sum() + empty.sum()
             loss.backward()
             opt.step()
-    assert abs(float(scale) - 0.5) < 0.2
+    assert abs(scale.item() - 0.5) < 0.2
     assert float(vec.norm()) < 1.0
