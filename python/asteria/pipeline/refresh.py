@@ -2,7 +2,7 @@
 
 ``SyncRefresher`` is the native baseline: every refresh runs inside ``step()`` on the parameter's
 device with torch. ``AsyncRefresher`` snapshots the factors into (pinned) host rings, has the C++
-engine compute the roots on its worker threads, and installs the versions that the coherence
+engine compute roots or eigenbases on its worker threads, and installs the versions that the coherence
 registry activates at each step boundary.
 """
 
@@ -75,7 +75,7 @@ class SyncRefresher(Refresher):
         self._failures = 0
         self._skipped = 0
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
-        self._last_error = "non-finite factor or root"
+        self._last_error = "non-finite factor, or a refresh result that is not finite"
         self._seconds = 0.0
 
     def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
