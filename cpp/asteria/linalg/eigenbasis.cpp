@@ -11,17 +11,15 @@
 #include <vector>
 
 #include "asteria/common/errors.h"
+#include "asteria/linalg/detail.h"
 #include "asteria/linalg/lapack.h"
 
 namespace asteria::linalg {
 namespace {
 
-// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
-std::string format(double value) {
-  char buffer[32];
-  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, result.ptr);
-}
+using detail::all_within;
+using detail::format;
+using detail::grow;
 
 void check_arguments(const char* routine, int n, bool pointers_ok, double scale, double skip_tol) {
   const std::string where = std::string("[") + routine + "] ";
@@ -35,14 +33,6 @@ void check_arguments(const char* routine, int n, bool pointers_ok, double scale,
   if (!(std::isfinite(skip_tol) && skip_tol >= 0)) {
     throw InvalidArgument(where + "Invalid skip_tol=" + format(skip_tol) + ": must be a finite number >= 0");
   }
-}
-
-// |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
-template <typename T, typename Limit = T>
-bool all_within(const T* x, std::size_t count) {
-  bool ok = true;
-  for (std::size_t i = 0; i < count; ++i) ok &= std::abs(x[i]) <= static_cast<T>(std::numeric_limits<Limit>::max());
-  return ok;
 }
 
 // Throws NumericalError naming the first non-finite entry of the n x n torch-layout matrix `x`.
@@ -94,11 +84,6 @@ template <typename T>
 Workspace<T>& workspace() {
   thread_local Workspace<T> ws;
   return ws;
-}
-
-template <typename T>
-void grow(std::vector<T>& v, std::size_t size) {
-  if (v.size() < size) v.resize(size);
 }
 
 std::string non_finite_result(int n, double scale) {

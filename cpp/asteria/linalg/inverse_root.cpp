@@ -10,17 +10,15 @@
 #include <vector>
 
 #include "asteria/common/errors.h"
+#include "asteria/linalg/detail.h"
 #include "asteria/linalg/lapack.h"
 
 namespace asteria::linalg {
 namespace {
 
-// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
-std::string format(double value) {
-  char buffer[32];
-  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, result.ptr);
-}
+using detail::all_within;
+using detail::format;
+using detail::grow;
 
 void require_finite_number(bool ok, const char* field, double value, const char* rule) {
   if (!ok) {
@@ -46,14 +44,6 @@ void check_arguments(int n, const T* a, int lda, const T* out, int ldo, const Ro
   }
 }
 
-// |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
-template <typename T, typename Limit = T>
-bool all_within(const T* x, std::size_t count) {
-  bool ok = true;
-  for (std::size_t i = 0; i < count; ++i) ok &= std::abs(x[i]) <= static_cast<T>(std::numeric_limits<Limit>::max());
-  return ok;
-}
-
 // Per-thread buffers, grown to the largest n seen and kept: a refresh worker computes roots of
 // the same few shapes over and over, and reusing the pages avoids a malloc plus page faults on
 // tens of megabytes per call.
@@ -69,11 +59,6 @@ template <typename T>
 Workspace<T>& workspace() {
   thread_local Workspace<T> ws;
   return ws;
-}
-
-template <typename T>
-void grow(std::vector<T>& v, std::size_t size) {
-  if (v.size() < size) v.resize(size);
 }
 
 // Copies (and converts) the n x n matrix `a` into ws.matrix with leading dimension n; throws on

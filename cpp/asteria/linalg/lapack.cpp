@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "asteria/common/errors.h"
+#include "asteria/linalg/detail.h"
 
 // The Fortran interface OpenBLAS exports (LP64: 32-bit integers). gfortran passes the length of
 // every CHARACTER argument as a trailing hidden size_t; the LAPACK routines are compiled Fortran,
@@ -60,6 +61,8 @@ void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda
 namespace asteria::linalg {
 namespace {
 
+using detail::grow;
+
 constexpr std::size_t kOptionLen = 1;  // every option we pass is a single letter
 
 template <typename T>
@@ -94,11 +97,6 @@ void check_info(const char* function, const char* routine, int info, int n) {
 template <typename T>
 std::size_t queried_size(T reported) {
   return static_cast<std::size_t>(static_cast<double>(reported) * (1.0 + 1e-6)) + 1;
-}
-
-template <typename T>
-void grow(std::vector<T>& v, std::size_t size) {
-  if (v.size() < size) v.resize(size);
 }
 
 void call_syevd(const int* n, float* a, const int* lda, float* w, float* work, const int* lwork, int* iwork,

@@ -1,0 +1,34 @@
+// Internals shared by the numerics' translation units (not part of the core's interface).
+#pragma once
+
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace asteria::linalg::detail {
+
+// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
+inline std::string format(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
+
+// |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
+template <typename T, typename Limit = T>
+bool all_within(const T* x, std::size_t count) {
+  bool ok = true;
+  for (std::size_t i = 0; i < count; ++i) ok &= std::abs(x[i]) <= static_cast<T>(std::numeric_limits<Limit>::max());
+  return ok;
+}
+
+// Grows a per-thread buffer to at least `size` elements; buffers are kept at the largest size seen.
+template <typename T>
+void grow(std::vector<T>& v, std::size_t size) {
+  if (v.size() < size) v.resize(size);
+}
+
+}  // namespace asteria::linalg::detail
