@@ -49,3 +49,43 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, data=N
         if hook is not None:
             hook(step + 1, opt)
     return losses
+
+
+def blob_classification(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """400 points in 12-D around 5 class centers, and their labels."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.randn(5, 12, generator=gen) * 2.0
+    labels = torch.randint(0, 5, (400,), generator=gen)
+    return centers[labels] + 0.7 * torch.randn(400, 12, generator=gen), labels
+
+
+def train_classifier(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, labels: torch.Tensor,
+                     steps: int = 60) -> tuple[float, float]:
+    """Cross-entropy training over batches of 50; returns the first and the last batch loss."""
+    losses = []
+    for step in range(steps):
+        idx = torch.arange(step * 50, step * 50 + 50) % x.shape[0]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses[0], losses[-1]
+
+
+def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:
+    """Trains `before` steps, saves, trains `after` more; a second run loads the checkpoint into a fresh
+    (model, optimizer) from `make()` and trains the same `after` steps. True if both end bit for bit equal."""
+    model, opt = make()
+    with opt:
+        train(model, opt, before, data=data)
+        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+        train(model, opt, after, data=data)
+    resumed_model, resumed = make()
+    with resumed:
+        with torch.no_grad():
+            for p, q in zip(resumed_model.parameters(), params):
+                p.copy_(q)
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, after, data=data)
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))

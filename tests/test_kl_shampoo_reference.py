@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, small_mlp, train
+from conftest import regression_data, resume_is_exact, small_mlp, train
 
 SIZES = (8, 8, 8)
 HYPER = dict(lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -124,20 +124,7 @@ def test_state_dict_resume_is_bit_for_bit(runtime):
         model = small_mlp(sizes=SIZES)
         return model, asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER)
 
-    data = regression_data(sizes=SIZES)
-    model, opt = make()
-    with opt:
-        train(model, opt, 8, data=data)
-        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
-        train(model, opt, 7, data=data)
-    resumed_model, resumed = make()
-    with resumed:
-        with torch.no_grad():
-            for p, q in zip(resumed_model.parameters(), params):
-                p.copy_(q)
-        resumed.load_state_dict(saved)
-        train(resumed_model, resumed, 7, data=data)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert resume_is_exact(make, regression_data(sizes=SIZES))
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, small_mlp, train
+from conftest import blob_classification, regression_data, resume_is_exact, small_mlp, train, train_classifier
 
 SIZES = (8, 8, 8)  # square weights: the first factors are full rank, so their eigenbases are unique
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -115,19 +115,11 @@ def test_async_worker_count_does_not_change_bits():
 
 
 def test_soap_trains_a_classifier():
-    gen = torch.Generator().manual_seed(3)
-    centers = torch.randn(5, 12, generator=gen) * 2.0
-    labels = torch.randint(0, 5, (400,), generator=gen)
-    x = centers[labels] + 0.7 * torch.randn(400, 12, generator=gen)
+    x, labels = blob_classification()
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
     with asteria.SOAP(model.parameters(), lr=0.01, precondition_frequency=5,
                       runtime=asteria.RuntimeConfig(staleness=1, workers=1)) as opt:
-        for step in range(60):
-            idx = torch.arange(step * 50, step * 50 + 50) % 400
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x[idx]), labels[idx])
-            loss.backward()
-            opt.step()
+        train_classifier(model, opt, x, labels)
         stats = opt.runtime_stats()
     assert float((model(x).argmax(1) == labels).float().mean()) > 0.9
     assert stats["refreshes"] > 0 and stats["refresh_failures"] == 0
@@ -140,20 +132,7 @@ def test_state_dict_resume_is_bit_for_bit(runtime):
         model = small_mlp(sizes=SIZES)
         return model, asteria.SOAP(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER)
 
-    data = regression_data(sizes=SIZES)
-    model, opt = make()
-    with opt:
-        train(model, opt, 8, data=data)
-        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
-        train(model, opt, 7, data=data)
-    resumed_model, resumed = make()
-    with resumed:
-        with torch.no_grad():
-            for p, q in zip(resumed_model.parameters(), params):
-                p.copy_(q)
-        resumed.load_state_dict(saved)
-        train(resumed_model, resumed, 7, data=data)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert resume_is_exact(make, regression_data(sizes=SIZES))
 
 
 @pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=0, workers=1)],
