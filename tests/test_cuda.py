@@ -38,7 +38,7 @@ def run_cuda(runtime: asteria.RuntimeConfig, steps: int = 24, main_delay: int = 
 
 def test_async_staleness_zero_matches_sync_on_gpu():
     sync, _ = run_cuda(asteria.RuntimeConfig(mode="sync"))
-    async_, stats = run_cuda(asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    async_, stats = run_cuda(asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False))
     assert stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
     for a, b in zip(async_, sync):
         assert float((a - b).norm() / b.norm()) < 1e-3
@@ -93,7 +93,7 @@ def test_eigenbasis_optimizers_async_match_sync_and_ignore_stream_delays(optimiz
         return [p.detach().cpu() for p in model.parameters()]
 
     sync = run(asteria.RuntimeConfig(mode="sync"))
-    async_ = run(asteria.RuntimeConfig(staleness=0, workers=2))
+    async_ = run(asteria.RuntimeConfig(staleness=0, workers=2, stagger=False))
     for a, b in zip(async_, sync):
         assert float((a - b).norm() / b.norm()) < 2e-3
     stale = asteria.RuntimeConfig(staleness=2, workers=2)

@@ -125,7 +125,7 @@ def test_sync_matches_float64_reference(max_dim):
 
 def test_async_staleness_zero_matches_reference_and_sync():
     sync = run_asteria(14, asteria.RuntimeConfig(mode="sync"))
-    async_ = run_asteria(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    async_ = run_asteria(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False))
     assert_close(async_, run_reference(14), rtol=2e-4)
     assert_close(async_, sync, rtol=3e-4)  # two fp32 eigensolvers (torch's and LAPACK's)
 

@@ -103,7 +103,7 @@ def test_async_rejects_nondeterministic_activation():
 
 
 def test_async_staleness_zero_matches_sync_and_reference():
-    async_ = run_soap(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2))
+    async_ = run_soap(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False))
     assert max(relative_errors(async_, run_reference(14))) < 2e-4
     assert max(relative_errors(async_, run_soap(14, asteria.RuntimeConfig(mode="sync")))) < 2e-4
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MODES = ("sync", "async")
-PLACEMENTS = ("auto",)
+PLACEMENTS = ("auto", "device", "host", "device_view")
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -21,21 +21,29 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
 class MemoryConfig:
     """Where second-order state may live. Budgets are bytes; ``None`` means unlimited.
 
-    Placement ``"auto"`` keeps factors, moments and active preconditioners on the parameter's device
-    and the refresh buffers (snapshots, computed versions) in pinned host memory. The optimizer
-    checks the budgets against the bytes each tier needs before the first step and raises, listing
-    them, when one cannot be met. The NVMe tier is not available in this release: ``nvme_dir`` is
-    refused with a ``ValueError``.
+    Factors and per-step moments always live on the parameters' device, and the refresh buffers
+    (snapshots, computed versions) in pinned host memory. ``placement`` says where the preconditioners
+    in use live (see ``asteria.pipeline.tiers``): ``"device"`` (as native implementations keep them),
+    ``"host"`` (pinned host memory, staged each step through a small device ring of at most two
+    groups per shape), ``"device_view"`` (pinned host memory read in place by the device: for
+    coherent-memory machines) or ``"auto"`` (``"device_view"`` on a coherent-memory device, else
+    ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``). Host placements need
+    ``mode="async"``: the native ``"sync"`` mode is the all-device baseline. ``group_bytes`` bounds
+    the preconditioner bytes of one batched shape group (default: 32 MiB under the host placements,
+    unbounded on the device), which bounds the staging ring. The optimizer checks the budgets against
+    the bytes each tier needs before the first step and raises, listing them, when one cannot be met.
+    The NVMe tier is not available in this release: ``nvme_dir`` is refused with a ``ValueError``.
     """
 
     gpu_budget: int | None = None
     host_budget: int | None = None
     nvme_dir: str | None = None
     nvme_budget: int | None = None
-    placement: Literal["auto"] = "auto"
+    placement: Literal["auto", "device", "host", "device_view"] = "auto"
+    group_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gpu_budget", "host_budget", "nvme_budget"):
+        for name in ("gpu_budget", "host_budget", "nvme_budget", "group_bytes"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value > 0), name, value,
                    "must be None or a positive number of bytes")
@@ -61,6 +69,10 @@ class RuntimeConfig:
         deterministic: activation of versions by schedule only (version k is used from exactly S
             intervals after its snapshot), never by worker timing. Required for multi-rank runs.
             With ``False`` each block switches to its newest finished version at the next step.
+        stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
+            their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
+            the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
+            (the native baseline refreshes everything together). Deterministic either way.
         bootstrap_sync: the first refresh is waited for at its own step (lag 0), so that training does
             not run S intervals on the grafting direction alone.
         timeout_s: the longest any wait (barrier, buffer) may take before a ``TimeoutError``.
@@ -79,6 +91,7 @@ class RuntimeConfig:
     workers: int | None = None
     blas_threads: int = 1
     deterministic: bool = True
+    stagger: bool | None = None
     bootstrap_sync: bool = True
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
@@ -96,6 +109,8 @@ class RuntimeConfig:
         _check(_is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
                "must be an int >= 1")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
+        _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
+               "must be None or a bool")
         _check(isinstance(self.bootstrap_sync, bool), "bootstrap_sync", self.bootstrap_sync, "must be a bool")
         _check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
@@ -106,6 +121,9 @@ class RuntimeConfig:
         _check(_is_int(self.max_nonfinite_grad_steps) and self.max_nonfinite_grad_steps >= 1,
                "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, "must be an int >= 1")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
+        _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
+               self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "
+               "use 'auto' or 'device', or mode='async'")
         _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
 

@@ -20,9 +20,14 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
-from asteria.optim.groups import ShapeGroup, build_shape_groups
+from asteria.optim.groups import ShapeGroup, build_shape_groups, preconditioner_bytes
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import Refresher, make_refresher
+from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
+from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
+
+#: the default bound of one shape group's preconditioner bytes under the host placements
+HOST_GROUP_BYTES = 32 * 2**20
 
 NONFINITE_STREAK = "nonfinite_streak"
 NONFINITE_TOTAL = "nonfinite_total"
@@ -55,6 +60,11 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     #: whether small adjacent dimensions are merged before blocking (see ``asteria.optim.blocking``)
     MERGE_DIMS = True
+    #: steps from a version's activation to its first use: 0 when the step that activates it steps with
+    #: it (Shampoo's roots), 1 when the direction is computed while accumulating, before the step's
+    #: refresh (SOAP's and KL-Shampoo's bases). The activation of step t may run anywhere between
+    #: step t's refresh and that first use; ``asteria.attach`` moves it into the forward pass.
+    ACTIVATION_LAG = 0
 
     def __init__(
         self,
@@ -81,17 +91,78 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
         self._step = 0
-        self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS)
+        self._activated_step = 0  # the newest step whose activation has been done
+        self._attached = 0  # hooks of ``asteria.attach`` in place: a lag-1 activation waits for them
+        self.placement = self._resolve_placement()
+        memory = self.runtime.memory
+        group_bytes = memory.group_bytes
+        if group_bytes is None and self.placement != "device":
+            group_bytes = HOST_GROUP_BYTES
+        self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
+        group_sets: list[list[FactorSet]] = []
         for group in self._groups:
             group.state[NONFINITE_STREAK] = torch.zeros(group.batch, dtype=torch.int32, device=group.device)
             group.state[NONFINITE_TOTAL] = torch.zeros(group.batch, dtype=torch.int64, device=group.device)
-            self._set_groups += [(fset, group) for fset in self._init_group(group)]
-        self._refresher: Refresher = make_refresher([s for s, _ in self._set_groups], self.runtime,
-                                                    precondition_frequency)
+            group_sets.append(self._init_group(group))
+            self._set_groups += [(fset, group) for fset in group_sets[-1]]
+        self._group_index = {id(group): index for index, group in enumerate(self._groups)}
+        self._tier = PreconditionerTier(self.placement, group_sets)
+        self._reading: dict[int, list[Tensor]] = {}
+        sets = [s for s, _ in self._set_groups]
+        stagger = self.runtime.stagger if self.runtime.stagger is not None else self.runtime.mode == "async"
+        costs = [float(s.batch) * s.dim**3 for s in sets]
+        phases = stagger_phases(costs, precondition_frequency) if stagger else [0] * len(sets)
+        self.schedule = RefreshSchedule(start, precondition_frequency, phases)
+        self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency)
+        self._refresher.tier = self._tier
         # Stops the workers when the optimizer is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self._refresher.close)
         self._check_budgets()
+
+    # ---- memory placement ----------------------------------------------------------------------
+    def _resolve_placement(self) -> str:
+        """The placement of the preconditioners in use (``MemoryConfig.placement``, with ``"auto"``
+        decided from the device and the GPU budget)."""
+        memory = self.runtime.memory
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        on_cuda = any(device.type == "cuda" for device in devices)
+        if memory.placement != "auto":
+            check_arg(on_cuda or memory.placement == "device", "memory.placement", memory.placement,
+                      "the host placements are for parameters on a GPU (CPU parameters already live in host "
+                      "memory): use 'auto' or 'device'")
+            return memory.placement
+        if not on_cuda or self.runtime.mode == "sync":
+            return "device"
+        if all(coherent_memory(device) for device in devices if device.type == "cuda"):
+            return "device_view"
+        if memory.gpu_budget is not None:
+            groups = build_shape_groups(self.param_groups, self.max_preconditioner_dim, self.MERGE_DIMS)
+            # Device placement holds per block its factors and its preconditioners (and the moments).
+            needed = sum(2 * g.batch * preconditioner_bytes(g.shape) for g in groups)
+            if needed > memory.gpu_budget:
+                return "host"
+        return "device"
+
+    def _new_preconditioners(self, group: ShapeGroup, dim: int) -> Tensor:
+        """(B, dim, dim) identities where the placement keeps the preconditioners in use: on the
+        group's device, or in pinned host memory."""
+        if self.placement == "device":
+            return torch.eye(dim, device=group.device).repeat(group.batch, 1, 1)
+        return torch.eye(dim).repeat(group.batch, 1, 1).pin_memory()
+
+    def _preconditioners(self, group: ShapeGroup) -> list[Tensor]:
+        """The device tensors with ``group``'s preconditioners in use (one per mode), readable by the
+        current stream; under the host placement they are staged here once per step."""
+        index = self._group_index[id(group)]
+        if index not in self._reading:
+            self._reading[index] = self._tier.read(index)
+        return self._reading[index]
+
+    def _done_reading(self, group: ShapeGroup) -> None:
+        index = self._group_index[id(group)]
+        if self._reading.pop(index, None) is not None:
+            self._tier.done(index)
 
     # ---- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -113,13 +184,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         return RootRequest(scale=1.0 / (1.0 - hyper["betas"][1] ** step), eps=hyper["eps"])
 
     # ---- the step ----------------------------------------------------------------------------
-    def is_refresh_step(self, step: int) -> bool:
-        offset = step - self.start_preconditioning_step
-        return offset >= 0 and offset % self.precondition_frequency == 0
-
-    def refresh_version(self, step: int) -> int:
-        return (step - self.start_preconditioning_step) // self.precondition_frequency + 1
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step. Raises ``RefreshError`` when a block's refresh failed too often in a row
@@ -132,17 +196,54 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         step = self._step + 1
         batches = [self._gather(group) for group in self._groups]
         self._refresher.before_factor_update()
+        if self.ACTIVATION_LAG:
+            self._activate(step - 1)
         for group, (grads, keep) in zip(self._groups, batches):
             self._accumulate(group, grads, keep, step)
-        if self.is_refresh_step(step):
+            if self.ACTIVATION_LAG:
+                self._done_reading(group)
+        due = self.schedule.due(step)
+        if due:
             self._check_nonfinite_streaks()
-            requests = [self._root_request(group, step) for _, group in self._set_groups]
-            self._refresher.refresh(step, self.refresh_version(step), requests)
-        self._refresher.activate(step)
+            items = [(index, version, self._root_request(self._set_groups[index][1], step)) for index, version in due]
+            self._refresher.refresh(step, items)
+        if not self.ACTIVATION_LAG:
+            self._activate(step)
         for group, (_, keep) in zip(self._groups, batches):
             self._apply(group, keep, step)
+            self._done_reading(group)
         self._step = step
+        if self.ACTIVATION_LAG and not self._attached:
+            self._activate(step)
         return loss
+
+    def _activate(self, step: int) -> None:
+        """Runs the activation of ``step`` unless done already, and lets the current stream wait for
+        the installs (done here or earlier by ``prefetch``) before anything reads them."""
+        if step >= 1 and self._activated_step < step:
+            self._refresher.activate(step)
+            self._activated_step = step
+        self._refresher.ready()
+
+    def prefetch(self) -> None:
+        """Installs now the preconditioner versions that the next ``step()`` activates (on the side
+        stream; the main stream will wait only on those copies), unless that step refreshes a set
+        whose version is used at once (staleness 0 or the bootstrap refresh): then ``step()`` does it.
+        Called by the hooks of ``asteria.attach``; harmless to call at any time between steps."""
+        step = self._step + 1 - self.ACTIVATION_LAG
+        if step < 1 or self._activated_step >= step:
+            return
+        if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
+                                           for _, version in self.schedule.due(step)):
+            return
+        self._refresher.activate(step)
+        self._activated_step = step
+        self._tier.prefetch()
+
+    def poll(self) -> None:
+        """Hands finished snapshots to the workers and recycles finished staging buffers, without
+        waiting for anything (called by the hooks of ``asteria.attach``)."""
+        self._refresher.poll(self._step)
 
     def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor]:
         """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update."""
@@ -192,6 +293,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         return {
             "format": "asteria.v1",
             "step": self._step,
+            "activated_step": self._activated_step,
             "layout": self._layout(),
             "param_groups": param_groups,
             "groups": [{k: v.detach().clone() for k, v in g.state.items()} for g in self._groups],
@@ -223,16 +325,15 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]
+        self._activated_step = state_dict["activated_step"]
         self._refresher.load_state(state_dict["refresher"])
 
     # ---- reporting and life cycle ---------------------------------------------------------------
     def staleness(self) -> int:
         """Refresh intervals by which the most stale preconditioner in use lags its block's newest
         snapshot (0 before the first refresh)."""
-        if self._step < self.start_preconditioning_step:
-            return 0
-        newest = self.refresh_version(self._step)
-        return max((newest - min(fset.versions) for fset, _ in self._set_groups), default=0)
+        return max((self.schedule.version_at(self._step, index) - min(fset.versions)
+                    for index, (fset, _) in enumerate(self._set_groups)), default=0)
 
     def runtime_stats(self) -> dict[str, Any]:
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy
@@ -243,23 +344,35 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))
         return stats
 
-    def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes of optimizer state per tier and per kind of state."""
-        device: dict[str, int] = {}
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of optimizer state per tier and per kind of state: ``device`` (the parameters'
+        device: factors, moments, and the preconditioners under the device placement, plus the
+        staging ring), ``host`` (pinned host memory: preconditioners under the host placements, the
+        refresh buffers), ``nvme`` (nothing in this release); with the placement, the peak staging
+        bytes and the bytes staged to the device so far."""
+        tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
         for group in self._groups:
             for key, tensor in group.state.items():
+                tier = "host" if tensor.device.type == "cpu" and group.device.type != "cpu" else "device"
                 kind = key.rstrip("_0123456789")  # "factor_1" and "factor_0" are one kind
-                device[kind] = device.get(kind, 0) + tensor.numel() * tensor.element_size()
-        device["total"] = sum(device.values())
-        host = {"refresh_buffers": self._refresher.host_bytes()}
-        host["total"] = host["refresh_buffers"]
-        return {"device": device, "host": host}
+                tiers[tier][kind] = tiers[tier].get(kind, 0) + tensor.numel() * tensor.element_size()
+        staging = self._tier.staging_bytes()
+        if staging:
+            tiers["device"]["staging"] = staging
+        tiers["host"]["refresh_buffers"] = self._refresher.host_bytes()
+        for tier in tiers.values():
+            tier["total"] = sum(tier.values())
+        return tiers | {"placement": self.placement, "peak_staging_bytes": self._tier.peak_staging_bytes,
+                        "bytes_staged": self._tier.staged_bytes}
 
     def _check_budgets(self) -> None:
         report = self.memory_report()
         memory = self.runtime.memory
-        needs = f"device needs {report['device']['total']} bytes, host needs {report['host']['total']} bytes"
-        if memory.gpu_budget is not None and report["device"]["total"] > memory.gpu_budget:
+        # The staging ring grows to two groups per shape on the first steps: count it at its bound.
+        device = report["device"]["total"] + self._tier.staging_bound()
+        needs = (f"placement {self.placement!r}: device needs {device} bytes, host needs "
+                 f"{report['host']['total']} bytes")
+        if memory.gpu_budget is not None and device > memory.gpu_budget:
             raise ValueError(f"Invalid gpu_budget={memory.gpu_budget}: too small for this model's state ({needs})")
         if memory.host_budget is not None and report["host"]["total"] > memory.host_budget:
             raise ValueError(f"Invalid host_budget={memory.host_budget}: too small for this model's state ({needs})")

@@ -19,6 +19,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
     """Base of the optimizers that precondition in the eigenbases of their factors."""
 
     MERGE_DIMS = False  # a matrix stays a matrix: each of its dimensions gets a basis
+    ACTIVATION_LAG = 1  # the direction is computed while accumulating, with the bases of the step before
 
     def __init__(self, *args, **kwargs) -> None:
         self._directions: dict[int, Tensor] = {}
@@ -31,7 +32,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         sets = []
         for mode, dim in enumerate(group.shape):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
-            basis = group.state[basis_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
+            basis = group.state[basis_key(mode)] = self._new_preconditioners(group, dim)
             installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
 
             def permute(blocks: Tensor, order: Tensor, mode: int = mode) -> None:

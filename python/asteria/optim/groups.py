@@ -65,15 +65,29 @@ class ShapeGroup:
         torch._foreach_copy_(targets, list(values.to(targets[0].dtype).unbind(0)))
 
 
-def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = True) -> list[ShapeGroup]:
-    """Partitions every parameter and batches blocks by (param group, block shape, device)."""
+def preconditioner_bytes(shape: tuple[int, ...]) -> int:
+    """float32 bytes of one block's per-mode (n, n) matrices (a factor, or a preconditioner)."""
+    return sum(4 * n * n for n in shape)
+
+
+def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = True,
+                       max_group_bytes: int | None = None) -> list[ShapeGroup]:
+    """Partitions every parameter and batches blocks by (param group, block shape, device); a group
+    whose blocks' preconditioners would take more than ``max_group_bytes`` is split (at least one
+    block per group), so that staging one group to the device stays small."""
     groups: dict[tuple, ShapeGroup] = {}
+    chunks: dict[tuple, int] = {}
     for group_index, group in enumerate(param_groups):
         names = group.get("param_names") or [None] * len(group["params"])
         for param_index, (param, name) in enumerate(zip(group["params"], names)):
             label = name or f"param_groups[{group_index}][{param_index}] {tuple(param.shape)}"
             for block in partition(param, param_index, label, max_dim, merge):
-                key = (group_index, block.shape, param.device)
+                base = (group_index, block.shape, param.device)
+                key = base + (chunks.get(base, 0),)
+                if key in groups and max_group_bytes is not None and \
+                        (groups[key].batch + 1) * preconditioner_bytes(block.shape) > max_group_bytes:
+                    chunks[base] = chunks.get(base, 0) + 1
+                    key = base + (chunks[base],)
                 if key not in groups:
                     groups[key] = ShapeGroup(group_index, block.shape, param.device, [], [])
                 groups[key].blocks.append(block)

@@ -14,7 +14,7 @@ from asteria.optim import functional as F
 from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
-from asteria.optim.state_keys import basis_key, factor_key
+from asteria.optim.state_keys import factor_key
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"
@@ -109,7 +109,7 @@ class KLShampoo(EigenbasisOptimizer):
             self._directions[id(group)] = F.adam_direction(group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
                                                            1.0 - beta1**s, 1.0 - hyper["betas"][1] ** s, hyper["eps"])
             return
-        bases = [group.state[basis_key(m)] for m in range(group.order)]
+        bases = self._preconditioners(group)
         scale = self._inv_sqrt_outer(group)
         scale = scale / (1.0 + hyper["eps"] * scale)
         self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) * scale, bases, back=True)
@@ -130,7 +130,7 @@ class KLShampoo(EigenbasisOptimizer):
     def _update_factors(self, group: ShapeGroup, grads: Tensor, keep: Tensor, beta: float, rotate: bool) -> None:
         """The KL factor update (each factor through the other modes' inverse) and, after the first
         step, the eigenvalue estimates in the stale bases; all from the state before this step."""
-        bases = [group.state[basis_key(m)] for m in range(group.order)]
+        bases = self._preconditioners(group)
         numel = math.prod(group.shape)
         updates = []
         for mode in range(group.order):

@@ -78,7 +78,7 @@ class Shampoo(SecondOrderOptimizer):
         sets = []
         for mode, dim in enumerate(group.shape):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
-            root = group.state[root_key(mode)] = torch.eye(dim, device=device).repeat(batch, 1, 1)
+            root = group.state[root_key(mode)] = self._new_preconditioners(group, dim)
             has_root = group.state[has_root_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
             sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=root,
                                   installed=has_root, exponent=-1.0 / (2 * group.order),
@@ -101,7 +101,7 @@ class Shampoo(SecondOrderOptimizer):
         fallback = adam if hyper["grafting"] == "adam" else momentum
         if group.order == 0:
             return fallback
-        roots = [group.state[root_key(m)] for m in range(group.order)]
+        roots = self._preconditioners(group)
         shampoo = F.precondition(momentum, roots)
         if hyper["grafting"] == "adam":
             shampoo = F.graft(shampoo, adam)

@@ -12,7 +12,7 @@ from asteria.optim import functional as F
 from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
-from asteria.optim.state_keys import basis_key, factor_key
+from asteria.optim.state_keys import factor_key
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
@@ -97,7 +97,7 @@ class SOAP(EigenbasisOptimizer):
     def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
         if not self._rotated(group):
             return [None] * group.order
-        return [group.state[basis_key(mode)] for mode in range(group.order)]
+        return self._preconditioners(group)
 
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]

@@ -30,11 +30,13 @@ class Refresher(ABC):
         self.sets = sets
         self.config = config
         self.interval = interval
-        self._newest_version = 0
+        self._newest_versions = [0] * len(sets)
+        self.tier: Any = None  # the optimizer's PreconditionerTier: told before a preconditioner is overwritten
 
     @abstractmethod
-    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
-        """Starts refresh ``version`` of every set from the factors as they are at ``step``."""
+    def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
+        """Starts, for each ``(set index, version, request)``, that refresh of the set from its factors
+        as they are at ``step``."""
 
     @abstractmethod
     def activate(self, step: int) -> None:
@@ -42,6 +44,16 @@ class Refresher(ABC):
 
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
+
+    def activation_step(self, step: int, version: int) -> int:
+        """The step from which ``version`` of a set, snapshotted at ``step``, is in use."""
+        return step
+
+    def poll(self, step: int) -> None:
+        """Moves finished transfers along without waiting (``step``: the last completed step)."""
+
+    def ready(self) -> None:
+        """Makes the current stream wait for the installs issued so far (before it reads them)."""
 
     @abstractmethod
     def state(self, step: int) -> dict[str, Any]:
@@ -78,22 +90,25 @@ class SyncRefresher(Refresher):
         self._last_error = "non-finite factor, or a refresh result that is not finite"
         self._seconds = 0.0
 
-    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
+    def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         started = time.perf_counter()
         results = []
-        for fset, request in zip(self.sets, requests):
+        for index, version, request in items:
+            fset = self.sets[index]
             order = None
             if fset.kind == "root":
                 new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
             else:
                 new, usable, order = self._eigenbases(fset, request.skip_tol)
-            results.append((new, usable, usable.cpu().numpy(), order))
+            results.append((index, version, new, usable, usable.cpu().numpy(), order))
         # Check every bound before changing anything, so that a raise leaves all state as it was.
-        for fset, consecutive, (_, _, ok, _) in zip(self.sets, self._consecutive, results):
+        for index, version, _, _, ok, _ in results:
+            consecutive = self._consecutive[index]
             failing = np.where(~ok & (consecutive + 1 >= self.config.max_consecutive_failures))[0]
             if failing.size:
-                self._raise_failure(fset, int(failing[0]), version, self._last_error)
-        for fset, consecutive, (new, usable, ok, order) in zip(self.sets, self._consecutive, results):
+                self._raise_failure(self.sets[index], int(failing[0]), version, self._last_error)
+        for index, version, new, usable, ok, order in results:
+            fset, consecutive = self.sets[index], self._consecutive[index]
             if order is not None and fset.permute is not None:
                 refreshed = (usable & fset.installed).nonzero().flatten()
                 if refreshed.numel():
@@ -104,8 +119,8 @@ class SyncRefresher(Refresher):
             for block in np.where(ok)[0]:
                 fset.versions[block] = version
             self._failures += int((~ok).sum())
-        self._refreshes += sum(s.batch for s in self.sets)
-        self._newest_version = version
+            self._refreshes += fset.batch
+            self._newest_versions[index] = version
         self._seconds += time.perf_counter() - started
 
     def _eigenbases(self, fset: FactorSet, skip_tol: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -127,10 +142,11 @@ class SyncRefresher(Refresher):
         """Nothing to do: a sync refresh is in use from its own step."""
 
     def state(self, step: int) -> dict[str, Any]:
-        return {"newest_version": self._newest_version, "consecutive_failures": [c.copy() for c in self._consecutive]}
+        return {"newest_versions": list(self._newest_versions),
+                "consecutive_failures": [c.copy() for c in self._consecutive]}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self._newest_version = state["newest_version"]
+        self._newest_versions = list(state["newest_versions"])
         self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
 
     def stats(self) -> dict[str, Any]:
@@ -180,15 +196,16 @@ class AsyncRefresher(Refresher):
         self._pending_snapshots: list[tuple[int, int, int, RootRequest, torch.cuda.Event | None]] = []
         self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
         self._snapshot_events: dict[torch.device, torch.cuda.Event | None] = {}
+        self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
         self._bytes_to_host = 0
         self._bytes_to_device = 0
-        self._bootstrap_pending = config.bootstrap_sync
-        # Versions snapshotted but not yet activated: (version, activation step, requests).
-        self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
+        # Versions snapshotted but not yet activated: (set index, version, activation step, request).
+        self._scheduled: list[tuple[int, int, int, RootRequest]] = []
 
     def activation_step(self, step: int, version: int) -> int:
-        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule."""
-        if self._bootstrap_pending:
+        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
+        S intervals later, except the first version under ``bootstrap_sync`` (used at once)."""
+        if version == 1 and self.config.bootstrap_sync:
             return step
         return step + self.config.staleness * self.interval
 
@@ -197,11 +214,11 @@ class AsyncRefresher(Refresher):
             self.side[device].main_waits(event)
         self._snapshot_events.clear()
 
-    def refresh(self, step: int, version: int, requests: list[RootRequest]) -> None:
-        due = self.activation_step(step, version)
-        self._bootstrap_pending = False
-        self._scheduled.append((version, due, list(requests)))
-        for index, (fset, request) in enumerate(zip(self.sets, requests)):
+    def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
+        for index, version, request in items:
+            fset = self.sets[index]
+            due = self.activation_step(step, version)
+            self._scheduled.append((index, version, due, request))
             self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
             side = self.side[fset.device]
             with side.staging():
@@ -211,7 +228,7 @@ class AsyncRefresher(Refresher):
                 self._snapshot_events[fset.device] = event
             self._bytes_to_host += fset.factors.numel() * 4
             self._pending_snapshots.append((index, version, due, request, event))
-        self._newest_version = version
+            self._newest_versions[index] = version
         self._submit_ready(step)
 
     def _submit_ready(self, step: int) -> None:
@@ -226,6 +243,15 @@ class AsyncRefresher(Refresher):
             self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps, request.scale,
                                skip_tol=request.skip_tol)
         self._pending_snapshots = waiting
+
+    def ready(self) -> None:
+        for side, event in self._install_events:
+            side.main_waits(event)
+        self._install_events.clear()
+
+    def poll(self, step: int) -> None:
+        self._submit_ready(step)
+        self._release_copied(block_all=False)
 
     def _release_copied(self, block_all: bool) -> None:
         still = []
@@ -256,35 +282,31 @@ class AsyncRefresher(Refresher):
         for index, items in by_set.items():
             self._install(index, items)
 
-    def _applied(self, entry: tuple[int, int, list[RootRequest]], step: int) -> bool:
+    def _applied(self, entry: tuple[int, int, int, RootRequest], step: int) -> bool:
         """Whether a scheduled version has had its turn: its activation step has passed (deterministic),
-        or every block uses it or a newer version (non-deterministic)."""
-        version, due, _ = entry
+        or every block of its set uses it or a newer version (non-deterministic)."""
+        index, version, due, _ = entry
         if self.config.deterministic:
             return due <= step
-        return all(min(fset.versions) >= version for fset in self.sets)
+        return min(self.sets[index].versions) >= version
 
     def state(self, step: int) -> dict[str, Any]:
         """The versions not yet applied travel as their snapshots: recomputing them on the workers after a
         resume gives the same bits (one BLAS thread per job), so the resumed run continues exactly."""
         for _, _, _, _, event in self._pending_snapshots:
             streams.wait(event)
-        scheduled = []
-        for version, due, requests in self._scheduled:
-            snapshots = [ring[version % self.depth].clone() for ring in self.snapshots]
-            scheduled.append({"version": version, "due": due,
-                              "requests": [(r.scale, r.eps, r.skip_tol) for r in requests],
-                              "snapshots": snapshots})
-        return {"newest_version": self._newest_version, "bootstrap_pending": self._bootstrap_pending,
-                "scheduled": scheduled}
+        scheduled = [{"set": index, "version": version, "due": due,
+                      "request": (request.scale, request.eps, request.skip_tol),
+                      "snapshot": self.snapshots[index][version % self.depth].clone()}
+                     for index, version, due, request in self._scheduled]
+        return {"newest_versions": list(self._newest_versions), "scheduled": scheduled}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self._newest_version = state["newest_version"]
-        self._bootstrap_pending = state["bootstrap_pending"]
+        self._newest_versions = list(state["newest_versions"])
         scheduled = state["scheduled"]
-        first = scheduled[0]["version"] if scheduled else self._newest_version + 1
-        for ids in self.ids:
-            self.engine.start_at(ids, first)
+        for index, ids in enumerate(self.ids):
+            pending = [entry["version"] for entry in scheduled if entry["set"] == index]
+            self.engine.start_at(ids, min(pending) if pending else self._newest_versions[index] + 1)
         # An eigenbasis chain warm-starts from the newest good basis before it: the one in use now.
         for fset, ids in zip(self.sets, self.ids):
             if fset.kind == "eigenbasis":
@@ -293,18 +315,19 @@ class AsyncRefresher(Refresher):
                         basis = fset.preconditioners[block].detach().to("cpu", torch.float32).contiguous()
                         self.engine.set_basis(block_id, fset.versions[block], basis)
         self._scheduled = []
-        for entry in scheduled:
-            version, due = entry["version"], entry["due"]
-            requests = [RootRequest(*request) for request in entry["requests"]]
-            for index, (snapshot, request) in enumerate(zip(entry["snapshots"], requests)):
-                self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
-                self.snapshots[index][version % self.depth].copy_(snapshot)
-                self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
-                                   request.scale, skip_tol=request.skip_tol)
-            self._scheduled.append((version, due, requests))
+        for entry in sorted(scheduled, key=lambda e: (e["version"], e["set"])):
+            index, version, due = entry["set"], entry["version"], entry["due"]
+            request = RootRequest(*entry["request"])
+            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+            self.snapshots[index][version % self.depth].copy_(entry["snapshot"])
+            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
+                               request.scale, skip_tol=request.skip_tol)
+            self._scheduled.append((index, version, due, request))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
         fset = self.sets[index]
+        if self.tier is not None:
+            self.tier.before_install(fset)
         side = self.side[fset.device]
         results = self.results[index]
         versions = {version for _, version, _ in items}
@@ -324,7 +347,9 @@ class AsyncRefresher(Refresher):
                 fset.permute(torch.tensor(blocks, device=fset.device),
                              orders.to(fset.device, non_blocking=side.cuda).long())
         event = side.record()
-        side.main_waits(event)
+        # The main stream waits for the copy only where it uses the preconditioners (``ready()``), so a
+        # prefetch issued from a forward hook does not stall the forward pass.
+        self._install_events.append((side, event))
         for block, version, _ in items:
             fset.versions[block] = version
         self._bytes_to_device += len(items) * fset.dim * fset.dim * 4

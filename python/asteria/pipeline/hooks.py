@@ -1,0 +1,85 @@
+"""``asteria.attach(model, opt)``: module hooks that move the shadow-state pipeline off ``step()``.
+
+Without hooks the optimizer does all of its pipeline work inside ``step()``: it hands finished
+snapshots to the workers, then installs the preconditioner versions the schedule activates for the
+step. With ``attach``:
+
+- the model's first forward of a step (a forward pre-hook on the root module) prefetches the next
+  activation: the versions due are waited for and installed on the low-priority side stream while
+  the forward and backward passes run, so ``step()`` finds them in place and the main stream waits
+  only on the copies' events. For Shampoo that is the activation of the coming step (unless that
+  step's own refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does
+  it); for SOAP and KL-Shampoo, whose coming step reads the bases while accumulating, it is the
+  activation of the step just done, which then no longer runs at the end of ``step()``;
+- every module that owns parameters gets a forward hook and a full backward pre-hook that drain
+  finished transfers: snapshots whose device-to-host copy has completed go to the CPU workers at
+  once (not at the next ``step()``), and staging buffers whose copies have completed are recycled.
+
+The hooks never change what is computed: the same versions are installed for the same step, so a run
+with hooks is bitwise identical to one without (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class AttachHandle:
+    """The hooks ``attach`` registered; ``remove()`` takes every one of them off (idempotent)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, handles: list[RemovableHandle]) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._handles = handles
+
+    @property
+    def num_hooks(self) -> int:
+        return len(self._handles)
+
+    def remove(self) -> None:
+        if self._handles:
+            self.optimizer._attached -= 1
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> AttachHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def attach(model: nn.Module, optimizer: Any) -> AttachHandle:
+    """Registers the prefetch and drain hooks of ``optimizer`` (an Asteria optimizer) on ``model``.
+
+    Works with any ``nn.Module``, including FSDP2-wrapped ones (the hooks are ordinary module hooks),
+    models with tied, frozen or unused parameters, and models of which the optimizer sees only part.
+    Returns a handle; ``handle.remove()`` leaves no hook behind.
+    """
+    from asteria.optim.base import SecondOrderOptimizer
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"Invalid model={type(model).__name__}: must be a torch.nn.Module")
+    if not isinstance(optimizer, SecondOrderOptimizer):
+        raise ValueError(f"Invalid optimizer={type(optimizer).__name__}: must be an Asteria optimizer "
+                         "(asteria.Shampoo, asteria.SOAP or asteria.KLShampoo)")
+
+    def prefetch(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
+            optimizer.prefetch()
+
+    def drain(*_: Any) -> None:
+        optimizer.poll()
+
+    handles = [model.register_forward_pre_hook(prefetch)]
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            handles.append(module.register_forward_hook(drain))
+            handles.append(module.register_full_backward_pre_hook(drain))
+    optimizer._attached += 1
+    return AttachHandle(model, optimizer, handles)

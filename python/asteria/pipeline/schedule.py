@@ -1,0 +1,54 @@
+"""When each factor set is refreshed: the refresh schedule, optionally staggered within the interval.
+
+Every set is refreshed for the first time at ``start`` (the bootstrap: all sets at once, since no set
+has a preconditioner yet). After that, set i is refreshed at ``start + phase_i + k * interval`` for
+k >= 1. Without staggering every phase is 0 and all sets refresh on the same steps. With staggering
+the phases spread the sets over the interval so that no single step carries every snapshot copy and
+every job: sets are placed largest first (by their O(n^3) refresh cost) on the step of the interval
+with the least cost so far. The phases depend only on the sets' shapes, never on timing, so a
+staggered run stays deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def stagger_phases(costs: Sequence[float], interval: int) -> list[int]:
+    """Phases in ``[0, interval)`` that balance ``costs`` over the steps of one interval (greedy
+    longest-processing-time; ties go to the earliest step, and equal costs keep their order)."""
+    load = [0.0] * interval
+    phases = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        slot = min(range(interval), key=lambda s: (load[s], s))
+        phases[index] = slot
+        load[slot] += costs[index]
+    return phases
+
+
+class RefreshSchedule:
+    """The refresh steps and version numbers of each factor set (version 1 is the bootstrap refresh
+    at ``start``; version k + 1 is the k-th refresh after it)."""
+
+    def __init__(self, start: int, interval: int, phases: Sequence[int]) -> None:
+        if any(not 0 <= p < interval for p in phases):
+            raise ValueError(f"Invalid phases={list(phases)}: each must be in [0, {interval})")
+        self.start = start
+        self.interval = interval
+        self.phases = list(phases)
+
+    def version_at(self, step: int, index: int) -> int:
+        """The newest version of set ``index`` snapshotted at or before ``step`` (0: none yet)."""
+        if step < self.start:
+            return 0
+        return 1 + max(0, (step - self.start - self.phases[index]) // self.interval)
+
+    def is_refresh_step(self, step: int, index: int) -> bool:
+        if step == self.start:
+            return True
+        offset = step - self.start - self.phases[index]
+        return offset > 0 and offset % self.interval == 0
+
+    def due(self, step: int) -> list[tuple[int, int]]:
+        """``(set index, version)`` of every set refreshed at ``step``."""
+        return [(i, self.version_at(step, i)) for i in range(len(self.phases)) if self.is_refresh_step(step, i)]

@@ -1,0 +1,81 @@
+"""Memory placement on the GPU: preconditioners in pinned host memory, staged through the device ring
+or read through device views, give the same bits as the device placement, whatever the streams'
+timing; attach's prefetch too. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SIZES = (64, 96, 64, 32)
+OPTIMIZERS = {
+    "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-6, precondition_frequency=3,
+                                                       max_preconditioner_dim=64, runtime=runtime),
+    "soap": lambda params, runtime: asteria.SOAP(params, eps=1e-4, precondition_frequency=3,
+                                                 max_preconditioner_dim=64, runtime=runtime),
+    "kl-shampoo": lambda params, runtime: asteria.KLShampoo(params, precondition_frequency=3,
+                                                            max_preconditioner_dim=64, runtime=runtime),
+}
+
+
+def run(name: str, placement: str, steps: int = 15, delay: int = 0, attach: bool = False, **memory):
+    model = small_mlp(sizes=SIZES).cuda()
+    x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+    runtime = asteria.RuntimeConfig(staleness=1, workers=2,
+                                    memory=asteria.MemoryConfig(placement=placement, **memory))
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        handle = asteria.attach(model, opt) if attach else None
+        for step in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[:64]), y[:64])
+            loss.backward()
+            if delay:  # every staging and install copy starts late
+                for side in list(opt._tier._side.values()) + list(opt._refresher.side.values()):
+                    with torch.cuda.stream(side.stream):
+                        torch.cuda._sleep(delay)
+            opt.step()
+        torch.cuda.synchronize()
+        report = opt.memory_report()
+        if handle is not None:
+            handle.remove()
+    return [p.detach().cpu() for p in model.parameters()], report
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_host_placement_gives_the_device_placement_bits(name):
+    device, device_report = run(name, "device")
+    host, host_report = run(name, "host", group_bytes=64 * 64 * 4 * 2)
+    assert all(torch.equal(a, b) for a, b in zip(device, host))
+    assert host_report["placement"] == "host" and host_report["bytes_staged"] > 0
+    assert host_report["host"]["total"] > device_report["host"]["total"]
+    assert host_report["device"]["total"] < device_report["device"]["total"]
+    delayed, _ = run(name, "host", delay=5_000_000, group_bytes=64 * 64 * 4 * 2)
+    assert all(torch.equal(a, b) for a, b in zip(device, delayed))
+    hooked, _ = run(name, "host", delay=5_000_000, attach=True, group_bytes=64 * 64 * 4 * 2)
+    assert all(torch.equal(a, b) for a, b in zip(device, hooked))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_device_views_of_host_memory_give_the_same_bits(name):
+    device, _ = run(name, "device")
+    viewed, report = run(name, "device_view", delay=5_000_000)
+    assert report["placement"] == "device_view" and report["bytes_staged"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(device, viewed))
+
+
+def test_auto_placement_moves_preconditioners_to_the_host_under_a_gpu_budget():
+    model = small_mlp(sizes=SIZES).cuda()
+    budget = 2**20
+    runtime = asteria.RuntimeConfig(workers=1, memory=asteria.MemoryConfig(gpu_budget=budget))
+    with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64, runtime=runtime) as opt:
+        report = opt.memory_report()
+        assert opt.placement in ("host", "device_view")
+        assert report["device"]["total"] <= budget and "root" in report["host"]
+    with pytest.raises(ValueError, match=r"Invalid gpu_budget=1000: too small .* device needs \d+ bytes"):
+        asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(
+            memory=asteria.MemoryConfig(gpu_budget=1000, placement="host")))

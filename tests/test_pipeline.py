@@ -1,0 +1,194 @@
+"""The shadow-state pipeline on the CPU: the staggered refresh schedule and ``asteria.attach``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
+from conftest import regression_data, small_mlp, train
+
+SIZES = (8, 16, 12, 4)
+OPTIMIZERS = {
+    "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-6, precondition_frequency=3,
+                                                       runtime=runtime),
+    "soap": lambda params, runtime: asteria.SOAP(params, lr=0.01, eps=1e-4, precondition_frequency=3,
+                                                 runtime=runtime),
+    "kl-shampoo": lambda params, runtime: asteria.KLShampoo(params, lr=0.01, precondition_frequency=3,
+                                                            runtime=runtime),
+}
+
+
+def test_stagger_phases_balance_the_cost():
+    assert sorted(stagger_phases([1.0] * 4, 4)) == [0, 1, 2, 3]
+    costs = [8.0, 5.0, 4.0, 3.0, 3.0, 1.0]
+    phases = stagger_phases(costs, 3)
+    load = [sum(c for c, p in zip(costs, phases) if p == slot) for slot in range(3)]
+    assert max(load) == 8.0 and sum(load) == sum(costs)  # 8 | 5+3 | 4+3+1: the best split of these costs
+    assert stagger_phases(costs, 1) == [0] * len(costs)
+
+
+def test_schedule_follows_its_definition():
+    schedule = RefreshSchedule(start=2, interval=3, phases=[0, 2])
+    # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 7, 10.
+    expected = {2: [(0, 1), (1, 1)], 5: [(0, 2)], 7: [(1, 2)], 8: [(0, 3)], 10: [(1, 3)], 11: [(0, 4)]}
+    for step in range(1, 12):
+        assert schedule.due(step) == expected.get(step, []), step
+    assert [schedule.version_at(s, 1) for s in (1, 2, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match=r"Invalid phases=\[3\]"):
+        RefreshSchedule(start=1, interval=3, phases=[3])
+    with pytest.raises(ValueError, match="Invalid stagger='yes'"):
+        asteria.RuntimeConfig(stagger="yes")
+
+
+def run(name: str, runtime: asteria.RuntimeConfig, steps: int = 14, attach: bool = False, hook=None, sizes=SIZES):
+    model = small_mlp(sizes=sizes)
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        handle = asteria.attach(model, opt) if attach else None
+        train(model, opt, steps, data=regression_data(sizes=sizes), hook=hook)
+        if handle is not None:
+            handle.remove()
+        stats = opt.runtime_stats()
+    return [p.detach().clone() for p in model.parameters()], stats
+
+
+def snapshot_bytes_per_step(runtime: asteria.RuntimeConfig, steps: int = 12) -> list[int]:
+    totals: list[int] = []
+    run("shampoo", runtime, steps=steps, hook=lambda step, opt: totals.append(opt.runtime_stats()["bytes_to_host"]))
+    return [b - a for a, b in zip([0] + totals, totals)]
+
+
+def test_staggered_snapshots_spread_over_the_interval():
+    staggered = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1), steps=14)[5:14]
+    plain = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1, stagger=False), steps=14)[5:14]
+    # Steps 6 to 14, three whole intervals after the bootstrap refresh at step 3 (f = 3, phases 0 to 2):
+    # the same bytes in all, but unstaggered they come on one step per interval, staggered on several,
+    # none carrying a whole interval's.
+    assert sum(staggered) == sum(plain) > 0
+    assert sum(1 for b in plain if b) == 3
+    assert sum(1 for b in staggered if b) > 3 and max(staggered) < max(plain)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_staggered_async_at_staleness_zero_matches_staggered_sync(name):
+    # Square layers: the first factors are full rank, so their eigenbases are unique and the two modes'
+    # eigensolvers (torch's, LAPACK's) may differ only by rounding.
+    square = (8, 8, 8, 8)
+    sync, _ = run(name, asteria.RuntimeConfig(mode="sync", stagger=True), sizes=square)
+    async_, _ = run(name, asteria.RuntimeConfig(staleness=0, workers=2), sizes=square)
+    plain, _ = run(name, asteria.RuntimeConfig(staleness=0, workers=2, stagger=False), sizes=square)
+    for a, s in zip(async_, sync):
+        assert float((a - s).norm() / s.norm()) < 2e-3
+    assert any(not torch.equal(a, p) for a, p in zip(async_, plain))  # staggering does change the schedule
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_staggered_runs_are_bitwise_identical_across_worker_counts(name):
+    one, _ = run(name, asteria.RuntimeConfig(staleness=2, workers=1))
+    three, _ = run(name, asteria.RuntimeConfig(staleness=2, workers=3))
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+
+
+@pytest.mark.parametrize("name, staleness", [("shampoo", 0), ("shampoo", 2), ("soap", 1), ("kl-shampoo", 2)])
+def test_attach_changes_no_bits(name, staleness):
+    plain, _ = run(name, asteria.RuntimeConfig(staleness=staleness, workers=2))
+    hooked, stats = run(name, asteria.RuntimeConfig(staleness=staleness, workers=2), attach=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+    assert stats["refreshes"] > 0 and stats["max_staleness_seen"] <= staleness
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_pre_hooks)
+               for m in model.modules())
+
+
+class TiedFrozenUnused(torch.nn.Module):
+    """Tied input/output embeddings, a frozen layer, and a branch used only on odd calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 6)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.branch = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        self.frozen.requires_grad_(False)
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.mix(self.frozen(self.embed(tokens))))
+        if self.calls % 2:
+            h = h + self.branch(h)
+        return h @ self.embed.weight.T  # tied output head
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_attach_with_tied_frozen_and_unused_parameters(name):
+    def trained(attach: bool):
+        model = TiedFrozenUnused()
+        params = [p for p in model.parameters() if p.requires_grad]
+        gen = torch.Generator().manual_seed(2)
+        tokens = torch.randint(0, 10, (12, 8), generator=gen)
+        with OPTIMIZERS[name](params, asteria.RuntimeConfig(staleness=1, workers=1)) as opt:
+            before = hook_count(model)
+            handle = asteria.attach(model, opt) if attach else None
+            if handle is not None:
+                assert hook_count(model) == before + handle.num_hooks > before
+            losses = []
+            for step in range(9):
+                opt.zero_grad(set_to_none=True)
+                logits = model(tokens[step % 2])  # two fixed batches: the loss must fall
+                loss = torch.nn.functional.cross_entropy(logits, tokens[step % 2 + 2])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            if handle is not None:
+                handle.remove()
+                handle.remove()  # idempotent
+                assert hook_count(model) == before
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    plain_losses, plain = trained(False)
+    hooked_losses, hooked = trained(True)
+    assert plain_losses == hooked_losses
+    assert plain_losses[-1] < plain_losses[0] and plain_losses[-2] < plain_losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "kl-shampoo"])
+def test_resume_with_hooks_is_exact(name):
+    """A checkpoint taken between steps while a deferred (hooked) activation is pending resumes bit for bit."""
+    data = regression_data(sizes=SIZES)
+    runtime = asteria.RuntimeConfig(staleness=2, workers=1)
+
+    def make():
+        model = small_mlp(sizes=SIZES)
+        opt = OPTIMIZERS[name](model.parameters(), runtime)
+        return model, opt, asteria.attach(model, opt)
+
+    model, opt, _ = make()
+    with opt:
+        train(model, opt, 7, data=data)
+        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+        train(model, opt, 6, data=data)
+    again, resumed, _ = make()
+    with resumed:
+        with torch.no_grad():
+            for p, q in zip(again.parameters(), params):
+                p.copy_(q)
+        resumed.load_state_dict(saved)
+        train(again, resumed, 6, data=data)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_attach_rejects_bad_arguments():
+    model = small_mlp()
+    with pytest.raises(ValueError, match="Invalid model=str"):
+        asteria.attach("model", asteria.Shampoo(model.parameters()))
+    with pytest.raises(ValueError, match="Invalid optimizer=AdamW"):
+        asteria.attach(model, torch.optim.AdamW(model.parameters()))
