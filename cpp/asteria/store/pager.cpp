@@ -108,20 +108,20 @@ bool probe_o_direct(const std::string& directory, std::string* why) {
 }
 
 Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)), pool_(buffers) {
-  if (config_.directory.empty()) throw InvalidArgument(where("Pager") + "directory is empty; a directory path is required");
+  if (config_.directory.empty()) throw InvalidArgument(where("Pager") + "Invalid directory='': a directory path is required");
   if (config_.record_bytes < 1 || config_.record_bytes > kMaxRecordBytes) {
-    throw InvalidArgument(where("Pager") + "record_bytes=" + std::to_string(config_.record_bytes) +
-                          " must be in [1, 2^40]");
+    throw InvalidArgument(where("Pager") + "Invalid record_bytes=" + std::to_string(config_.record_bytes) +
+                          ": must be in [1, 2^40]");
   }
   if (config_.io_threads < 1 || config_.io_threads > kMaxIoThreads) {
-    throw InvalidArgument(where("Pager") + "io_threads=" + std::to_string(config_.io_threads) + " must be in [1, " +
+    throw InvalidArgument(where("Pager") + "Invalid io_threads=" + std::to_string(config_.io_threads) + ": must be in [1, " +
                           std::to_string(kMaxIoThreads) + "]");
   }
   if (pool_.base == nullptr) throw InvalidArgument(where("Pager") + "buffer pool base is null");
-  if (pool_.count < 1) throw InvalidArgument(where("Pager") + "buffer pool count=0 must be >= 1");
+  if (pool_.count < 1) throw InvalidArgument(where("Pager") + "Invalid buffer count=0: must be >= 1");
   if (pool_.count > 1 && pool_.stride_bytes < config_.record_bytes) {
-    throw InvalidArgument(where("Pager") + "buffer stride " + std::to_string(pool_.stride_bytes) +
-                          " bytes is smaller than record_bytes=" + std::to_string(config_.record_bytes) +
+    throw InvalidArgument(where("Pager") + "Invalid buffer stride=" + std::to_string(pool_.stride_bytes) +
+                          " bytes: smaller than record_bytes=" + std::to_string(config_.record_bytes) +
                           ": buffers would overlap");
   }
   slot_bytes_ = slot_bytes_for(config_.record_bytes);
@@ -138,7 +138,7 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
                          config_.directory, 0, 0, ec.value());
     }
   } else if (!fs::is_directory(config_.directory, ec)) {
-    throw InvalidArgument(where("Pager") + "directory=" + config_.directory + " exists and is not a directory");
+    throw InvalidArgument(where("Pager") + "Invalid directory='" + config_.directory + "': exists and is not a directory");
   }
   try {
     const std::string lock_path = config_.directory + "/" + kLockName;
@@ -299,11 +299,11 @@ void Pager::recover() {
 
 Pager::Ticket Pager::write(std::uint64_t key, std::uint64_t version, const std::byte* src, std::size_t bytes) {
   if (bytes > config_.record_bytes) {
-    throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": bytes=" + std::to_string(bytes) +
-                          " exceeds record_bytes=" + std::to_string(config_.record_bytes));
+    throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid bytes=" + std::to_string(bytes) +
+                          ": exceeds record_bytes=" + std::to_string(config_.record_bytes));
   }
   if (src == nullptr && bytes > 0) throw InvalidArgument(where("write") + "src is null");
-  if (version < 1) throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": version=0 must be >= 1");
+  if (version < 1) throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=0: must be >= 1");
   std::unique_lock lock(mutex_);
   check_open("write");
   const auto existing = keys_.find(key);
@@ -313,8 +313,8 @@ Pager::Ticket Pager::write(std::uint64_t key, std::uint64_t version, const std::
     const std::uint64_t live_version = live >= 0 ? k.slots[live].version : 0;
     const bool pending = k.writes_submitted > k.writes_done;
     if (version <= live_version || (pending && version <= k.last_submitted_version)) {
-      throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": version=" + std::to_string(version) +
-                            " must exceed the live version " + std::to_string(live_version) +
+      throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=" + std::to_string(version) +
+                            ": must exceed the live version " + std::to_string(live_version) +
                             (pending ? " and the queued version " + std::to_string(k.last_submitted_version) : ""));
     }
   }
@@ -472,7 +472,7 @@ void Pager::release(std::size_t index) {
   {
     std::lock_guard lock(mutex_);
     if (index >= buffers_.size() || buffers_[index].state != BufferState::kHeld) {
-      throw InvalidArgument(where("release") + "buffer index=" + std::to_string(index) +
+      throw InvalidArgument(where("release") + "Invalid index=" + std::to_string(index) + ":" +
                             (index >= buffers_.size()
                                  ? " is out of range [0, " + std::to_string(buffers_.size()) + ")"
                                  : " is not held (acquire() hands buffers out)"));
