@@ -59,7 +59,8 @@ def run(directory: str, record_bytes: int, records: int, buffers: int, threads: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/tmp/asteria_pager_bench", help="directory for the page files (removed after)")
+    parser.add_argument("--dir", default="/tmp/asteria_pager_bench",
+                        help="directory for the page files (created, then removed)")
     parser.add_argument("--record-kib", type=int, default=4096)
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--buffers", type=int, default=8)

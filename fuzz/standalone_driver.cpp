@@ -58,7 +58,9 @@ Bytes mutate(Bytes b, const std::vector<Bytes>& corpus, std::mt19937_64& rng, st
         if (!b.empty()) b.resize(rng() % (b.size() + 1));
         break;
       case 4:  // extend with random bytes
-        for (std::size_t n = rng() % 128; n > 0 && b.size() < max_len; --n) b.push_back(static_cast<std::uint8_t>(rng()));
+        for (std::size_t n = rng() % 128; n > 0 && b.size() < max_len; --n) {
+          b.push_back(static_cast<std::uint8_t>(rng()));
+        }
         break;
       case 5:  // splice with another seed
         if (!corpus.empty()) {

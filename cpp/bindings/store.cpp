@@ -104,7 +104,9 @@ void init_store(nb::module_& m) {
             check_host(buffers, "buffers");
             if (buffers.ndim() != 2 || buffers.shape(0) == 0 || buffers.shape(1) == 0) {
               std::string shape = "(";
-              for (std::size_t i = 0; i < buffers.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(buffers.shape(i));
+              for (std::size_t i = 0; i < buffers.ndim(); ++i) {
+                shape += (i ? ", " : "") + std::to_string(buffers.shape(i));
+              }
               throw InvalidArgument("Invalid buffers shape " + shape + "): must be (k, m) with k, m >= 1");
             }
             const std::size_t row_bytes = buffers.shape(1) * buffers.itemsize();
@@ -132,10 +134,11 @@ void init_store(nb::module_& m) {
             py->pager = std::move(pager);
             py->buffers = buffers;
           },
-          "directory"_a, "buffers"_a.noconvert(), "record_bytes"_a = nb::none(), "io_threads"_a = 2, "o_direct"_a = nb::none(),
-          "keep_files"_a = false,
-          "`buffers`: a C-contiguous (k, m) host array (never copied: a non-contiguous one is a TypeError) (any dtype; pinned torch memory on CUDA machines) of k "
-          "read-ahead buffers of m * itemsize bytes, kept alive by the pager. `record_bytes` (default: a row's "
+          "directory"_a, "buffers"_a.noconvert(), "record_bytes"_a = nb::none(), "io_threads"_a = 2,
+          "o_direct"_a = nb::none(), "keep_files"_a = false,
+          "`buffers`: a C-contiguous (k, m) host array (any dtype; pinned torch memory on CUDA machines; never "
+          "copied: a non-contiguous one is a TypeError) of k read-ahead buffers of m * itemsize bytes, kept alive "
+          "by the pager. `record_bytes` (default: a row's "
           "bytes) is the largest payload. `o_direct`: None probes the directory and falls back to buffered I/O, "
           "True requires O_DIRECT, False uses buffered I/O + fdatasync. `keep_files`: False (a scratch tier) "
           "needs a directory without page files and removes the files it created at close(); True recovers "
@@ -226,8 +229,8 @@ void init_store(nb::module_& m) {
             return std::make_tuple(r.version, r.bytes);
           },
           "key"_a, "dst"_a.noconvert(), "timeout_s"_a,
-          "Reads the newest version of `key` into the C-contiguous host array `dst` (never copied; GIL released), bypassing "
-          "the read-ahead pool. Returns (version, nbytes).")
+          "Reads the newest version of `key` into the C-contiguous host array `dst` (never copied; GIL released), "
+          "bypassing the read-ahead pool. Returns (version, nbytes).")
       .def(
           "drain",
           [](PyPager& p, double timeout_s) {

@@ -121,7 +121,9 @@ std::size_t round_up_to_page(std::size_t x) noexcept {
   return (x + kPageAlignment - 1) / kPageAlignment * kPageAlignment;
 }
 
-std::size_t slot_bytes_for(std::size_t record_bytes) noexcept { return round_up_to_page(kPageHeaderBytes + record_bytes); }
+std::size_t slot_bytes_for(std::size_t record_bytes) noexcept {
+  return round_up_to_page(kPageHeaderBytes + record_bytes);
+}
 
 bool encode_page_header(const PageHeader& header, std::span<std::byte> out) noexcept {
   if (out.size() < kPageHeaderBytes) return false;

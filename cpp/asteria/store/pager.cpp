@@ -108,14 +108,16 @@ bool probe_o_direct(const std::string& directory, std::string* why) {
 }
 
 Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)), pool_(buffers) {
-  if (config_.directory.empty()) throw InvalidArgument(where("Pager") + "Invalid directory='': a directory path is required");
+  if (config_.directory.empty()) {
+    throw InvalidArgument(where("Pager") + "Invalid directory='': a directory path is required");
+  }
   if (config_.record_bytes < 1 || config_.record_bytes > kMaxRecordBytes) {
     throw InvalidArgument(where("Pager") + "Invalid record_bytes=" + std::to_string(config_.record_bytes) +
                           ": must be in [1, 2^40]");
   }
   if (config_.io_threads < 1 || config_.io_threads > kMaxIoThreads) {
-    throw InvalidArgument(where("Pager") + "Invalid io_threads=" + std::to_string(config_.io_threads) + ": must be in [1, " +
-                          std::to_string(kMaxIoThreads) + "]");
+    throw InvalidArgument(where("Pager") + "Invalid io_threads=" + std::to_string(config_.io_threads) +
+                          ": must be in [1, " + std::to_string(kMaxIoThreads) + "]");
   }
   if (pool_.base == nullptr) throw InvalidArgument(where("Pager") + "buffer pool base is null");
   if (pool_.count < 1) throw InvalidArgument(where("Pager") + "Invalid buffer count=0: must be >= 1");
@@ -138,14 +140,16 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
                          config_.directory, 0, 0, ec.value());
     }
   } else if (!fs::is_directory(config_.directory, ec)) {
-    throw InvalidArgument(where("Pager") + "Invalid directory='" + config_.directory + "': exists and is not a directory");
+    throw InvalidArgument(where("Pager") + "Invalid directory='" + config_.directory +
+                          "': exists and is not a directory");
   }
   try {
     const std::string lock_path = config_.directory + "/" + kLockName;
     lock_fd_ = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
     if (lock_fd_ < 0) {
       const int e = errno;
-      throw PagerIOError(where("Pager") + "cannot open lock file " + lock_path + ": " + errno_text(e), lock_path, 0, 0, e);
+      throw PagerIOError(where("Pager") + "cannot open lock file " + lock_path + ": " + errno_text(e), lock_path, 0, 0,
+                         e);
     }
     if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
       const int e = errno;
@@ -155,7 +159,9 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
     std::string why;
     switch (config_.mode) {
       case IoModeRequest::kBuffered: mode_ = IoMode::kBuffered; break;
-      case IoModeRequest::kAuto: mode_ = probe_o_direct(config_.directory, &why) ? IoMode::kDirect : IoMode::kBuffered; break;
+      case IoModeRequest::kAuto:
+        mode_ = probe_o_direct(config_.directory, &why) ? IoMode::kDirect : IoMode::kBuffered;
+        break;
       case IoModeRequest::kDirect:
         if (!probe_o_direct(config_.directory, &why)) {
           throw PagerIOError(where("Pager") + "o_direct was requested but directory " + config_.directory +
@@ -273,7 +279,8 @@ void Pager::recover() {
       if (got < slot_bytes_) {
         if (!zeros) {
           slot.state = SlotState::kBad;
-          slot.failure = "torn page: only " + std::to_string(got) + " of " + std::to_string(slot_bytes_) + " bytes on disk";
+          slot.failure =
+              "torn page: only " + std::to_string(got) + " of " + std::to_string(slot_bytes_) + " bytes on disk";
           stats_.recovered_bad_pages += 1;
         }
         continue;
@@ -303,7 +310,9 @@ Pager::Ticket Pager::write(std::uint64_t key, std::uint64_t version, const std::
                           ": exceeds record_bytes=" + std::to_string(config_.record_bytes));
   }
   if (src == nullptr && bytes > 0) throw InvalidArgument(where("write") + "src is null");
-  if (version < 1) throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=0: must be >= 1");
+  if (version < 1) {
+    throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=0: must be >= 1");
+  }
   std::unique_lock lock(mutex_);
   check_open("write");
   const auto existing = keys_.find(key);
@@ -313,8 +322,8 @@ Pager::Ticket Pager::write(std::uint64_t key, std::uint64_t version, const std::
     const std::uint64_t live_version = live >= 0 ? k.slots[live].version : 0;
     const bool pending = k.writes_submitted > k.writes_done;
     if (version <= live_version || (pending && version <= k.last_submitted_version)) {
-      throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=" + std::to_string(version) +
-                            ": must exceed the live version " + std::to_string(live_version) +
+      throw InvalidArgument(where("write") + "key " + std::to_string(key) + ": Invalid version=" +
+                            std::to_string(version) + ": must exceed the live version " + std::to_string(live_version) +
                             (pending ? " and the queued version " + std::to_string(k.last_submitted_version) : ""));
     }
   }
@@ -416,7 +425,8 @@ Acquired Pager::acquire(std::uint64_t key, std::chrono::nanoseconds timeout) {
                           b.state == BufferState::kFailed;
       if (loaded && b.key == key && (best < 0 || b.order < buffers_[best].order)) best = static_cast<long>(i);
     }
-    const auto queued = std::find_if(schedule_.begin(), schedule_.end(), [&](const ScheduleEntry& e) { return e.key == key; });
+    const auto is_key = [&](const ScheduleEntry& e) { return e.key == key; };
+    const auto queued = std::find_if(schedule_.begin(), schedule_.end(), is_key);
     const bool queued_first = queued != schedule_.end() && (best < 0 || queued->order < buffers_[best].order);
     if (best >= 0 && !queued_first) {
       Buffer& b = buffers_[best];
@@ -452,8 +462,8 @@ Acquired Pager::acquire(std::uint64_t key, std::chrono::nanoseconds timeout) {
       if (best >= 0 && !queued_first) {
         state = "its read into buffer " + std::to_string(best) + " is still in flight";
       } else {
-        const auto position = std::distance(schedule_.begin(), std::find_if(schedule_.begin(), schedule_.end(),
-                                                                           [&](const ScheduleEntry& e) { return e.key == key; }));
+        const auto position =
+            std::distance(schedule_.begin(), std::find_if(schedule_.begin(), schedule_.end(), is_key));
         state = "it is at position " + std::to_string(position) + " of the schedule, waiting for a free buffer (" +
                 std::to_string(counts[static_cast<int>(BufferState::kReady)]) + " loaded but not acquired, " +
                 std::to_string(counts[static_cast<int>(BufferState::kHeld)]) +
@@ -546,8 +556,8 @@ void Pager::drain(std::chrono::nanoseconds timeout) {
   const auto started = Clock::now();
   std::unique_lock lock(mutex_);
   if (!changed_.wait_until(lock, deadline_after(timeout), [&] { return queue_.empty() && in_flight_ == 0; })) {
-    throw TimeoutError(where("drain") + "requests still pending after " + format_seconds(seconds_since(started)) + ": " +
-                       std::to_string(queue_.size()) + " queued, " + std::to_string(in_flight_) + " in flight");
+    throw TimeoutError(where("drain") + "requests still pending after " + format_seconds(seconds_since(started)) +
+                       ": " + std::to_string(queue_.size()) + " queued, " + std::to_string(in_flight_) + " in flight");
   }
 }
 
@@ -763,7 +773,8 @@ void Pager::run_read(Job& job, std::byte* bounce) {
   }
   job.result = {job.version, payload};
   if (job.buffer >= 0) {
-    std::memcpy(pool_.base + static_cast<std::size_t>(job.buffer) * pool_.stride_bytes, bounce + kPageHeaderBytes, payload);
+    std::byte* row = pool_.base + static_cast<std::size_t>(job.buffer) * pool_.stride_bytes;
+    std::memcpy(row, bounce + kPageHeaderBytes, payload);
   } else {
     std::lock_guard copy(job.request->copy_mutex);
     if (!job.request->abandoned) std::memcpy(job.dst, bounce + kPageHeaderBytes, payload);
@@ -780,8 +791,8 @@ void Pager::close() {
       stats_.cancelled += 1;
       if (job.request) {
         job.request->error = std::make_exception_ptr(
-            CancelledError(where("close") + (job.is_write ? "write of key " : "read of key ") + std::to_string(job.key) +
-                           " was cancelled: the pager closed before it ran"));
+            CancelledError(where("close") + (job.is_write ? "write of key " : "read of key ") +
+                           std::to_string(job.key) + " was cancelled: the pager closed before it ran"));
         job.request->done = true;
       }
       if (job.buffer >= 0) buffers_[job.buffer].state = BufferState::kFree;

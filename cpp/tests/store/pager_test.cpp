@@ -31,7 +31,9 @@ constexpr auto kWait = 30s;  // generous bound: a failure shows as a TimeoutErro
 // Payload of version `version` of `key`: a pattern both depend on, so a mixed-up read cannot pass.
 std::vector<std::byte> payload(std::uint64_t key, std::uint64_t version, std::size_t bytes) {
   std::vector<std::byte> out(bytes);
-  for (std::size_t j = 0; j < bytes; ++j) out[j] = static_cast<std::byte>((key * 131 + version * 31 + j * 7 + (j >> 8)) & 0xFF);
+  for (std::size_t j = 0; j < bytes; ++j) {
+    out[j] = static_cast<std::byte>((key * 131 + version * 31 + j * 7 + (j >> 8)) & 0xFF);
+  }
   return out;
 }
 
@@ -408,7 +410,8 @@ TEST_P(PagerTest, ConcurrentWritersAndReaders) {
           const std::uint64_t key = (rng() % kWriters) * 100 + rng() % kKeysPerWriter;
           const ReadResult got = pager->read(key, dst.data(), dst.size(), kWait);
           if (got.version < 1 || got.version > kVersions || !matches(dst.data(), key, got.version, got.bytes)) {
-            failures[kWriters + r] = "key " + std::to_string(key) + " version " + std::to_string(got.version) + " is torn";
+            failures[kWriters + r] =
+                "key " + std::to_string(key) + " version " + std::to_string(got.version) + " is torn";
             return;
           }
         }
