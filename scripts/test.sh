@@ -20,5 +20,7 @@ for variant in plain address thread; do
     setarch "$(uname -m)" -R ctest --test-dir "$dir" --output-on-failure -j "$jobs"
 done
 
+bash scripts/fuzz.sh 30  # the NVMe page-header parser under libFuzzer (or the gcc driver), 30 s
+
 echo "== Python tests"
 python3 -m pytest -q tests

@@ -14,6 +14,8 @@ namespace {
 PyObject* g_cancelled = nullptr;
 PyObject* g_numerical = nullptr;
 PyObject* g_block_failure = nullptr;
+PyObject* g_pager_io = nullptr;
+PyObject* g_checksum = nullptr;
 
 PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const char* doc) {
   const std::string qualified = std::string("asteria._core.") + name;
@@ -21,6 +23,16 @@ PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const 
   if (type == nullptr) throw nb::python_error();
   m.attr(name) = nb::handle(type);
   return type;
+}
+
+// Raises `type` (an OSError subclass) as type(errno, message) with filename, offset and size set.
+void set_pager_error(PyObject* type, const PagerIOError& e) {
+  nb::object error = nb::steal(PyObject_CallFunction(type, "is", e.error_number(), e.what()));
+  if (!error.is_valid()) return;  // the call set its own error
+  error.attr("filename") = e.path();
+  error.attr("offset") = e.offset();
+  error.attr("size") = e.size();
+  PyErr_SetObject(type, error.ptr());
 }
 
 }  // namespace
@@ -33,12 +45,25 @@ void init_errors(nb::module_& m) {
   g_block_failure = new_exception(m, "BlockFailure", PyExc_RuntimeError,
                                   "A preconditioner block failed its refresh too often in a row. "
                                   "args = (message, block, version, cause).");
+  g_pager_io = new_exception(m, "PagerIOError", PyExc_OSError,
+                             "An I/O operation of the NVMe pager failed (ENOSPC, EFBIG, EIO, a removed file, a short "
+                             "read). errno, strerror (the full message), filename (the page file), offset and size "
+                             "(bytes) name it.");
+  g_checksum = new_exception(m, "ChecksumError", g_pager_io,
+                             "A page read back by the NVMe pager failed validation (header or payload CRC32C, wrong "
+                             "key, version or slot size). Same attributes as PagerIOError (errno EBADMSG).");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const BlockFailure& e) {
       nb::object args = nb::make_tuple(e.what(), e.block(), e.version(), e.cause());
       PyErr_SetObject(g_block_failure, args.ptr());
+    } catch (const ChecksumError& e) {
+      set_pager_error(g_checksum, e);
+    } catch (const PagerIOError& e) {
+      set_pager_error(g_pager_io, e);
+    } catch (const NotFound& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const TimeoutError& e) {

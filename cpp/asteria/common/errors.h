@@ -52,4 +52,36 @@ class BlockFailure : public Error {
   std::string cause_;
 };
 
+// A key the caller asked for does not exist (never written, or no readable version is left).
+class NotFound : public Error {
+ public:
+  using Error::Error;
+};
+
+// An I/O operation of the NVMe pager failed: a system call error (ENOSPC, EFBIG, EIO, ENOENT for a
+// removed file, ...) or a short read. The message names the path, offset, size and errno text.
+class PagerIOError : public Error {
+ public:
+  PagerIOError(const std::string& message, std::string path, std::uint64_t offset, std::uint64_t size,
+               int error_number);
+  const std::string& path() const noexcept { return path_; }
+  std::uint64_t offset() const noexcept { return offset_; }
+  std::uint64_t size() const noexcept { return size_; }
+  // errno of the failed call; EIO for a short read, EBADMSG for a checksum failure.
+  int error_number() const noexcept { return errno_; }
+
+ private:
+  std::string path_;
+  std::uint64_t offset_;
+  std::uint64_t size_;
+  int errno_;
+};
+
+// A page read back from disk failed validation (header or payload CRC32C, wrong key, version or
+// slot size): the data on disk is corrupt. Same fields as PagerIOError (errno EBADMSG).
+class ChecksumError : public PagerIOError {
+ public:
+  using PagerIOError::PagerIOError;
+};
+
 }  // namespace asteria
