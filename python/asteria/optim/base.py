@@ -88,7 +88,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             group.state[NONFINITE_TOTAL] = torch.zeros(group.batch, dtype=torch.int64, device=group.device)
             self._set_groups += [(fset, group) for fset in self._init_group(group)]
         self._refresher: Refresher = make_refresher([s for s, _ in self._set_groups], self.runtime,
-                                                    precondition_frequency)
+                                                    precondition_frequency, [g for _, g in self._set_groups])
         # Stops the workers when the optimizer is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self._refresher.close)
         self._check_budgets()
@@ -198,6 +198,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
+            "distributed": self._refresher.identity(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -205,6 +206,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         ``ValueError`` naming what differs otherwise, before anything is changed."""
         check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
                   type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+        saved, mine = state_dict.get("distributed"), self._refresher.identity()
+        if saved != mine:
+            raise ValueError(f"Invalid state_dict: saved on {_describe_layout(saved)}, loaded on {_describe_layout(mine)}; "
+                             "resume with the same ranks and load each rank's own state_dict")
         if state_dict["runtime_mode"] != self.runtime.mode:
             raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                              f"mode {self.runtime.mode!r}")
@@ -273,3 +278,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe_layout(identity: dict[str, Any] | None) -> str:
+    if identity is None:
+        return "a single process"
+    return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
+            f"{identity['local_world_size']}, block owners {identity['owners']})")
