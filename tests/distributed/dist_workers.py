@@ -160,6 +160,7 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int]
         result["nondeterministic"] = "accepted"
     except ValueError as error:
         result["nondeterministic"] = str(error)
+    out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -210,7 +211,14 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
         domains = [list(d.ranks) for d in opt._refresher.domains]
         result[(layout, kind, staleness)] = {"params": params, "stats": stats, "domains": domains}
         opt.close()
+    out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
+
+
+def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list) -> None:
+    """The DDP runs, then the FSDP2 / HSDP runs, in one set of processes (one start-up for both)."""
+    ddp_worker(rank, world, out / "ddp", ddp_runs)
+    sharded_worker(rank, world, out / "sharded", sharded_runs)
 
 
 def load(out: Path, world: int = WORLD) -> list[Any]:

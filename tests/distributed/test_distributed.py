@@ -32,11 +32,29 @@ def test_ownership_is_balanced_by_cubic_cost_and_deterministic():
         assign_owners(items, [])
 
 
-def test_ddp_matches_single_process_and_replicas_stay_identical(tmp_path, clean_shm):
-    runs = [("shampoo", 0, 6), ("shampoo", 3, 12), ("soap", 1, 10)]
-    codes = W.launch(W.ddp_worker, tmp_path, runs)
-    results = W.load(tmp_path)
+DDP_RUNS = [("shampoo", 0, 6), ("shampoo", 3, 12), ("soap", 1, 10)]
+# Every weight's dimension 0 splits into shards that coincide with the single-process blocks
+# (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
+# and the runs must agree up to the gradient reduction's rounding.
+SHARDED_RUNS = [("fsdp", "shampoo", 0, 6), ("hsdp", "shampoo", 0, 6), ("hsdp", "soap", 1, 8)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One set of 4 processes runs every DDP, FSDP2 and HSDP training run; the tests check its results."""
+    out = tmp_path_factory.mktemp("training")
+    before = W.segments()
+    codes = W.launch(W.training_worker, out, DDP_RUNS, SHARDED_RUNS, timeout=150)
+    leftover = W.segments() - before
+    return out, codes, leftover
+
+
+def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
+    out, codes, leftover = trained
+    results = W.load(out / "ddp")
     assert codes == [0] * W.WORLD
+    assert leftover == set(), "a shared-memory segment was left in /dev/shm"
+    runs = DDP_RUNS
     for rank, result in enumerate(results):
         assert result["segment_visible"] is False
         assert "Invalid deterministic=False" in result["nondeterministic"]
@@ -83,14 +101,11 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_s
         assert f"rank " in outcome["message"], outcome
 
 
-def test_fsdp2_and_hsdp_match_single_process(tmp_path, clean_shm):
-    # Every weight's dimension 0 splits into shards that coincide with the single-process blocks
-    # (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
-    # and the runs must agree up to the gradient reduction's rounding.
-    runs = [("fsdp", "shampoo", 0, 6), ("hsdp", "shampoo", 0, 6), ("hsdp", "soap", 1, 8)]
-    codes = W.launch(W.sharded_worker, tmp_path, runs)
-    results = W.load(tmp_path)
+def test_fsdp2_and_hsdp_match_single_process(trained):
+    out, codes, _ = trained
+    results = W.load(out / "sharded")
     assert codes == [0] * W.WORLD
+    runs = SHARDED_RUNS
     for layout, kind, staleness, steps in runs:
         reference = W.single_process(kind, staleness, steps)
         per_rank = [r[(layout, kind, staleness)] for r in results]
