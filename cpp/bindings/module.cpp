@@ -8,4 +8,5 @@ NB_MODULE(_core, m) {
   asteria::bindings::init_runtime(m);
   asteria::bindings::init_linalg(m);
   asteria::bindings::init_store(m);
+  asteria::bindings::init_node_store(m);
 }

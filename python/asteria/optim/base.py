@@ -110,11 +110,12 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._tier = PreconditionerTier(self.placement, group_sets)
         self._reading: dict[int, list[Tensor]] = {}
         sets = [s for s, _ in self._set_groups]
-        stagger = self.runtime.stagger if self.runtime.stagger is not None else self.runtime.mode == "async"
+        stagger = self._staggered()
         costs = [float(s.batch) * s.dim**3 for s in sets]
         phases = stagger_phases(costs, precondition_frequency) if stagger else [0] * len(sets)
         self.schedule = RefreshSchedule(start, precondition_frequency, phases)
-        self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency)
+        self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
+                                                    [g for _, g in self._set_groups])
         self._refresher.tier = self._tier
         # Stops the workers when the optimizer is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self._refresher.close)
@@ -143,6 +144,19 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             if needed > memory.gpu_budget:
                 return "host"
         return "device"
+
+    def _staggered(self) -> bool:
+        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; off on several ranks,
+        whose exchange moves every set's version together)."""
+        from asteria.distributed import topology
+
+        ranks = topology(self.runtime) is not None
+        check_arg(not (ranks and self.runtime.stagger), "stagger", self.runtime.stagger,
+                  "a staggered schedule runs in a single process only (the distributed exchange moves every set's "
+                  "version together): use None or False")
+        if self.runtime.stagger is not None:
+            return self.runtime.stagger
+        return self.runtime.mode == "async" and not ranks
 
     def _new_preconditioners(self, group: ShapeGroup, dim: int) -> Tensor:
         """(B, dim, dim) identities where the placement keeps the preconditioners in use: on the
@@ -300,6 +314,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
+            "distributed": self._refresher.identity(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -307,6 +322,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         ``ValueError`` naming what differs otherwise, before anything is changed."""
         check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
                   type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+        saved, mine = state_dict.get("distributed"), self._refresher.identity()
+        if saved != mine:
+            raise ValueError(f"Invalid state_dict: saved on {_describe_layout(saved)}, loaded on {_describe_layout(mine)}; "
+                             "resume with the same ranks and load each rank's own state_dict")
         if state_dict["runtime_mode"] != self.runtime.mode:
             raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                              f"mode {self.runtime.mode!r}")
@@ -386,3 +405,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe_layout(identity: dict[str, Any] | None) -> str:
+    if identity is None:
+        return "a single process"
+    return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
+            f"{identity['local_world_size']}, block owners {identity['owners']})")

@@ -11,6 +11,12 @@ from torch import Tensor
 from asteria.optim.blocking import Block, partition
 
 
+def local(tensor: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local shard (FSDP2 / HSDP blocks it per shard), else itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "device_mesh") else tensor
+
+
 @dataclass
 class ShapeGroup:
     """Same-shape blocks of one param group on one device, with their stacked optimizer state."""
@@ -44,7 +50,7 @@ class ShapeGroup:
         """
         present = [param.grad is not None for param in self.params]
         views = [
-            block.view(param.grad) if param.grad is not None else torch.zeros(self.shape, device=self.device)
+            block.view(local(param.grad)) if param.grad is not None else torch.zeros(self.shape, device=self.device)
             for block, param in zip(self.blocks, self.params)
         ]
         grads = torch.stack(views).to(torch.float32)
@@ -55,13 +61,13 @@ class ShapeGroup:
         return grads, torch.tensor(present, device=self.device)
 
     def gather_params(self) -> Tensor:
-        return torch.stack([block.view(param.detach()) for block, param in zip(self.blocks, self.params)]).to(
+        return torch.stack([block.view(local(param.detach())) for block, param in zip(self.blocks, self.params)]).to(
             torch.float32
         )
 
     def scatter_params_(self, values: Tensor) -> None:
         """Writes (B, *shape) values back into the parameters' blocks."""
-        targets = [block.view(param.detach()) for block, param in zip(self.blocks, self.params)]
+        targets = [block.view(local(param.detach())) for block, param in zip(self.blocks, self.params)]
         torch._foreach_copy_(targets, list(values.to(targets[0].dtype).unbind(0)))
 
 
@@ -81,7 +87,7 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
         names = group.get("param_names") or [None] * len(group["params"])
         for param_index, (param, name) in enumerate(zip(group["params"], names)):
             label = name or f"param_groups[{group_index}][{param_index}] {tuple(param.shape)}"
-            for block in partition(param, param_index, label, max_dim, merge):
+            for block in partition(local(param), param_index, label, max_dim, merge):
                 base = (group_index, block.shape, param.device)
                 key = base + (chunks.get(base, 0),)
                 if key in groups and max_group_bytes is not None and \

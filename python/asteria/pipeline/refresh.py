@@ -74,6 +74,10 @@ class Refresher(ABC):
         """Bytes of host memory held for refreshes."""
         return 0
 
+    def identity(self) -> dict[str, Any] | None:
+        """The rank layout a checkpoint of this refresher belongs to (None: a single process)."""
+        return None
+
     def _raise_failure(self, fset: FactorSet, block: int, version: int, cause: str) -> None:
         raise RefreshError(fset.block_params[block], fset.describe(block), version, cause)
 
@@ -394,8 +398,15 @@ class AsyncRefresher(Refresher):
         self._release_copied(block_all=True)
 
 
-def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int) -> Refresher:
-    """The refresher the runtime configuration asks for."""
+def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int, groups: list | None = None) -> Refresher:
+    """The refresher the runtime configuration asks for; ``groups`` (the shape group of each set) lets an
+    async run on several ranks use the distributed refresher (``asteria.distributed``)."""
+    from asteria.distributed import distributed_refresher, topology
+
     if config.mode == "sync":
+        topology(config)  # refuses layouts the distributed runtime cannot run (e.g. deterministic=False)
         return SyncRefresher(sets, config, interval)
+    distributed = distributed_refresher(sets, config, interval, groups)
+    if distributed is not None:
+        return distributed
     return AsyncRefresher(sets, config, interval)

@@ -1,0 +1,464 @@
+"""The distributed refresher: block ownership, node-shared stores and the hierarchical exchange, on the
+deterministic activation schedule.
+
+Life of version k of a block (snapshotted at step t, due at step d = t + S * f, or t for the first):
+1. Step t: the block's owner (one rank of its replica domain) snapshots the factors and submits the
+   job to its C++ engine; no other rank computes it.
+2. Step d: the owner waits (bounded) for its job and publishes the result into its node's store
+   (shared memory: one copy per node). A refresh that kept the basis bit for bit (eigenbasis skip) or
+   failed publishes only its status.
+3. Step d: each node leader of the domain waits for its node's owners, then the leaders exchange the
+   node's new versions over a Gloo group (statuses first, then only the data of refreshed blocks) and
+   publish what they receive into their node's store.
+4. Step d: every rank reads version k of every block from its node's store (waiting, bounded, for the
+   version word) and installs it. So every replica activates the same version at the same step.
+Before writing a store at step d, a rank waits until every local rank has read the versions of the
+previous due step (the two slots per block are then free to reuse).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asteria import _core
+from asteria.config import RuntimeConfig
+from asteria.distributed.domains import Domain, Unit, build_domains
+from asteria.distributed.topology import Topology, replica_ranks
+from asteria.errors import RefreshError
+from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.refresh import Refresher
+
+STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
+STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
+# The engine never raises for failures itself: all ranks count them from the published statuses.
+_NO_ENGINE_BOUND = 1 << 30
+
+
+class PeerError(RuntimeError):
+    """Another rank died, stalled or failed, so this rank cannot continue; the message says which and where."""
+
+
+class DistributedRefresher(Refresher):
+    """Refreshes each block on its owner's C++ workers and shares the result with every replica."""
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int, groups: list[Any],
+                 topo: Topology) -> None:
+        super().__init__(sets, config, interval)
+        if len(groups) != len(sets):
+            raise ValueError(f"Invalid groups: {len(groups)} for {len(sets)} factor sets")
+        self.topo = topo
+        self.depth = config.staleness + 1
+        # ---- units and their domains
+        self.units: list[list[Unit]] = []
+        by_ranks: dict[tuple[int, ...], list[Unit]] = {}
+        ranks_of: dict[int, tuple[int, ...]] = {}
+        modes: dict[int, int] = {}
+        for set_index, (fset, group) in enumerate(zip(sets, groups)):
+            mode = modes.get(id(group), 0)
+            modes[id(group)] = mode + 1
+            units = []
+            for b, (block, param) in enumerate(zip(group.blocks, group.params)):
+                if id(param) not in ranks_of:
+                    ranks_of[id(param)] = replica_ranks(param, topo)
+                rows = fset.dim + 2 if fset.kind == "eigenbasis" else fset.dim
+                key = (group.group_index, block.param_index, tuple(s.start for s in block.region), mode)
+                unit = Unit(set_index, b, key, fset.dim, rows, fset.kind)
+                by_ranks.setdefault(ranks_of[id(param)], []).append(unit)
+                units.append(unit)
+            self.units.append(units)
+        self.domains, self.whole = build_domains(by_ranks, topo)
+        self.domain_of: dict[int, Domain] = {}
+        for d in self.domains:
+            for u in d.units:
+                self.domain_of[id(u)] = d
+        self.node_units = {id(d): {node: d.units_of_node(node) for node in d.nodes} for d in self.domains}
+        self.views = {id(d): torch.from_numpy(d.store.data()) for d in self.domains}
+        # ---- the engine, for the blocks this rank owns
+        self.engine = _core.RefreshEngine(
+            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
+            deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s)
+        self.owned: list[list[int]] = []             # per set: owned block indices
+        self.owned_index: list[torch.Tensor] = []    # the same on the set's device
+        self.snapshots: list[torch.Tensor | None] = []
+        self.results: list[torch.Tensor | None] = []
+        self.ids: list[list[int]] = []
+        self.engine_unit: dict[int, Unit] = {}
+        for fset, units in zip(sets, self.units):
+            owned = [u.block for u in units if u.owner == topo.rank]
+            self.owned.append(owned)
+            self.owned_index.append(torch.tensor(owned, dtype=torch.long, device=fset.device))
+            if not owned:
+                self.snapshots.append(None)
+                self.results.append(None)
+                self.ids.append([])
+                continue
+            pin = fset.device.type == "cuda"
+            n, rows = fset.dim, units[0].rows
+            snaps = torch.empty((self.depth, len(owned), n, n), dtype=torch.float32, pin_memory=pin)
+            results = torch.empty((self.depth, len(owned), rows, n), dtype=torch.float32, pin_memory=pin)
+            ids = [self.engine.add_block(snaps[:, j], results[:, j], kind=fset.kind) for j in range(len(owned))]
+            for block_id, b in zip(ids, owned):
+                self.engine_unit[block_id] = units[b]
+            self.snapshots.append(snaps)
+            self.results.append(results)
+            self.ids.append(ids)
+        self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
+        self._errors: dict[tuple[int, int], str] = {}
+        self._bootstrap_pending = config.bootstrap_sync
+        self._newest_version = 0
+        self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
+        self._last_due = 0
+        self._counts = {"bytes_inter_node_sent": 0, "bytes_inter_node_received": 0, "bytes_intra_node_shared": 0,
+                        "bytes_to_host": 0, "bytes_to_device": 0, "exchanges_skipped": 0, "exchanges": 0,
+                        "blocks_published": 0, "store_waits": 0, "failures_seen": 0}
+        self._exchange_seconds = 0.0
+        self._store_wait_seconds = 0.0
+        self._histogram = [0] * (config.staleness + 2)
+        self._max_staleness = 0
+        self._closed = False
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def activation_step(self, step: int, version: int) -> int:
+        return step if self._bootstrap_pending else step + self.config.staleness * self.interval
+
+    def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
+        # Every set is refreshed together (the schedule is not staggered on several ranks: see
+        # SecondOrderOptimizer), so one version covers them all.
+        versions = {version for _, version, _ in items}
+        if len(versions) != 1 or len(items) != len(self.sets):
+            raise RuntimeError(f"the distributed refresher refreshes every set at once; got {len(items)} of "
+                               f"{len(self.sets)} sets at versions {sorted(versions)}")
+        version = versions.pop()
+        requests = [request for _, _, request in sorted(items, key=lambda item: item[0])]
+        due = self.activation_step(step, version)
+        self._bootstrap_pending = False
+        self._scheduled.append((version, due, list(requests)))
+        for index, (fset, request) in enumerate(zip(self.sets, requests)):
+            if not self.owned[index]:
+                continue
+            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+            snaps = self.snapshots[index]
+            snaps[version % self.depth].copy_(fset.factors.index_select(0, self.owned_index[index]))
+            self._counts["bytes_to_host"] += snaps[0].numel() * 4
+            self.engine.submit(self.ids[index], version, due, fset.exponent, request.eps, request.scale,
+                               skip_tol=request.skip_tol)
+        self._newest_version = version
+        self._newest_versions = [version] * len(self.sets)
+
+    def activate(self, step: int) -> None:
+        while self._scheduled and self._scheduled[0][1] <= step:
+            version, due, _ = self._scheduled[0]
+            self._complete(version, step)
+            self._scheduled.pop(0)
+            self._last_due = step
+        self._record_staleness()
+
+    # ---- one due version -----------------------------------------------------------------------
+    def _complete(self, version: int, step: int) -> None:
+        for d in self.domains:
+            if d.shared:
+                self._guard(lambda d=d: d.store.wait_done(self._last_due, self.config.timeout_s),
+                            f"waiting at step {step} for the local ranks to read the versions of step {self._last_due}")
+        self._publish_owned(version, step)
+        for d in self.domains:
+            if d.exchange_group is not None:
+                self._exchange(d, version, step)
+        readings = {id(d): self._read(d, version, step) for d in self.domains}
+        self._install(version, readings, step)
+        for d in self.domains:
+            if d.shared:
+                d.store.mark_done(d.local_index, step)
+
+    def _publish_owned(self, version: int, step: int) -> None:
+        if not any(self.ids):
+            return
+        try:
+            changes = self.engine.activate(step, self.config.timeout_s)
+        except TimeoutError as error:
+            raise TimeoutError(f"rank {self.topo.rank}: the refresh of version {version} on this rank's workers "
+                               f"did not finish by step {step}: {error}") from error
+        ok = {block_id for block_id, v in changes if v == version}
+        for index, ids in enumerate(self.ids):
+            for j, block_id in enumerate(ids):
+                unit = self.engine_unit[block_id]
+                d = self.domain_of[id(unit)]
+                if block_id in ok:
+                    result = self.results[index][version % self.depth, j]
+                    status = self._write_result(d, unit, result)
+                else:
+                    self._errors[(unit.set_index, unit.block)] = self.engine.status(block_id)["last_error"]
+                    status = "failed"
+                d.store.publish(unit.index, version, status)
+                self._counts["blocks_published"] += 1
+        for block_id, v in changes:
+            self.engine.release(block_id, v)
+
+    def _write_result(self, d: Domain, unit: Unit, result: torch.Tensor) -> str:
+        """Copies an owned block's result into the store; an eigenbasis kept bit for bit is only flagged."""
+        view = self.views[id(d)]
+        _, _, good = d.store.published(unit.index)
+        n = unit.n
+        if unit.kind == "eigenbasis" and good >= 0:
+            order = result[n + 1]
+            if torch.equal(order, torch.arange(n, dtype=order.dtype)):
+                offset = d.store.offset(unit.index, good)
+                if torch.equal(view[offset:offset + n * n].view(n, n), result[:n]):
+                    self._counts["exchanges_skipped"] += 1
+                    return "skipped"
+        offset = d.store.offset(unit.index, d.store.write_slot(unit.index))
+        view[offset:offset + unit.capacity].copy_(result.reshape(-1))
+        if d.shared:
+            self._counts["bytes_intra_node_shared"] += unit.capacity * 4
+        return "ok"
+
+    def _payload_rows(self, unit: Unit) -> list[tuple[int, int]]:
+        """The (start, stop) float ranges of a result that installs use: the root, or basis and order."""
+        n = unit.n
+        if unit.kind == "eigenbasis":
+            return [(0, n * n), ((n + 1) * n, (n + 2) * n)]
+        return [(0, n * n)]
+
+    def _exchange(self, d: Domain, version: int, step: int) -> None:
+        """Node leaders of ``d`` send their node's new versions of ``version`` to each other."""
+        started = time.perf_counter()
+        view = self.views[id(d)]
+        group = d.exchange_group
+        peers = len(d.nodes) - 1
+        try:
+            for node in d.nodes:
+                units = self.node_units[id(d)][node]
+                if not units:
+                    continue
+                leader = d.by_node[node][0]
+                statuses = torch.zeros(len(units), dtype=torch.int8)
+                if node == self.topo.node:
+                    seen = self._wait(d, units, version, step)
+                    statuses = torch.tensor([STATUS_CODES[s] for _, s, _ in seen], dtype=torch.int8)
+                dist.broadcast(statuses, src=leader, group=group)
+                refreshed = [u for u, code in zip(units, statuses.tolist()) if code == STATUS_CODES["ok"]]
+                size = sum(stop - start for u in refreshed for start, stop in self._payload_rows(u))
+                if node == self.topo.node:
+                    self._counts["bytes_inter_node_sent"] += (statuses.numel() + size * 4) * peers
+                else:
+                    self._counts["bytes_inter_node_received"] += statuses.numel() + size * 4
+                self._counts["exchanges"] += 1
+                if size == 0:
+                    if node != self.topo.node:
+                        for u, code in zip(units, statuses.tolist()):
+                            d.store.publish(u.index, version, STATUS_NAMES[code])
+                    continue
+                if node == self.topo.node:
+                    parts = []
+                    for u in refreshed:
+                        _, _, good = d.store.published(u.index)
+                        base = d.store.offset(u.index, good)
+                        parts += [view[base + start:base + stop] for start, stop in self._payload_rows(u)]
+                    payload = torch.cat(parts)
+                    dist.broadcast(payload, src=leader, group=group)
+                    continue
+                payload = torch.empty(size, dtype=torch.float32)
+                dist.broadcast(payload, src=leader, group=group)
+                at = 0
+                for u, code in zip(units, statuses.tolist()):
+                    if code == STATUS_CODES["ok"]:
+                        base = d.store.offset(u.index, d.store.write_slot(u.index))
+                        for start, stop in self._payload_rows(u):
+                            view[base + start:base + stop].copy_(payload[at:at + stop - start])
+                            at += stop - start
+                        if d.shared:
+                            self._counts["bytes_intra_node_shared"] += u.capacity * 4
+                    d.store.publish(u.index, version, STATUS_NAMES[code])
+        except (RuntimeError, dist.DistBackendError) as error:
+            if isinstance(error, (TimeoutError, PeerError)):
+                raise
+            raise PeerError(f"rank {self.topo.rank}: the inter-node exchange of version {version} at step {step} "
+                            f"with the node leaders {d.leaders} failed (a rank died, stalled or failed): "
+                            f"{error}") from error
+        self._exchange_seconds += time.perf_counter() - started
+
+    def _wait(self, d: Domain, units: list[Unit], version: int, step: int) -> list[tuple[int, str, int]]:
+        started = time.perf_counter()
+        before = d.store.stats()["waits"]
+        owners = sorted({u.owner for u in units})
+        seen = self._guard(lambda: d.store.wait([u.index for u in units], [version] * len(units),
+                                                self.config.timeout_s),
+                           f"waiting at step {step} for version {version} of blocks owned by ranks {owners}")
+        if d.store.stats()["waits"] > before:
+            self._counts["store_waits"] += 1
+            self._store_wait_seconds += time.perf_counter() - started
+        return seen
+
+    def _guard(self, call: Any, what: str) -> Any:
+        try:
+            return call()
+        except TimeoutError as error:
+            raise TimeoutError(f"rank {self.topo.rank} (node {self.topo.node}): timed out {what} "
+                               f"(RuntimeConfig.timeout_s={self.config.timeout_s}): {error}") from error
+        except RuntimeError as error:
+            raise PeerError(f"rank {self.topo.rank} (node {self.topo.node}): {what}: {error}") from error
+
+    def _read(self, d: Domain, version: int, step: int) -> list[tuple[int, str, int]]:
+        if not d.units:
+            return []
+        return self._wait(d, d.units, version, step)
+
+    # ---- installing ------------------------------------------------------------------------------
+    def _install(self, version: int, readings: dict[int, list[tuple[int, str, int]]], step: int) -> None:
+        per_set: list[list[tuple[Unit, str, int, Domain]]] = [[] for _ in self.sets]
+        for d in self.domains:
+            for unit, (seen_version, status, good) in zip(d.units, readings[id(d)]):
+                if seen_version != version:
+                    raise PeerError(f"rank {self.topo.rank}: block {unit.key} holds version {seen_version} at step "
+                                    f"{step}, expected {version}: the ranks are out of step")
+                per_set[unit.set_index].append((unit, status, good, d))
+        # Check every failure bound first, so that a raise changes nothing.
+        bound = self.config.max_consecutive_failures
+        for index, items in enumerate(per_set):
+            for unit, status, _, _ in items:
+                if status == "failed" and self._consecutive[index][unit.block] + 1 >= bound:
+                    fset = self.sets[index]
+                    cause = self._errors.get((index, unit.block),
+                                             f"the refresh failed on its owner, rank {unit.owner} (see that rank's "
+                                             "error for the cause)")
+                    self._raise_failure(fset, unit.block, version,
+                                        f"{cause} ({self._consecutive[index][unit.block] + 1} failures in a row; "
+                                        f"max_consecutive_failures={bound})")
+        for index, items in enumerate(per_set):
+            fset = self.sets[index]
+            consecutive = self._consecutive[index]
+            refreshed = [(u, good, d) for u, status, good, d in items if status == "ok"]
+            for unit, status, _, _ in items:
+                if status == "failed":
+                    consecutive[unit.block] += 1
+                    self._counts["failures_seen"] += 1
+                else:
+                    consecutive[unit.block] = 0
+                    fset.versions[unit.block] = version
+            if not refreshed:
+                continue
+            n = fset.dim
+            blocks = torch.tensor([u.block for u, _, _ in refreshed], dtype=torch.long, device=fset.device)
+            values = torch.stack([self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n)
+                                  for u, good, d in refreshed]).to(fset.device)
+            if self.tier is not None:
+                self.tier.before_install(fset)
+            fset.preconditioners.index_copy_(0, blocks.to(fset.preconditioners.device),
+                                             values.to(fset.preconditioners.device))
+            fset.installed.index_fill_(0, blocks, True)
+            if fset.permute is not None:
+                orders = torch.stack([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
+                                      for u, good, d in refreshed])
+                fset.permute(blocks, orders.to(fset.device).long())
+            self._counts["bytes_to_device"] += len(refreshed) * n * n * 4
+
+    def _record_staleness(self) -> None:
+        if self._newest_version == 0:
+            return
+        top = self.config.staleness + 1
+        for fset in self.sets:
+            for used in fset.versions:
+                lag = self._newest_version - used
+                self._histogram[min(lag, top)] += 1
+                self._max_staleness = max(self._max_staleness, lag)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        return {"rank": self.topo.rank, "world_size": self.topo.world_size,
+                "local_world_size": self.topo.local_world_size,
+                "owners": [[u.owner for u in units] for units in self.units]}
+
+    def state(self, step: int) -> dict[str, Any]:
+        """This rank's part: the versions scheduled but not yet in use travel as the snapshots of the blocks
+        it owns (recomputed on load), with the rank and world size they belong to."""
+        scheduled = []
+        for version, due, requests in self._scheduled:
+            snapshots = [None if snaps is None else snaps[version % self.depth].clone() for snaps in self.snapshots]
+            scheduled.append({"version": version, "due": due, "requests": [(r.scale, r.eps, r.skip_tol) for r in requests],
+                              "snapshots": snapshots})
+        return {"distributed": self.identity(), "newest_version": self._newest_version,
+                "bootstrap_pending": self._bootstrap_pending, "scheduled": scheduled,
+                "consecutive_failures": [c.copy() for c in self._consecutive]}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("distributed")
+        mine = self.identity()
+        if saved is None:
+            raise ValueError(f"Invalid state_dict: saved by a single-process run; this optimizer runs on rank "
+                             f"{mine['rank']} of {mine['world_size']} (load each rank's own state_dict)")
+        for key in ("world_size", "local_world_size", "rank", "owners"):
+            if saved[key] != mine[key]:
+                shown = "block owners differ" if key == "owners" else f"{saved[key]} != {mine[key]}"
+                raise ValueError(f"Invalid state_dict: saved by rank {saved['rank']} of world size "
+                                 f"{saved['world_size']} (local world size {saved['local_world_size']}), loaded on rank "
+                                 f"{mine['rank']} of {mine['world_size']} (local world size "
+                                 f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
+                                 "each rank's own state_dict")
+        self._newest_version = state["newest_version"]
+        self._bootstrap_pending = state["bootstrap_pending"]
+        self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
+        scheduled = state["scheduled"]
+        first = scheduled[0]["version"] if scheduled else self._newest_version + 1
+        for ids in self.ids:
+            if ids:
+                self.engine.start_at(ids, first)
+        for index, (fset, ids) in enumerate(zip(self.sets, self.ids)):
+            if fset.kind != "eigenbasis":
+                continue
+            for block_id, b in zip(ids, self.owned[index]):
+                if fset.versions[b] > 0:
+                    basis = fset.preconditioners[b].detach().to("cpu", torch.float32).contiguous()
+                    self.engine.set_basis(block_id, fset.versions[b], basis)
+        self._scheduled = []
+        for entry in scheduled:
+            version, due = entry["version"], entry["due"]
+            requests = [RootRequest(*r) for r in entry["requests"]]
+            for index, (snapshot, request) in enumerate(zip(entry["snapshots"], requests)):
+                if not self.ids[index]:
+                    continue
+                self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+                self.snapshots[index][version % self.depth].copy_(snapshot)
+                self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
+                                   request.scale, skip_tol=request.skip_tol)
+            self._scheduled.append((version, due, requests))
+
+    # ---- reporting and life cycle --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine.stats()
+        registry, pool = engine["registry"], engine["pool"]
+        blocks = sum(len(u) for u in self.units)
+        owned = sum(len(o) for o in self.owned)
+        out = {
+            "rank": self.topo.rank, "world_size": self.topo.world_size, "node": self.topo.node,
+            "local_world_size": self.topo.local_world_size, "blocks": blocks, "owned_blocks": owned,
+            "refreshes": engine["refreshes_ok"], "refresh_failures": engine["refreshes_failed"],
+            "refreshes_skipped": engine["refreshes_skipped"], "float64_retries": engine["float64_retries"],
+            "refresh_seconds_on_workers": engine["refresh_seconds"],
+            "staleness_histogram": list(self._histogram), "max_staleness_seen": self._max_staleness,
+            # Waits for this rank's own jobs (activation barrier, snapshot buffers) and for other ranks'
+            # versions in the node store.
+            "waits": registry["waits"] + engine["snapshot_waits"] + self._counts["store_waits"],
+            "wait_seconds": registry["wait_seconds"] + engine["snapshot_wait_seconds"] + self._store_wait_seconds,
+            "activation_waits": registry["waits"], "snapshot_waits": engine["snapshot_waits"],
+            "store_wait_seconds": self._store_wait_seconds, "exchange_seconds": self._exchange_seconds,
+            "workers": pool["workers"], "worker_busy_fraction": pool["busy_fraction"],
+            "shared_store_bytes": sum(d.store.bytes for d in self.domains if d.shared),
+        }
+        out.update(self._counts)
+        return out
+
+    def host_bytes(self) -> int:
+        own = sum(t.numel() * t.element_size() for t in self.snapshots + self.results if t is not None)
+        # A node's shared store is one copy for its local ranks: each counts its share.
+        stores = sum(d.store.bytes // len(d.local) for d in self.domains)
+        return own + stores
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()

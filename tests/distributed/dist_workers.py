@@ -1,0 +1,228 @@
+"""Real multi-process runs for the distributed tests: worker functions started with the spawn method,
+one process per rank, over Gloo on the CPU. Each worker writes what the test checks to
+``<out>/rank<r>.pt``; the parent process compares."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import asteria
+from asteria.distributed import PeerError, gather_runtime_stats
+
+WORLD = 4
+LOCAL = 2          # 4 processes as 2 nodes x 2 ranks
+DIM = 8            # max_preconditioner_dim
+SIZES = (8, 32, 32)
+BATCH = 32
+
+
+def launch(fn: Callable, out: Path, *args: Any, world: int = WORLD, timeout: float = 90.0) -> list[int]:
+    """Runs ``fn(rank, world, out, *args)`` in ``world`` spawned processes; returns their exit codes."""
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world, out, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        codes.append(p.exitcode)
+    return codes
+
+
+def _entry(fn: Callable, rank: int, world: int, out: Path, args: tuple) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    try:
+        fn(rank, world, out, *args)
+    except BaseException:
+        (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+        linear = torch.nn.Linear(a, b)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(b, a, generator=gen) / a**0.5)
+            linear.bias.copy_(torch.randn(b, generator=gen) * 0.1)
+        layers.append(linear)
+        if i < len(SIZES) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(SIZES[0], SIZES[-1], generator=gen)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(BATCH, SIZES[0], generator=gen)
+        batches.append((x, torch.sin(x @ w)))
+    return batches
+
+
+def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **runtime: Any) -> torch.optim.Optimizer:
+    config = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=1, timeout_s=runtime.pop("timeout_s", 20.0),
+                                   **runtime)
+    if kind == "shampoo":
+        return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2, runtime=config)
+    if kind == "soap":
+        return asteria.SOAP(params, lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=2,
+                            refresh_skip_tol=0.3, runtime=config)
+    return asteria.KLShampoo(params, lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=2, runtime=config)
+
+
+def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard: tuple[int, int] | None,
+          hook: Callable[[int], None] | None = None) -> list[float]:
+    """Steps over ``batches``; ``shard=(rank, world)`` takes this rank's slice of each batch."""
+    losses = []
+    for step, (x, y) in enumerate(batches, start=1):
+        if shard is not None:
+            rank, world = shard
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if hook is not None:
+            hook(step)
+    return losses
+
+
+def single_process(kind: str, staleness: int, steps: int) -> dict[str, torch.Tensor]:
+    """The reference: one process on the full batches."""
+    net = model()
+    with optimizer(kind, net.parameters(), staleness) as opt:
+        train(net, opt, data(steps), None)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("asteria-")}
+
+
+# ---- DDP --------------------------------------------------------------------------------------------
+def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int]]) -> None:
+    result: dict[str, Any] = {"runs": {}}
+    for kind, staleness, steps in runs:
+        net = torch.nn.parallel.DistributedDataParallel(model())
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL)
+        refresher = opt._refresher
+        store = refresher.domains[0].store
+        # The segment's name is gone as soon as every local rank has mapped it.
+        result["segment_visible"] = bool(store.name) and asteria._core.NodeStore.exists(store.name)
+        staleness_seen = []
+        train(net, opt, data(steps), (rank, world), hook=lambda step: staleness_seen.append(opt.staleness()))
+        stats = gather_runtime_stats(opt)
+        params = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, params)
+        result["runs"][(kind, staleness)] = {
+            "params": params, "stats": stats, "staleness": staleness_seen,
+            "identical": all(all(torch.equal(g[k], params[k]) for k in params) for g in gathered),
+        }
+        state = opt.state_dict()
+        result["runs"][(kind, staleness)]["state_layout"] = state["distributed"]
+        # Another rank's checkpoint is refused before anything changes.
+        states: list[Any] = [None] * world
+        dist.all_gather_object(states, state)
+        try:
+            opt.load_state_dict(states[(rank + 1) % world])
+            result["runs"][(kind, staleness)]["foreign_load"] = "accepted"
+        except ValueError as error:
+            result["runs"][(kind, staleness)]["foreign_load"] = str(error)
+        opt.close()
+    try:
+        optimizer("shampoo", model().parameters(), 1, deterministic=False)
+        result["nondeterministic"] = "accepted"
+    except ValueError as error:
+        result["nondeterministic"] = str(error)
+    out.mkdir(exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+# ---- a rank dies ------------------------------------------------------------------------------------
+def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, timeout_s: float) -> None:
+    """Every rank steps on the full batches (identical gradients without any collective of the test's own),
+    so that the optimizer's protocol is the only thing that can notice the victim is gone."""
+    net = model()
+    opt = optimizer("shampoo", net.parameters(), 1, local_world_size=LOCAL, timeout_s=timeout_s)
+    started = [0.0]
+
+    def hook(step: int) -> None:
+        if step == kill_step:
+            started[0] = time.monotonic()
+            if rank == victim:
+                os._exit(17)
+
+    outcome: dict[str, Any] = {"raised": None}
+    try:
+        train(net, opt, data(kill_step + 8), None, hook=hook)
+    except (TimeoutError, PeerError) as error:
+        outcome = {"raised": type(error).__name__, "message": str(error),
+                   "seconds": time.monotonic() - started[0] if started[0] else -1.0}
+    torch.save(outcome, out / f"rank{rank}.pt")
+    os._exit(0)  # the group cannot be destroyed cleanly with a dead peer
+
+
+# ---- FSDP2 and HSDP ---------------------------------------------------------------------------------
+def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, int, int]]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    result: dict[str, Any] = {}
+    for layout, kind, staleness, steps in runs:
+        net = model()
+        if layout == "fsdp":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (world // LOCAL, LOCAL), mesh_dim_names=("replicate", "shard"))
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL)
+        train(net, opt, data(steps), (rank, world))
+        stats = opt.runtime_stats()
+        params = {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
+        domains = [list(d.ranks) for d in opt._refresher.domains]
+        result[(layout, kind, staleness)] = {"params": params, "stats": stats, "domains": domains}
+        opt.close()
+    out.mkdir(exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list) -> None:
+    """The DDP runs, then the FSDP2 / HSDP runs, in one set of processes (one start-up for both)."""
+    ddp_worker(rank, world, out / "ddp", ddp_runs)
+    sharded_worker(rank, world, out / "sharded", sharded_runs)
+
+
+def load(out: Path, world: int = WORLD) -> list[Any]:
+    errors = sorted(out.glob("rank*.error"))
+    if errors:
+        raise AssertionError("\n".join(p.read_text() for p in errors))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
