@@ -84,10 +84,12 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **runtime: Any) -> torch.optim.Optimizer:
+    # Unstaggered everywhere: the single-process references follow the multi-rank schedule.
     config = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=1, timeout_s=runtime.pop("timeout_s", 20.0),
-                                   **runtime)
+                                   stagger=False, **runtime)
     if kind == "shampoo":
-        return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2, runtime=config)
+        return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2,
+                               runtime=config)
     if kind == "soap":
         return asteria.SOAP(params, lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=2,
                             refresh_skip_tol=0.3, runtime=config)

@@ -98,7 +98,7 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_s
     for outcome in outcomes:
         assert outcome["raised"] is not None, outcome
         assert 0 <= outcome["seconds"] < timeout_s + 5, outcome
-        assert f"rank " in outcome["message"], outcome
+        assert "rank " in outcome["message"], outcome
 
 
 def test_fsdp2_and_hsdp_match_single_process(trained):

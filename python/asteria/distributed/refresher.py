@@ -29,7 +29,6 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
-from asteria.errors import RefreshError
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import Refresher
 
@@ -378,8 +377,8 @@ class DistributedRefresher(Refresher):
         scheduled = []
         for version, due, requests in self._scheduled:
             snapshots = [None if snaps is None else snaps[version % self.depth].clone() for snaps in self.snapshots]
-            scheduled.append({"version": version, "due": due, "requests": [(r.scale, r.eps, r.skip_tol) for r in requests],
-                              "snapshots": snapshots})
+            scheduled.append({"version": version, "due": due,
+                              "requests": [(r.scale, r.eps, r.skip_tol) for r in requests], "snapshots": snapshots})
         return {"distributed": self.identity(), "newest_version": self._newest_version,
                 "bootstrap_pending": self._bootstrap_pending, "scheduled": scheduled,
                 "consecutive_failures": [c.copy() for c in self._consecutive]}
@@ -394,8 +393,8 @@ class DistributedRefresher(Refresher):
             if saved[key] != mine[key]:
                 shown = "block owners differ" if key == "owners" else f"{saved[key]} != {mine[key]}"
                 raise ValueError(f"Invalid state_dict: saved by rank {saved['rank']} of world size "
-                                 f"{saved['world_size']} (local world size {saved['local_world_size']}), loaded on rank "
-                                 f"{mine['rank']} of {mine['world_size']} (local world size "
+                                 f"{saved['world_size']} (local world size {saved['local_world_size']}), loaded on "
+                                 f"rank {mine['rank']} of {mine['world_size']} (local world size "
                                  f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
                                  "each rank's own state_dict")
         self._newest_version = state["newest_version"]

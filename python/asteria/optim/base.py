@@ -324,8 +324,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                   type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
         saved, mine = state_dict.get("distributed"), self._refresher.identity()
         if saved != mine:
-            raise ValueError(f"Invalid state_dict: saved on {_describe_layout(saved)}, loaded on {_describe_layout(mine)}; "
-                             "resume with the same ranks and load each rank's own state_dict")
+            raise ValueError(f"Invalid state_dict: saved on {_describe_layout(saved)}, loaded on "
+                             f"{_describe_layout(mine)}; resume with the same ranks and load each rank's own "
+                             "state_dict")
         if state_dict["runtime_mode"] != self.runtime.mode:
             raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                              f"mode {self.runtime.mode!r}")

@@ -398,7 +398,8 @@ class AsyncRefresher(Refresher):
         self._release_copied(block_all=True)
 
 
-def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int, groups: list | None = None) -> Refresher:
+def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int,
+                   groups: list | None = None) -> Refresher:
     """The refresher the runtime configuration asks for; ``groups`` (the shape group of each set) lets an
     async run on several ranks use the distributed refresher (``asteria.distributed``)."""
     from asteria.distributed import distributed_refresher, topology
