@@ -32,7 +32,10 @@ class MemoryConfig:
     the preconditioner bytes of one batched shape group (default: 32 MiB under the host placements,
     unbounded on the device), which bounds the staging ring. The optimizer checks the budgets against
     the bytes each tier needs before the first step and raises, listing them, when one cannot be met.
-    The NVMe tier is not available in this release: ``nvme_dir`` is refused with a ``ValueError``.
+    With ``nvme_dir`` (async mode, preconditioners in host memory: placement ``"host"``, or CPU
+    parameters), sets of preconditioners move to page files in a fresh directory under it, largest
+    shapes first, until the host state fits ``host_budget``; they are read back every step ahead of use
+    (see ``asteria.pipeline.nvme``), and the directory is removed at ``close()``.
     """
 
     gpu_budget: int | None = None
@@ -48,7 +51,8 @@ class MemoryConfig:
             _check(value is None or (isinstance(value, int) and value > 0), name, value,
                    "must be None or a positive number of bytes")
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
-        _check(self.nvme_dir is None, "nvme_dir", self.nvme_dir, "the NVMe tier is not available in this release")
+        _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir != ""), "nvme_dir",
+               self.nvme_dir, "must be None or a directory path")
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,8 @@ from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
 
 #: the default bound of one shape group's preconditioner bytes under the host placements
 HOST_GROUP_BYTES = 32 * 2**20
+#: host buffers of one set's size that the NVMe tier holds per set shape (read-ahead and install scratch)
+PAGED_BUFFERS = 3
 
 NONFINITE_STREAK = "nonfinite_streak"
 NONFINITE_TOTAL = "nonfinite_total"
@@ -96,7 +98,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
-        if group_bytes is None and self.placement != "device":
+        if group_bytes is None and (self.placement != "device" or memory.nvme_dir is not None):
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
@@ -109,6 +111,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._group_index = {id(group): index for index, group in enumerate(self._groups)}
         self._tier = PreconditionerTier(self.placement, group_sets)
         self._reading: dict[int, list[Tensor]] = {}
+        self._paged_keys: dict[int, dict[str, FactorSet]] = {}  # group -> state key -> set on the NVMe tier
         sets = [s for s, _ in self._set_groups]
         stagger = self._staggered()
         costs = [float(s.batch) * s.dim**3 for s in sets]
@@ -118,8 +121,13 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                                                     [g for _, g in self._set_groups])
         self._refresher.tier = self._tier
         # Stops the workers when the optimizer is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, self._refresher.close)
-        self._check_budgets()
+        self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier)
+        try:
+            self._place_on_nvme()
+            self._check_budgets()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- memory placement ----------------------------------------------------------------------
     def _resolve_placement(self) -> str:
@@ -135,6 +143,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             return memory.placement
         if not on_cuda or self.runtime.mode == "sync":
             return "device"
+        if memory.nvme_dir is not None:
+            return "host"
         if all(coherent_memory(device) for device in devices if device.type == "cuda"):
             return "device_view"
         if memory.gpu_budget is not None:
@@ -164,6 +174,52 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         if self.placement == "device":
             return torch.eye(dim, device=group.device).repeat(group.batch, 1, 1)
         return torch.eye(dim).repeat(group.batch, 1, 1).pin_memory()
+
+    def _place_on_nvme(self) -> None:
+        """Moves preconditioner sets to the NVMe tier, largest first, until the host state fits
+        ``host_budget`` (only with ``nvme_dir``; without a ``host_budget`` nothing moves)."""
+        memory = self.runtime.memory
+        if memory.nvme_dir is None:
+            return
+        check_arg(self.runtime.mode == "async", "memory.nvme_dir", memory.nvme_dir,
+                  "the NVMe tier needs mode='async' (the native sync mode keeps everything on the device)")
+        on_host = [fset for fset, _ in self._set_groups if fset.preconditioners.device.type == "cpu"]
+        check_arg(bool(on_host) or not self._set_groups, "memory.nvme_dir", memory.nvme_dir,
+                  f"the NVMe tier pages host-resident preconditioners, and placement {self.placement!r} keeps them on "
+                  "the GPU: use placement='host'")
+        check_arg(self.placement in ("host", "device"), "memory.nvme_dir", memory.nvme_dir,
+                  f"the NVMe tier cannot back placement {self.placement!r}: use placement='host'")
+        if memory.host_budget is None:
+            return
+        host = self.memory_report()["host"]["total"]
+        by_shape: dict[tuple[int, ...], list[FactorSet]] = {}
+        for fset in on_host:
+            by_shape.setdefault(tuple(fset.preconditioners.shape), []).append(fset)
+        chosen: list[FactorSet] = []
+        # Shapes with the most bytes first: paging a shape's first set brings its read-ahead buffers and
+        # install scratch (PAGED_BUFFERS sets' worth), every further set of the shape only saves.
+        for sets in sorted(by_shape.values(), key=lambda sets: -len(sets) * sets[0].preconditioners.numel()):
+            if host <= memory.host_budget or len(sets) <= PAGED_BUFFERS:
+                continue  # a shape with no more sets than its buffers would only cost host memory
+            nbytes = sets[0].preconditioners.numel() * 4
+            host += PAGED_BUFFERS * nbytes
+            for k, fset in enumerate(sets):
+                if k > PAGED_BUFFERS and host <= memory.host_budget:
+                    break
+                host -= nbytes
+                chosen.append(fset)
+        if not chosen:
+            return
+        keys = {}
+        chosen_ids = {id(fset) for fset in chosen}
+        for fset, group in self._set_groups:
+            if id(fset) in chosen_ids:
+                keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
+        self._tier.page(chosen, memory.nvme_dir, self.runtime.timeout_s)
+        for fset in chosen:
+            group, key = keys[id(fset)]
+            del group.state[key]
+            self._paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
 
     def _preconditioners(self, group: ShapeGroup) -> list[Tensor]:
         """The device tensors with ``group``'s preconditioners in use (one per mode), readable by the
@@ -226,6 +282,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         for group, (_, keep) in zip(self._groups, batches):
             self._apply(group, keep, step)
             self._done_reading(group)
+        self._tier.end_step()
         self._step = step
         if self.ACTIVATION_LAG and not self._attached:
             self._activate(step)
@@ -310,7 +367,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             "activated_step": self._activated_step,
             "layout": self._layout(),
             "param_groups": param_groups,
-            "groups": [{k: v.detach().clone() for k, v in g.state.items()} for g in self._groups],
+            "groups": [{k: v.detach().clone() for k, v in g.state.items()}
+                       | {k: self._tier.current(fset).clone() for k, fset in self._paged_keys.get(i, {}).items()}
+                       for i, g in enumerate(self._groups)],
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
@@ -333,13 +392,18 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         if state_dict["layout"] != self._layout():
             raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                              f"{self._layout()} (parameters or max_preconditioner_dim differ)")
-        for saved, group in zip(state_dict["groups"], self._groups):
-            if saved.keys() != group.state.keys():
+        for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
+            mine = set(group.state) | set(self._paged_keys.get(index, {}))
+            if set(saved) != mine:
                 raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
-                                 f"{sorted(group.state)} (a different optimizer class?)")
-        for saved, group in zip(state_dict["groups"], self._groups):
+                                 f"{sorted(mine)} (a different optimizer class?)")
+        for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
+            paged = self._paged_keys.get(index, {})
             for key, tensor in saved.items():
-                group.state[key].copy_(tensor)
+                if key in paged:
+                    self._tier.set_current(paged[key], tensor)
+                else:
+                    group.state[key].copy_(tensor)
         for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
             fset.versions = list(versions)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
@@ -371,19 +435,34 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         refresh buffers), ``nvme`` (nothing in this release); with the placement, the peak staging
         bytes and the bytes staged to the device so far."""
         tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
-        for group in self._groups:
+        homes = {id(fset.preconditioners) for fset, _ in self._set_groups}
+        for index, group in enumerate(self._groups):
             for key, tensor in group.state.items():
-                tier = "host" if tensor.device.type == "cpu" and group.device.type != "cpu" else "device"
+                # Preconditioners in host memory count as host state even for CPU parameters (the host
+                # budget, and the NVMe tier under it, are about them).
+                host = tensor.device.type == "cpu" and (group.device.type != "cpu" or id(tensor) in homes)
                 kind = key.rstrip("_0123456789")  # "factor_1" and "factor_0" are one kind
-                tiers[tier][kind] = tiers[tier].get(kind, 0) + tensor.numel() * tensor.element_size()
+                tier = tiers["host" if host else "device"]
+                tier[kind] = tier.get(kind, 0) + tensor.numel() * tensor.element_size()
+            for key, fset in self._paged_keys.get(index, {}).items():
+                kind = key.rstrip("_0123456789")
+                tiers["nvme"][kind] = tiers["nvme"].get(kind, 0) + fset.batch * fset.dim * fset.dim * 4
         staging = self._tier.staging_bytes()
         if staging:
             tiers["device"]["staging"] = staging
         tiers["host"]["refresh_buffers"] = self._refresher.host_bytes()
+        paged = self._tier.paged
+        if paged is not None:
+            tiers["host"]["nvme_buffers"] = paged.host_bytes
+            tiers["nvme"]["page_files"] = paged.nvme_bytes - sum(tiers["nvme"].values())
         for tier in tiers.values():
             tier["total"] = sum(tier.values())
-        return tiers | {"placement": self.placement, "peak_staging_bytes": self._tier.peak_staging_bytes,
-                        "bytes_staged": self._tier.staged_bytes}
+        report: dict[str, Any] = tiers | {"placement": self.placement, "bytes_staged": self._tier.staged_bytes,
+                                          "peak_staging_bytes": self._tier.peak_staging_bytes}
+        if paged is not None:
+            io = paged.stats()
+            report |= {"nvme_bytes_read": io["bytes_read"], "nvme_bytes_written": io["bytes_written"]}
+        return report
 
     def _check_budgets(self) -> None:
         report = self.memory_report()
@@ -413,3 +492,11 @@ def _describe_layout(identity: dict[str, Any] | None) -> str:
         return "a single process"
     return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
             f"{identity['local_world_size']}, block owners {identity['owners']})")
+
+
+def _close(refresher: Refresher, tier: PreconditionerTier) -> None:
+    """Stops the workers before the buffers they use go away, then closes the NVMe tier."""
+    try:
+        refresher.close()
+    finally:
+        tier.close()

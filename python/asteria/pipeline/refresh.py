@@ -316,7 +316,8 @@ class AsyncRefresher(Refresher):
             if fset.kind == "eigenbasis":
                 for block, block_id in enumerate(ids):
                     if fset.versions[block] > 0:
-                        basis = fset.preconditioners[block].detach().to("cpu", torch.float32).contiguous()
+                        current = fset.preconditioners if self.tier is None else self.tier.current(fset)
+                        basis = current[block].detach().to("cpu", torch.float32).contiguous()
                         self.engine.set_basis(block_id, fset.versions[block], basis)
         self._scheduled = []
         for entry in sorted(scheduled, key=lambda e: (e["version"], e["set"])):
@@ -330,21 +331,23 @@ class AsyncRefresher(Refresher):
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
         fset = self.sets[index]
-        if self.tier is not None:
-            self.tier.before_install(fset)
         side = self.side[fset.device]
         results = self.results[index]
         versions = {version for _, version, _ in items}
         n = fset.dim
+        whole = len(items) == fset.batch and len(versions) == 1  # the usual case: one copy for the whole set
+        target = fset.preconditioners if self.tier is None else self.tier.install_target(fset, full=whole)
         with side.staging():
-            if len(items) == fset.batch and len(versions) == 1:  # the usual case: one copy for the whole set
-                fset.preconditioners.copy_(results[next(iter(versions)) % self.depth, :, :n], non_blocking=side.cuda)
+            if whole:
+                target.copy_(results[next(iter(versions)) % self.depth, :, :n], non_blocking=side.cuda)
                 fset.installed.fill_(True)
             else:
                 for block, version, _ in items:
-                    fset.preconditioners[block].copy_(results[version % self.depth, block, :n],
-                                                      non_blocking=side.cuda)
+                    target[block].copy_(results[version % self.depth, block, :n], non_blocking=side.cuda)
                     fset.installed[block] = True
+        if self.tier is not None:
+            self.tier.after_install(fset, target)
+        with side.staging():
             if fset.permute is not None:
                 blocks = [block for block, _, _ in items]
                 orders = torch.stack([results[version % self.depth, block, n + 1] for block, version, _ in items])

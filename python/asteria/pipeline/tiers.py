@@ -30,6 +30,7 @@ from torch import Tensor
 
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet
+from asteria.pipeline.nvme import PagedSets
 
 PLACEMENTS = ("auto", "device", "host", "device_view")
 
@@ -100,6 +101,9 @@ class PreconditionerTier:
         self._side: dict[torch.device, streams.SideStream] = {}
         self._used: dict[int, list[list[Any]]] = {}  # group -> the slots its staged copy occupies
         self._group_of = {id(s): g for g, sets in enumerate(groups_sets) for s in sets}
+        self.paged: PagedSets | None = None
+        self._shapes = {id(s): tuple(s.preconditioners.shape) for sets in groups_sets for s in sets}
+        self._cpu_held: dict[int, list[tuple[Any, int]]] = {}
         self.staged_bytes = 0
         self.peak_staging_bytes = 0
         if placement == "device_view":
@@ -108,13 +112,64 @@ class PreconditionerTier:
 
     @property
     def resident(self) -> bool:
-        return self.placement == "device"
+        return self.placement == "device" and self.paged is None
+
+    # ---- the NVMe tier ---------------------------------------------------------------------------
+    def page(self, sets: list[FactorSet], directory: str, timeout_s: float) -> None:
+        """Moves the preconditioners of ``sets`` (host-resident) to the NVMe tier under ``directory``."""
+        contents = [s.preconditioners for s in sets]
+        pin = any(s.device.type == "cuda" for s in sets)
+        self.paged = PagedSets(directory, sets, contents, pin, timeout_s)
+        for fset in sets:  # nothing may read the set except through the tier from now on
+            fset.preconditioners = torch.empty(self._shapes[id(fset)], device="meta")
+
+    def is_paged(self, fset: FactorSet) -> bool:
+        return self.paged is not None and fset in self.paged
+
+    def current(self, fset: FactorSet) -> Tensor:
+        """The preconditioners of ``fset`` in use, as a tensor (read from NVMe if paged there)."""
+        if not self.is_paged(fset):
+            return fset.preconditioners
+        return self.paged.read_into(fset, torch.empty(self._shapes[id(fset)], dtype=torch.float32))
+
+    def set_current(self, fset: FactorSet, value: Tensor) -> None:
+        """Replaces the preconditioners of ``fset`` in use (a checkpoint load)."""
+        target = self.install_target(fset, full=True)
+        target.copy_(value)
+        self.after_install(fset, target)
+
+    def install_target(self, fset: FactorSet, full: bool) -> Tensor:
+        """The tensor an install writes ``fset``'s new preconditioners into (``full``: every block is
+        replaced); hand it to ``after_install`` afterwards."""
+        if self.is_paged(fset):
+            return self.paged.scratch_for(fset, current=not full)
+        self.before_install(fset)
+        return fset.preconditioners
+
+    def after_install(self, fset: FactorSet, target: Tensor) -> None:
+        if self.is_paged(fset):
+            self.paged.commit(fset, target)
+
+    def end_step(self) -> None:
+        """The step has read everything it needs: unread staging is dropped and read buffers recycled."""
+        if self.paged is not None:
+            for group in list(self._views):
+                self._views.pop(group)
+            self.paged.end_step()
+
+    def _source(self, group_index: int, fset: FactorSet) -> tuple[Tensor, Any]:
+        """Where ``fset``'s preconditioners are read from now: its home, or an acquired NVMe buffer."""
+        if not self.is_paged(fset):
+            return fset.preconditioners, None
+        self.paged.schedule([s for g in self._order for s in self.groups_sets[g]])
+        buffer, pager, index = self.paged.acquire(fset)
+        return buffer, (pager, index)
 
     def staging_bound(self) -> int:
         """The most device bytes the staging ring can take: two slots per set shape."""
         if self.placement != "host":
             return 0
-        shapes = {tuple(s.preconditioners.shape) for sets in self.groups_sets for s in sets}
+        shapes = {self._shapes[id(s)] for sets in self.groups_sets for s in sets}
         return sum(2 * 4 * torch.Size(shape).numel() for shape in shapes)
 
     def staging_bytes(self) -> int:
@@ -124,10 +179,18 @@ class PreconditionerTier:
         """The device tensors holding group ``group_index``'s preconditioners in use, ready for the
         current stream (staged now if needed; the next group's copy is issued too)."""
         sets = self.groups_sets[group_index]
-        if self.placement == "device":
+        if self.placement == "device" and self.paged is None:
             return [s.preconditioners for s in sets]
         if self.placement == "device_view":
             return self._views[group_index]
+        if self.placement == "device":  # CPU parameters with sets on NVMe: the buffers are read in place
+            views = []
+            for fset in sets:
+                tensor, held = self._source(group_index, fset)
+                if held is not None:
+                    self._cpu_held.setdefault(group_index, []).append(held)
+                views.append(tensor)
+            return views
         if group_index not in self._views:
             self._stage(group_index)
         views = self._views.pop(group_index)
@@ -141,6 +204,8 @@ class PreconditionerTier:
 
     def done(self, group_index: int) -> None:
         """Marks the end of this step's reads of the group (the buffers may be reused after them)."""
+        for pager, index in self._cpu_held.pop(group_index, []):
+            pager.release(index)
         if self.placement == "device":
             return
         event = None
@@ -158,6 +223,10 @@ class PreconditionerTier:
         """Issues the staging copy of the first group the next step reads."""
         if self.placement == "host" and self._order and self._order[0] not in self._views:
             self._stage(self._order[0])
+
+    def close(self) -> None:
+        if self.paged is not None:
+            self.paged.close()
 
     def before_install(self, fset: FactorSet) -> None:
         """Waits until the device no longer reads ``fset``'s host buffer (called before an install)."""
@@ -178,7 +247,7 @@ class PreconditionerTier:
     def _stage(self, group_index: int) -> None:
         views = []
         for fset in self.groups_sets[group_index]:
-            shape = tuple(fset.preconditioners.shape)
+            shape = self._shapes[id(fset)]
             slots = self._slots.setdefault(shape, [])
             if len(slots) < 2:
                 slots.append([torch.empty(shape, dtype=torch.float32, device=fset.device), None])
@@ -189,10 +258,13 @@ class PreconditionerTier:
             side = self._side_stream(fset.device)
             if slot[1] is not None and side.stream is not None:
                 side.stream.wait_event(slot[1])  # the math that read this slot last has finished
+            source, held = self._source(group_index, fset)
             with side.staging():
-                slot[0].copy_(fset.preconditioners, non_blocking=side.cuda)
+                slot[0].copy_(source, non_blocking=side.cuda)
             self._last_read[id(fset)] = side.record()
+            if held is not None:
+                self.paged.release_after(*held, self._last_read[id(fset)])
             self._used.setdefault(group_index, []).append(slot)
-            self.staged_bytes += fset.preconditioners.numel() * 4
+            self.staged_bytes += source.numel() * 4
             views.append(slot[0])
         self._views[group_index] = views

@@ -1,0 +1,172 @@
+"""The NVMe tier of the preconditioners in use: sets that do not fit the host budget live in page files
+of the C++ pager (``asteria._core.Pager``: aligned O_DIRECT I/O on its own threads, checksummed pages,
+atomic publish) and are read back every step, ahead of use, into a few pinned buffers.
+
+One pager per set shape (a pager's records have one size); each has ``buffers_per_shape`` read-ahead
+buffers, so the host holds at most that many sets of a shape at a time. At the first read of a step
+the keys of every paged set are scheduled in the order the step reads them; the step then acquires
+them one by one, and a buffer goes back to the pool once the device has copied it (or, for CPU
+parameters, once the step's math has read it). An install writes the new set through a pinned scratch
+buffer; the pager publishes the new version only when its write has completed, so a failed write
+(full disk, I/O error) leaves the previous version readable and raises a clear ``PagerIOError``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asteria import _core
+from asteria.pipeline.factors import FactorSet
+
+
+class PagedSets:
+    """Factor sets whose preconditioners in use are kept on NVMe."""
+
+    def __init__(self, directory: str, sets: list[FactorSet], contents: list[Tensor], pin: bool,
+                 timeout_s: float, buffers_per_shape: int = 2) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.root = tempfile.mkdtemp(prefix="asteria-nvme-", dir=directory)
+        self.timeout_s = timeout_s
+        self.pin = pin
+        self.key: dict[int, int] = {}
+        self.shape_of: dict[int, tuple[int, ...]] = {}
+        self.pagers: dict[tuple[int, ...], Any] = {}
+        self.buffers: dict[tuple[int, ...], Tensor] = {}
+        self.scratch: dict[tuple[int, ...], list[list[Any]]] = {}  # shape -> [[tensor, (ticket,) | None]]
+        self._turn: dict[tuple[int, ...], int] = {}
+        self._versions: dict[int, int] = {}
+        self._scheduled = False
+        self._held: list[tuple[Any, int, torch.cuda.Event | None]] = []  # (pager, buffer, event to wait)
+        try:
+            for key, (fset, content) in enumerate(zip(sets, contents)):
+                shape = tuple(content.shape)
+                if shape not in self.pagers:
+                    nbytes = content.numel() * 4
+                    self.buffers[shape] = torch.zeros((buffers_per_shape, nbytes), dtype=torch.uint8, pin_memory=pin)
+                    name = os.path.join(self.root, "x".join(map(str, shape)))
+                    self.pagers[shape] = _core.Pager(name, self.buffers[shape], io_threads=2)
+                self.key[id(fset)] = key
+                self.shape_of[id(fset)] = shape
+                self._versions[key] = 0
+                self.write(fset, content)
+        except BaseException:
+            self.close()
+            raise
+
+    def __contains__(self, fset: FactorSet) -> bool:
+        return id(fset) in self.key
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned bytes the tier holds: read-ahead buffers and install scratch."""
+        scratch = sum(slot[0].numel() * 4 for slots in self.scratch.values() for slot in slots)
+        return sum(b.numel() for b in self.buffers.values()) + scratch
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of page files: two page slots per set (the live version and the one being written)."""
+        return sum(2 * pager.slot_bytes * sum(1 for k in self.key if self.shape_of[k] == shape)
+                   for shape, pager in self.pagers.items())
+
+    def scratch_for(self, fset: FactorSet, current: bool) -> Tensor:
+        """A pinned (B, n, n) buffer to build the new content of ``fset`` in (holding its current
+        content when ``current``); hand it to ``commit`` afterwards."""
+        shape = self.shape_of[id(fset)]
+        slots = self.scratch.setdefault(shape, [])
+        if not slots:  # one per shape: an install waits for the previous write of its shape to leave it
+            slots.append([torch.empty(shape, dtype=torch.float32, pin_memory=self.pin), None])
+        turn = self._turn.get(shape, 0)
+        self._turn[shape] = turn + 1
+        slot = slots[turn % len(slots)]
+        if slot[1] is not None:  # its previous write must have left the buffer
+            self.pagers[shape].wait(slot[1][0], self.timeout_s)
+            slot[1] = None
+        if current:
+            self.read_into(fset, slot[0])
+        return slot[0]
+
+    def commit(self, fset: FactorSet, content: Tensor) -> None:
+        """Writes ``content`` (a buffer from ``scratch_for``) as the next version of ``fset``."""
+        self.write(fset, content)
+
+    def write(self, fset: FactorSet, content: Tensor) -> None:
+        key = self.key[id(fset)]
+        shape = self.shape_of[id(fset)]
+        self._versions[key] += 1
+        ticket = self.pagers[shape].write(key, self._versions[key], content)
+        for slot in self.scratch.get(shape, []):
+            if slot[0] is content:
+                slot[1] = (ticket,)
+                return
+        self.pagers[shape].wait(ticket, self.timeout_s)  # not a scratch buffer: the caller may reuse it
+
+    def read_into(self, fset: FactorSet, out: Tensor) -> Tensor:
+        """Reads the newest version of ``fset`` into the host tensor ``out`` (synchronous)."""
+        self.pagers[self.shape_of[id(fset)]].read(self.key[id(fset)], out, self.timeout_s)
+        return out
+
+    def schedule(self, order: list[FactorSet]) -> None:
+        """Schedules this step's reads, in the order the step will acquire them (once per step)."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for fset in order:
+            if fset in self:
+                by_shape.setdefault(self.shape_of[id(fset)], []).append(self.key[id(fset)])
+        for shape, keys in by_shape.items():
+            self.pagers[shape].read_ahead(keys)
+
+    def acquire(self, fset: FactorSet) -> tuple[Tensor, Any, int]:
+        """The host buffer holding ``fset``'s preconditioners, with its pager and index for ``release``."""
+        shape = self.shape_of[id(fset)]
+        pager = self.pagers[shape]
+        index, _, _ = pager.acquire(self.key[id(fset)], self.timeout_s)
+        return self.buffers[shape][index].view(torch.float32).view(shape), pager, index
+
+    def release_after(self, pager: Any, index: int, event: torch.cuda.Event | None) -> None:
+        """Returns a buffer to its pool once ``event`` (the device's copy of it) has completed."""
+        self._held.append((pager, index, event))
+        self.recycle(block=False)
+
+    def recycle(self, block: bool) -> None:
+        still = []
+        for pager, index, event in self._held:
+            if event is not None and not event.query():
+                if not block:
+                    still.append((pager, index, event))
+                    continue
+                event.synchronize()
+            pager.release(index)
+        self._held = still
+
+    def end_step(self) -> None:
+        """Frees what the step did not consume, so that the next step schedules from a clean pool."""
+        self.recycle(block=True)
+        for pager in self.pagers.values():
+            pager.cancel_read_ahead()
+        self._scheduled = False
+
+    def stats(self) -> dict[str, int]:
+        totals = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0, "read_ahead_hits": 0,
+                  "read_ahead_misses": 0}
+        for pager in self.pagers.values():
+            stats = pager.stats()
+            for key in totals:
+                totals[key] += stats[key]
+        return totals
+
+    def close(self) -> None:
+        self._held = []
+        for pager in self.pagers.values():
+            pager.close()
+        self.pagers = {}
+        try:
+            os.rmdir(self.root)
+        except OSError:
+            pass

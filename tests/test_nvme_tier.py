@@ -1,0 +1,131 @@
+"""The NVMe tier: preconditioners paged to real files under a tiny host budget give the same bits as
+all-host state, resume exactly, and I/O faults surface as clear errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, resume_is_exact, small_mlp, train
+
+SIZES = (8, 32, 32, 32, 4)
+GROUP_BYTES = 8 * 8 * 4 * 2 * 4  # four (8, 8) blocks per shape group: many sets of one shape
+
+
+def make(name: str, nvme_dir=None, budget: int | None = None):
+    model = small_mlp(sizes=SIZES)
+    memory = asteria.MemoryConfig(nvme_dir=nvme_dir, host_budget=budget, group_bytes=GROUP_BYTES)
+    runtime = asteria.RuntimeConfig(staleness=2, workers=1, memory=memory)
+    kwargs = {"lr": 0.02, "eps": 1e-6} if name == "shampoo" else {}
+    cls = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[name]
+    return model, cls(model.parameters(), max_preconditioner_dim=8, precondition_frequency=3, runtime=runtime,
+                      **kwargs)
+
+
+def tiny_budget(name: str) -> int:
+    """Room for the refresh buffers and half of the preconditioners: the rest must go to NVMe."""
+    _, opt = make(name)
+    with opt:
+        host = opt.memory_report()["host"]
+    return host["refresh_buffers"] + (host["total"] - host["refresh_buffers"]) // 2
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap", "kl-shampoo"])
+def test_nvme_tier_gives_the_all_host_bits(name, tmp_path):
+    data = regression_data(sizes=SIZES)
+    model, opt = make(name)
+    with opt:
+        train(model, opt, 14, data=data)
+    budget = tiny_budget(name)
+    paged_model, paged = make(name, str(tmp_path), budget)
+    with paged:
+        report = paged.memory_report()
+        assert report["host"]["total"] <= budget and report["nvme"]["total"] > 0
+        assert len(os.listdir(tmp_path)) == 1  # the optimizer's own directory
+        train(paged_model, paged, 14, data=data)
+        report = paged.memory_report()
+        assert report["nvme_bytes_read"] > 0 and report["nvme_bytes_written"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), paged_model.parameters()))
+    assert os.listdir(tmp_path) == []  # close() removes the page files
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_nvme_tier_resumes_exactly(name, tmp_path):
+    budget = tiny_budget(name)
+    assert resume_is_exact(lambda: make(name, str(tmp_path), budget), regression_data(sizes=SIZES))
+
+
+def page_files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+
+def test_corrupted_and_removed_pages_raise_clear_errors(tmp_path):
+    budget = tiny_budget("shampoo")
+    data = regression_data(sizes=SIZES)
+    model, opt = make("shampoo", str(tmp_path), budget)
+    with opt:
+        train(model, opt, 5, data=data)
+        for path in page_files(tmp_path):
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:  # every slot's payload: no good version is left to fall back on
+                for offset in range(4096 + 17, size, 4096):
+                    f.seek(offset)
+                    byte = f.read(1)
+                    f.seek(offset)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(OSError, match=r"(checksum|no readable version|[Cc]hecksum).*") as info:
+            train(model, opt, 3, data=data)
+        assert str(tmp_path) in str(info.value) or "asteria-nvme-" in str(info.value)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        del before
+    model, opt = make("shampoo", str(tmp_path), budget)
+    with opt:
+        train(model, opt, 4, data=data)
+        os.remove(page_files(tmp_path)[0])
+        with pytest.raises((OSError, KeyError)) as info:
+            train(model, opt, 3, data=data)
+        assert "asteria-nvme-" in str(info.value)
+
+
+def test_full_disk_raises_and_the_previous_version_stays(tmp_path):
+    budget = tiny_budget("shampoo")
+    data = regression_data(sizes=SIZES)
+    model, opt = make("shampoo", str(tmp_path), budget)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with opt:
+        train(model, opt, 4, data=data)
+        try:
+            # Page files are already this large: a write beyond 4 KiB into any file now fails.
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old_limit[1]))
+            with pytest.raises(OSError) as info:
+                train(model, opt, 12, data=data)
+            assert info.value.errno in (errno.EFBIG, errno.ENOSPC) and "asteria-nvme-" in str(info.value)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+            signal.signal(signal.SIGXFSZ, old_handler)
+        # The last good versions are still readable: a checkpoint holds them, finite.
+        state = opt.state_dict()
+        roots = [t for g in state["groups"] for k, t in g.items() if k.startswith("root")]
+        assert len(roots) == sum(len(k) for k in opt._paged_keys.values()) + sum(
+            1 for g in opt._groups for k in g.state if k.startswith("root"))
+        assert all(torch.isfinite(t).all() for t in roots)
+
+
+def test_nvme_configuration_errors(tmp_path):
+    params = small_mlp().parameters
+    with pytest.raises(ValueError, match="Invalid memory.nvme_dir=.*mode='async'"):
+        asteria.Shampoo(params(), runtime=asteria.RuntimeConfig(
+            mode="sync", memory=asteria.MemoryConfig(nvme_dir=str(tmp_path))))
+    with pytest.raises(ValueError, match="Invalid nvme_dir=''"):
+        asteria.MemoryConfig(nvme_dir="")
+    with pytest.raises(ValueError, match=r"Invalid host_budget=100: too small .* host needs \d+ bytes"):
+        make("shampoo", str(tmp_path), 100)
+    assert os.listdir(tmp_path) == []
