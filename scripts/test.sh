@@ -20,5 +20,8 @@ for variant in plain address thread; do
     setarch "$(uname -m)" -R ctest --test-dir "$dir" --output-on-failure -j "$jobs"
 done
 
+echo "== Fuzzing the checkpoint manifest parser (20 s)"
+python3 fuzz/checkpoint_manifest_fuzz.py --seconds 20
+
 echo "== Python tests"
 python3 -m pytest -q tests

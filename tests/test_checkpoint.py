@@ -21,7 +21,17 @@ from asteria.train.cli import main
 # 10 steps of the tiny model, a checkpoint every 4 steps: published at 4 and 8.
 RUN = ["--steps", "10", "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--precondition-frequency", "3",
        "--staleness", "1", "--workers", "1", "--max-bytes", "200000", "--checkpoint-every", "4", "--keep-checkpoints",
-       "0", "--device", "cpu"]
+       "0", "--eval-batches", "1", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, here and in the killed subprocesses: the same arithmetic in both (bitwise
+    comparison across processes), and no OpenMP spinning on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def losses(run: Path) -> list[tuple[int, float]]:
@@ -34,7 +44,7 @@ def optimizer_args(label: str) -> list[str]:
 
 
 def spawn_killed(run: Path, label: str, kill_at: str) -> subprocess.Popen:
-    env = dict(os.environ, ASTERIA_TEST_KILL=kill_at, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, ASTERIA_TEST_KILL=kill_at, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "asteria.train.cli", "train", "--out", str(run), *RUN, *optimizer_args(label)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -45,34 +55,48 @@ def test_optimizer_args():
     assert optimizer_args("kl-shampoo-async") == ["--optimizer", "kl-shampoo", "--mode", "async"]
 
 
-@pytest.mark.parametrize(
-    "label, kill_at, last_complete",
-    [
-        ("adamw", "train-step@7", 4),                 # killed inside step 7 (after backward, before the update)
-        ("soap-async", "checkpoint-shards@8", 4),     # DCP data written, no manifest yet
-        ("shampoo-async", "checkpoint-manifest@8", 4),  # manifest written, not yet published
-    ],
-)
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path, label, kill_at, last_complete):
-    killed = spawn_killed(tmp_path / "killed", label, kill_at)
-    # Meanwhile the uninterrupted reference run, in this process.
-    assert main(["train", "--out", str(tmp_path / "reference"), *RUN, *optimizer_args(label)]) == 0
-    output, _ = killed.communicate(timeout=300)
-    assert killed.returncode == -signal.SIGKILL, output
+KILLS = {
+    "adamw": ("train-step@7", 4),                  # killed inside step 7 (after backward, before the update)
+    "soap-async": ("checkpoint-shards@8", 4),      # DCP data of step 8 written, no manifest yet
+    "shampoo-async": ("checkpoint-manifest@8", 4),  # manifest of step 8 written, not yet published
+}
 
-    ckpts = tmp_path / "killed" / "checkpoints"
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """The three runs to be killed, started together (they spend most of their time importing)."""
+    root = tmp_path_factory.mktemp("killed")
+    procs = {label: spawn_killed(root / label, label, kill_at) for label, (kill_at, _) in KILLS.items()}
+    yield root, procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("label", list(KILLS))
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, killed_runs, label):
+    kill_at, last_complete = KILLS[label]
+    root, procs = killed_runs
+    # The uninterrupted reference run, in this process.
+    assert main(["train", "--out", str(tmp_path / "reference"), *RUN, *optimizer_args(label)]) == 0
+    output, _ = procs[label].communicate(timeout=300)
+    assert procs[label].returncode == -signal.SIGKILL, output
+    run = root / label
+
+    ckpts = run / "checkpoints"
     assert [p.name for p in checkpoint.published(ckpts)] == [f"step-{last_complete:09d}"]
     if kill_at.startswith("checkpoint"):
         partial = ckpts / ".tmp-step-000000008"
         assert partial.is_dir() and (partial / "manifest.json").exists() == kill_at.startswith("checkpoint-manifest")
 
-    assert main(["train", "--out", str(tmp_path / "killed"), *RUN, *optimizer_args(label), "--resume"]) == 0
-    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert main(["train", "--out", str(run), *RUN, *optimizer_args(label), "--resume"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step-{last_complete:09d}")
     assert not (ckpts / ".tmp-step-000000008").exists()  # the half-written one was discarded, never read
     reference = losses(tmp_path / "reference")
     assert [s for s, _ in reference] == list(range(1, 11))
-    assert losses(tmp_path / "killed") == reference  # every loss bit for bit, before and after the crash
+    assert losses(run) == reference  # every loss bit for bit, before and after the crash
     assert [p.name for p in checkpoint.published(ckpts)] == ["step-000000004", "step-000000008"]
 
 

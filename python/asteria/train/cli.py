@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {CONFIGS}")
     sweep_p = sub.add_parser("sweep", help="one Asteria config at several staleness bounds, with a report")
     _add_run_arguments(sweep_p, skip=("staleness",))
-    sweep_p.add_argument("--staleness", type=int, nargs="+", default=list(DEFAULT_STALENESS),
+    sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
                          help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
     sweep_p.add_argument("--out", type=Path, required=True)
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
         elif args.command == "sweep":
-            result = run_sweep(_run_config(args), tuple(args.staleness), args.out)
+            result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out)
             spread = result["spread_final_loss_s_le_5"]
             for s, row in result["runs"].items():
                 print(f"S={s:>3}: final loss {row['final_loss']:.4f}")

@@ -186,7 +186,7 @@ def write_report(run_dirs: list[Path], out: Path, target_loss: float | None = No
             f"{_fmt(row['median_step_seconds'], '.1f', 1e3)} | "
             f"{_fmt(row['max_step_seconds'] / row['median_step_seconds'] if row['median_step_seconds'] else None, '.2f')}"
             f" | {_fmt(row['energy_per_step_vs_adamw'], '.3f')} | {_fmt(row['efficiency'], '.3f')} | "
-            f"{_fmt(row['refreshes'], 'd')} | {_fmt(row['waits'], 'd')} |")
+            f"{_fmt(row['refreshes'], '.0f')} | {_fmt(row['waits'], '.0f')} |")
     lines += ["", "![loss](loss.png)", "", "![step time](step_time.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
