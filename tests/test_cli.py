@@ -11,8 +11,8 @@ import torch
 
 from asteria.train.cli import main
 
-BASE = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1", "--eval-batches", "1",
-        "--max-bytes", "200000", "--device", "cpu"]
+BASE = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1",
+        "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
 TINY = [*BASE, "--staleness", "1"]
 
 
@@ -95,7 +95,8 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
     model = tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", "[EOS]", *words])}, unk_token="[UNK]")
     tok = tokenizers.Tokenizer(model)
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(tmp_path / "tok")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+    fast.save_pretrained(tmp_path / "tok")
     run = tmp_path / "run"
     assert main(["train", "--out", str(run), "--optimizer", "adamw", "--steps", "3", "--data", str(text),
                  "--tokenizer", str(tmp_path / "tok"), *TINY]) == 0

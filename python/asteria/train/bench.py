@@ -40,7 +40,8 @@ def _percentile(values: list[float], q: float) -> float:
 def _profile(values: list[float]) -> dict[str, float]:
     steady = values[1:] or values  # the first step allocates and warms up: not a steady step
     median = statistics.median(steady)
-    return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady), "max_over_median": max(steady) / median}
+    return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
+            "max_over_median": max(steady) / median}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = train(_run_config(args), args.out, resume=args.resume)
             resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
             val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"
-            print(f"{summary['label']}: {summary['steps_done']} steps{resumed}, final loss {summary['final_loss']:.4f}, "
-                  f"val {val}")
+            print(f"{summary['label']}: {summary['steps_done']} steps{resumed}, "
+                  f"final loss {summary['final_loss']:.4f}, val {val}")
         elif args.command == "demo":
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             spread = result["spread_final_loss_s_le_5"]
             for s, row in result["runs"].items():
                 print(f"S={s:>3}: final loss {row['final_loss']:.4f}")
-            print(f"spread over S <= 5: {'n/a' if spread is None else f'{spread:.4f}'}; report: {args.out / 'sweep.md'}")
+            spread_text = "n/a" if spread is None else f"{spread:.4f}"
+            print(f"spread over S <= 5: {spread_text}; report: {args.out / 'sweep.md'}")
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, FileNotFoundError) as error:

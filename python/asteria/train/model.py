@@ -32,7 +32,7 @@ class ModelPreset:
 # model width; 162M and 664M parameters at OLMo-1's 50304-token vocabulary (untied embeddings).
 # olmo2-1b: allenai/OLMo-2-0425-1B's shapes (2048 wide, 16 layers and heads, MLP 8192, 100352 tokens).
 PRESETS: dict[str, ModelPreset] = {
-    "tiny": ModelPreset(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192, max_seq_len=256,
+    "tiny": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, max_seq_len=256,
                         reference_vocab=256, rope_theta=10_000.0),
     "olmo-160m": ModelPreset(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
                              max_seq_len=2048, reference_vocab=50304),

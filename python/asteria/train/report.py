@@ -116,6 +116,10 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
             "reference": "adamw" if reference is not None else None, "runs": rows}
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value * scale, spec)
 
@@ -184,8 +188,8 @@ def write_report(run_dirs: list[Path], out: Path, target_loss: float | None = No
             f"| {name} | {row['steps']} | {row['final_loss']:.4f} | {_fmt(row['final_val_loss'], '.4f')} | "
             f"{_fmt(row['time_to_target_seconds'], '.1f')} | {_fmt(row.get('time_to_target_vs_adamw'), '.2f')} | "
             f"{_fmt(row['median_step_seconds'], '.1f', 1e3)} | "
-            f"{_fmt(row['max_step_seconds'] / row['median_step_seconds'] if row['median_step_seconds'] else None, '.2f')}"
-            f" | {_fmt(row['energy_per_step_vs_adamw'], '.3f')} | {_fmt(row['efficiency'], '.3f')} | "
+            f"{_fmt(_ratio(row['max_step_seconds'], row['median_step_seconds']), '.2f')} | "
+            f"{_fmt(row['energy_per_step_vs_adamw'], '.3f')} | {_fmt(row['efficiency'], '.3f')} | "
             f"{_fmt(row['refreshes'], '.0f')} | {_fmt(row['waits'], '.0f')} |")
     lines += ["", "![loss](loss.png)", "", "![step time](step_time.png)", ""]
     path = out / "report.md"

@@ -54,8 +54,10 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
     plt.close(fig)
 
     spread = result["spread_final_loss_s_le_5"]
-    lines = [f"# Staleness sweep: {base.label}, model {base.model}, {base.steps} steps, f={base.precondition_frequency}",
-             "", "| S | final loss | val loss | median step (ms) | waits | max staleness seen |", "|---|---|---|---|---|---|"]
+    lines = [f"# Staleness sweep: {base.label}, model {base.model}, {base.steps} steps, "
+             f"f={base.precondition_frequency}", "",
+             "| S | final loss | val loss | median step (ms) | waits | max staleness seen |",
+             "|---|---|---|---|---|---|"]
     for s in values:
         r = rows[s]
         val = "n/a" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"
