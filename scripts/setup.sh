@@ -17,6 +17,9 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 8))" 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0
 fi
-$PY -m pip install -q "nanobind>=2.4" "scikit-build-core>=0.10" numpy tqdm matplotlib tensorboard "pytest>=8"
+$PY -m pip install -q "nanobind>=2.4" "scikit-build-core>=0.10" numpy tqdm matplotlib tensorboard "transformers>=4.48" \
+  "pytest>=8" hypothesis
+# The fuzz target prefers atheris (libFuzzer); without a wheel for this Python it falls back to hypothesis.
+$PY -m pip install -q atheris 2>/dev/null || echo "setup: atheris unavailable, fuzzing uses hypothesis"
 # No build isolation: an isolated build environment would download torch again.
 $PY -m pip install -q --no-build-isolation --no-deps .

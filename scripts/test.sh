@@ -21,6 +21,8 @@ for variant in plain address thread; do
 done
 
 bash scripts/fuzz.sh 30  # the NVMe page-header parser under libFuzzer (or the gcc driver), 30 s
+echo "== Fuzzing the checkpoint manifest parser (20 s)"
+python3 fuzz/checkpoint_manifest_fuzz.py --seconds 20
 
 echo "== Python tests"
 python3 -m pytest -q tests

@@ -1,53 +1,151 @@
-"""The asteria command end to end on the CPU at tiny size."""
+"""The asteria command end to end on the CPU at tiny size: demo, train, report, sweep, bench, and
+clear errors for bad input. (Checkpoints and resume: test_checkpoint.py.)"""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from asteria.train.cli import main
 
+BASE = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1",
+        "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
+TINY = [*BASE, "--staleness", "1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the tiny model runs many times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
 
 def test_demo_writes_runs_and_report(tmp_path):
-    assert main(["demo", "--out", str(tmp_path), "--steps", "12", "--eval-every", "6", "--batch-size", "4",
-                 "--seq-len", "32", "--precondition-frequency", "3", "--staleness", "1", "--workers", "1"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--steps", "12", "--eval-every", "6", *TINY]) == 0
     for label in ("adamw", "shampoo-async"):
         summary = json.loads((tmp_path / label / "summary.json").read_text())
-        assert summary["label"] == label and summary["final_loss"] < summary["initial_loss_bound"]
-        records = (tmp_path / label / "metrics.jsonl").read_text().splitlines()
-        assert len(records) == 12 and "val_loss" in json.loads(records[5])
+        assert summary["label"] == label and summary["final_loss"] < summary["initial_loss_bound"] == math.log(256)
+        assert summary["vocab_size"] == 256 and summary["parameters"] > 100_000
+        rows = records(tmp_path / label)
+        assert [r["step"] for r in rows] == list(range(1, 13)) and "val_loss" in rows[5] and "val_loss" not in rows[4]
+        assert all(r["rss_bytes"] > 0 and r["step_time"] > 0 for r in rows)
+        assert ("staleness" in rows[0]) == (label != "adamw")
         assert any((tmp_path / label / "tensorboard").iterdir())
     report = (tmp_path / "report.md").read_text()
     assert "| adamw |" in report and "| shampoo-async |" in report
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "step_time.png").stat().st_size > 1000
-    assert main(["report", str(tmp_path / "adamw"), "--out", str(tmp_path / "again")]) == 0
-    assert (tmp_path / "again" / "report.md").exists()
+
+
+def test_report_table_target_and_energy(tmp_path):
+    assert main(["demo", "--out", str(tmp_path), "--steps", "8", "--eval-every", "4", *TINY]) == 0
+    runs = [str(tmp_path / "adamw"), str(tmp_path / "shampoo-async")]
+    assert main(["report", *runs, "--out", str(tmp_path / "r1")]) == 0
+    figures = json.loads((tmp_path / "r1" / "report.json").read_text())
+    adamw = json.loads((tmp_path / "adamw" / "summary.json").read_text())
+    assert figures["target_loss"] == adamw["final_loss"] and figures["reference"] == "adamw"
+    for name, row in figures["runs"].items():
+        assert row["initial_loss"] == math.log(256)
+        assert row["energy_joules"] is None and row["efficiency"] is None  # the CPU has no energy counter
+        if row["time_to_target_seconds"] is not None:
+            reached = next(r for r in records(tmp_path / name) if r["step"] == row["steps_to_target"])
+            assert reached["wall"] == row["time_to_target_seconds"]
+    assert figures["runs"]["adamw"]["steps_to_target"] is not None  # its own trailing mean reaches it
+    table = (tmp_path / "r1" / "report.md").read_text()
+    assert "AdamW's final loss" in table and "| n/a | n/a |" in table  # energy/step and efficiency
+    # An explicit target nobody reaches: n/a, not a made-up time.
+    assert main(["report", *runs, "--out", str(tmp_path / "r2"), "--target-loss", "0.01"]) == 0
+    figures = json.loads((tmp_path / "r2" / "report.json").read_text())
+    assert figures["target_loss"] == 0.01
+    assert all(row["time_to_target_seconds"] is None for row in figures["runs"].values())
+    assert (tmp_path / "r2" / "loss.png").stat().st_size > 1000
+
+
+def test_sweep_over_staleness(tmp_path, capsys):
+    assert main(["sweep", "--out", str(tmp_path), "--staleness", "2", "0", "--steps", "7", "--eval-every", "7",
+                 "--optimizer", "soap", "--mode", "async", *BASE]) == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert result["staleness"] == [0, 2]
+    losses = [result["runs"][s]["final_loss"] for s in ("0", "2")]
+    assert result["spread_final_loss_s_le_5"] == pytest.approx(max(losses) - min(losses))
+    for s in (0, 2):
+        summary = json.loads((tmp_path / f"S{s}" / "summary.json").read_text())
+        assert summary["config"]["staleness"] == s and summary["runtime_stats"]["max_staleness_seen"] <= s
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| 0 |" in table and "| 2 |" in table and "Spread of the final loss over S <= 5" in table
+    assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "report.md").exists()
+    assert "spread over S <= 5" in capsys.readouterr().out
+
+
+def test_hf_tokenizer_from_a_local_folder(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    text = tmp_path / "corpus.txt"
+    words = [f"w{i}" for i in range(300)]
+    text.write_text(" ".join(words[(i * 7) % 300] for i in range(6000)))
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", "[EOS]", *words])}, unk_token="[UNK]")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+    fast.save_pretrained(tmp_path / "tok")
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--optimizer", "adamw", "--steps", "3", "--data", str(text),
+                 "--tokenizer", str(tmp_path / "tok"), *TINY]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["vocab_size"] == 384  # 302 tokens rounded up to a multiple of 128
+    assert summary["initial_loss_bound"] == math.log(384)
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--optimizer", "lion", "--out", "x"], "Invalid optimizer='lion'"),
-        (["train", "--steps", "-3", "--out", "x"], "Invalid steps=-3"),
-        (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "x"],
+        (["train", "--optimizer", "lion", "--out", "OUT"], "Invalid optimizer='lion'"),
+        (["train", "--steps", "-3", "--out", "OUT"], "Invalid steps=-3"),
+        (["train", "--model", "gpt5", "--out", "OUT"], "Invalid model='gpt5'"),
+        (["train", "--lr", "-0.1", "--out", "OUT"], "Invalid lr=-0.1"),
+        (["train", "--seq-len", "100000", "--out", "OUT"], "Invalid seq_len=100000"),
+        (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "OUT"],
          "Invalid data='/nonexistent/corpus'"),
+        (["train", "--tokenizer", "/nonexistent/tok", "--steps", "1", "--out", "OUT"],
+         "Invalid tokenizer='/nonexistent/tok'"),
+        (["train", "--tokenizer", "TMP", "--steps", "1", "--out", "OUT"], "not a loadable HF tokenizer folder"),
+        (["report", "TMP", "--out", "OUT"], "not a finished asteria train run"),
+        (["report", "TMP", "--out", "OUT", "--target-loss", "-1"], "Invalid target_loss=-1.0"),
+        (["sweep", "--optimizer", "adamw", "--out", "OUT"], "Invalid optimizer='adamw'"),
+        (["sweep", "--staleness", "1", "-2", "--out", "OUT"], "Invalid staleness=-2"),
+        (["bench", "--configs", "lion-async", "--out", "OUT"], "Invalid config='lion-async'"),
     ],
 )
 def test_bad_input_names_the_value(argv, message, capsys, tmp_path):
-    argv[argv.index("x")] = str(tmp_path / "run")
+    argv = [str(tmp_path / "out") if a == "OUT" else str(tmp_path) if a == "TMP" else a for a in argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "summary.json").exists()
 
 
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
-    assert main(["bench", "--out", str(tmp_path), "--steps", "6", "--eval-every", "6", "--batch-size", "4",
-                 "--seq-len", "32", "--precondition-frequency", "2", "--staleness", "1", "--workers", "1",
-                 "--configs", "adamw", "soap-sync", "kl-shampoo-async"]) == 0
+    assert main(["bench", "--out", str(tmp_path), "--steps", "6", "--eval-every", "6",
+                 "--configs", "adamw", "soap-sync", "kl-shampoo-async", *TINY]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async"]
-    assert results["runs"]["adamw"]["median_step_vs_adamw"] == 1.0
-    assert results["runs"]["kl-shampoo-async"]["max_staleness_seen"] <= 1
-    assert "soap-sync" in capsys.readouterr().out
-    assert (tmp_path / "step_time.png").exists()
-    assert main(["bench", "--out", str(tmp_path), "--configs", "lion-async"]) == 2
+    assert results["config"]["precondition_frequency"] == 3 and results["config"]["seed"] == 0
+    adamw, kl = results["runs"]["adamw"], results["runs"]["kl-shampoo-async"]
+    assert adamw["median_step_vs_adamw"] == 1.0
+    assert kl["max_staleness_seen"] <= 1 and kl["waits"] is not None and kl["staleness_histogram"]
+    assert adamw["energy_joules_per_step"] is None and adamw["gpu_median_step_seconds"] is None  # CPU: n/a
+    steps = records(tmp_path / "soap-sync")
+    assert kl["max_step_seconds"] == max(r["step_time"] for r in records(tmp_path / "kl-shampoo-async")[1:])
+    assert len(steps) == 6
+    table = capsys.readouterr().out
+    assert "soap-sync" in table and "n/a" in table
+    for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
+        assert (tmp_path / png).stat().st_size > 1000, png

@@ -1,22 +1,25 @@
-"""``asteria bench``: every optimizer × mode on the same model, batch, seed and f, side by side.
+"""``asteria bench``: every optimizer x mode on the same model, batch, seed and f, side by side.
 
-Writes ``DIR/<config>/`` runs, ``DIR/results.json`` (per config: step-time median, p99, max and
-max/median; peak GPU memory; energy per step; final loss; ratios to AdamW) and the report's plots.
+Writes ``DIR/<config>/`` runs (every step's wall and CUDA-event time, energy and memory in their
+``metrics.jsonl``), ``DIR/results.json`` (per config: step-time median, p99, max and max/median, wall
+and CUDA-event; peak GPU memory; energy per step; staleness seen; waits; final loss; ratios to AdamW),
+``DIR/step_time_series.png`` (one panel per config), ``DIR/energy_per_step.png`` and the report
+(``report.md``, ``loss.png``, ``step_time.png``).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from asteria.train.loop import RunConfig, train
-from asteria.train.report import write_report
+from asteria.train.loop import DEFAULT_LR, RunConfig, train
+from asteria.train.report import Run, load_run, plt, write_report
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")
-DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 1e-2}
 
 
 def parse_config(label: str) -> tuple[str, str]:
@@ -29,49 +32,116 @@ def parse_config(label: str) -> tuple[str, str]:
     return optimizer, mode
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _profile(values: list[float]) -> dict[str, float]:
+    steady = values[1:] or values  # the first step allocates and warms up: not a steady step
+    median = statistics.median(steady)
+    return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
+            "max_over_median": max(steady) / median}
+
+
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
-    """Trains each config with ``base``'s model, data and schedule and writes the comparison."""
+    """Trains each config with ``base``'s model, data, batch, seed and schedule (``base.lr`` for all when
+    given, else each optimizer's default) and writes the comparison."""
+    labels = [parse_config(label) and label for label in configs]  # validates every label before any run
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
     out.mkdir(parents=True, exist_ok=True)
-    summaries = {}
-    for label in configs:
+    runs: dict[str, Run] = {}
+    for label in labels:
         optimizer, mode = parse_config(label)
         cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
                                             "lr": base.lr or DEFAULT_LR[optimizer]}))
-        summaries[label] = train(cfg, out / label, progress=progress)
-    reference = summaries.get("adamw")
+        train(cfg, out / label, progress=progress)
+        runs[label] = load_run(out / label)
+    reference = runs.get("adamw")
+    ref_median = _profile([r["step_time"] for r in reference.records])["median"] if reference else None
     rows = {}
-    for label, s in summaries.items():
+    for label, run in runs.items():
+        s, records = run.summary, run.records
+        wall = _profile([r["step_time"] for r in records])
+        gpu = _profile([r["gpu_step_time"] for r in records]) if all("gpu_step_time" in r for r in records) else None
+        stats = s["runtime_stats"]
         row = {
             "final_loss": s["final_loss"],
-            "median_step_seconds": s["median_step_seconds"],
-            "p99_step_seconds": s["p99_step_seconds"],
-            "max_step_seconds": s["max_step_seconds"],
-            "max_over_median": s["max_step_seconds"] / s["median_step_seconds"],
+            "final_val_loss": s["final_val_loss"],
+            "median_step_seconds": wall["median"],
+            "p99_step_seconds": wall["p99"],
+            "max_step_seconds": wall["max"],
+            "max_over_median": wall["max_over_median"],
+            "gpu_median_step_seconds": gpu["median"] if gpu else None,
+            "gpu_max_step_seconds": gpu["max"] if gpu else None,
+            "gpu_max_over_median": gpu["max_over_median"] if gpu else None,
             "peak_gpu_bytes": s["peak_gpu_bytes"],
             "energy_joules_per_step": s["energy_joules_per_step"],
-            "waits": s["runtime_stats"].get("waits"),
-            "max_staleness_seen": s["runtime_stats"].get("max_staleness_seen"),
+            "max_staleness_seen": stats.get("max_staleness_seen", 0 if stats else None),
+            "staleness_histogram": stats.get("staleness_histogram"),
+            "waits": stats.get("waits"),
+            "wait_seconds": stats.get("wait_seconds"),
         }
         if reference is not None:
-            row["median_step_vs_adamw"] = s["median_step_seconds"] / reference["median_step_seconds"]
-            if s["energy_joules_per_step"] and reference["energy_joules_per_step"]:
-                row["energy_vs_adamw"] = s["energy_joules_per_step"] / reference["energy_joules_per_step"]
+            ref = reference.summary
+            row["median_step_vs_adamw"] = wall["median"] / ref_median
+            if s["energy_joules_per_step"] and ref["energy_joules_per_step"]:
+                row["energy_vs_adamw"] = s["energy_joules_per_step"] / ref["energy_joules_per_step"]
         rows[label] = row
-    results = {"device": next(iter(summaries.values()))["device"], "config": asdict(base), "runs": rows}
+    results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows}
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    write_report([out / label for label in configs], out)
+    _plot_series(runs, out / "step_time_series.png")
+    _plot_energy(runs, out / "energy_per_step.png")
+    write_report([out / label for label in labels], out)
     return results
+
+
+def _plot_series(runs: dict[str, Run], path: Path) -> None:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.8 * len(runs) + 0.6), sharex=True, squeeze=False)
+    for ax, (label, run) in zip(axes[:, 0], runs.items()):
+        steps = [r["step"] for r in run.records]
+        ax.plot(steps, [1e3 * r["step_time"] for r in run.records], label="wall", linewidth=0.8)
+        if all("gpu_step_time" in r for r in run.records):
+            ax.plot(steps, [1e3 * r["gpu_step_time"] for r in run.records], label="CUDA events", linewidth=0.8)
+        ax.set_ylabel("ms")
+        ax.set_title(label, fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_energy(runs: dict[str, Run], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    measured = {label: run for label, run in runs.items() if run.has_energy}
+    for label, run in measured.items():
+        ax.plot([r["step"] for r in run.records], [r["energy_joules"] for r in run.records], label=label,
+                linewidth=0.8)
+    ax.set(xlabel="step", ylabel="GPU energy per step (J)", title="energy per step (NVML total-energy counter)")
+    if measured:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "energy n/a (no NVML energy counter on this device)", ha="center", va="center",
+                transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_table(results: dict[str, Any]) -> str:
     lines = [f"device: {results['device']}",
              f"{'config':<18} {'loss':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
-             f"{'vs adamw':>9} {'J/step':>8} {'peak GB':>8} {'waits':>6}"]
+             f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'peak GB':>8} {'stale':>5} {'waits':>6}"]
     for label, r in results["runs"].items():
-        energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "-"
-        peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "-"
+        energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "n/a"
+        peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "n/a"
+        gpu = f"{1e3 * r['gpu_median_step_seconds']:.1f}" if r["gpu_median_step_seconds"] else "n/a"
+        vs = f"{r['median_step_vs_adamw']:.2f}x" if "median_step_vs_adamw" in r else "n/a"
         lines.append(f"{label:<18} {r['final_loss']:>7.4f} {1e3 * r['median_step_seconds']:>10.1f} "
                      f"{1e3 * r['p99_step_seconds']:>8.1f} {1e3 * r['max_step_seconds']:>8.1f} "
-                     f"{r['max_over_median']:>8.2f} {r.get('median_step_vs_adamw', float('nan')):>8.2f}x "
-                     f"{energy:>8} {peak:>8} {r['waits'] if r['waits'] is not None else '-':>6}")
+                     f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {peak:>8} "
+                     f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
+                     f"{r['waits'] if r['waits'] is not None else '-':>6}")
     return "\n".join(lines)

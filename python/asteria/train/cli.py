@@ -1,5 +1,6 @@
-"""The ``asteria`` command: ``train`` one run, ``demo`` (AdamW vs Asteria Shampoo with a report),
-``bench`` (every optimizer x mode side by side), ``report`` over finished runs."""
+"""The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``), ``demo`` (AdamW vs Asteria
+Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one config over
+staleness bounds) and ``report`` over finished runs."""
 
 from __future__ import annotations
 
@@ -13,62 +14,97 @@ import torch
 from asteria.train.bench import CONFIGS, format_table, run_bench
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
+from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
+
+OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str}
+HELP = {
+    "model": "model preset (OLMo-2 architecture, random init)",
+    "data": "a text file or a folder of them (default: the Python standard library's sources)",
+    "tokenizer": "a local HF tokenizer folder (default: bytes, 256 tokens)",
+    "checkpoint_every": "write a checkpoint every N steps into OUT/checkpoints (0: never)",
+    "keep_checkpoints": "newest checkpoints kept (0: all)",
+    "device": "cpu or cuda (default: cuda when available)",
+    "lr": "learning rate (default: the optimizer's own)",
+    "workers": "C++ refresh workers (default: cores - 2)",
+}
 
 
-OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str}
-
-
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One option per RunConfig field; RunConfig validates the values."""
     for f in fields(RunConfig):
+        if f.name in skip:
+            continue
         kind = OPTIONAL_TYPES[f.name] if f.default is None else type(f.default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"default: {f.default}")
+        default = "auto" if f.name == "device" else f.default
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
+                            help=f"{HELP.get(f.name, '')} [default: {default}]".strip())
 
 
 def _run_config(args: argparse.Namespace, **overrides) -> RunConfig:
     values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if getattr(args, f.name, None) is not None}
+    values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     return RunConfig(**(values | overrides))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asteria", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train one model with one optimizer")
     _add_run_arguments(train_p)
-    train_p.add_argument("--out", type=Path, required=True)
+    train_p.add_argument("--out", type=Path, required=True, help="run directory")
+    train_p.add_argument("--resume", action="store_true",
+                         help="continue from the newest complete checkpoint in --out (a fresh start if none)")
     demo_p = sub.add_parser("demo", help="AdamW vs Asteria Shampoo (async), with a report")
     _add_run_arguments(demo_p)
     demo_p.add_argument("--out", type=Path, default=Path("runs/demo"))
     bench_p = sub.add_parser("bench", help="every optimizer x mode side by side: results.json, plots, a table")
-    _add_run_arguments(bench_p)
+    _add_run_arguments(bench_p, skip=("optimizer", "mode"))
     bench_p.add_argument("--out", type=Path, required=True)
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {CONFIGS}")
+    sweep_p = sub.add_parser("sweep", help="one Asteria config at several staleness bounds, with a report")
+    _add_run_arguments(sweep_p, skip=("staleness",))
+    sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
+                         help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
+    sweep_p.add_argument("--out", type=Path, required=True)
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
     report_p.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    report_p.add_argument("--target-loss", type=float, default=None,
+                          help="loss for the time-to-target column [default: AdamW's final loss]")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            summary = train(_run_config(args), args.out)
-            print(f"{summary['label']}: final loss {summary['final_loss']:.4f}, val {summary['final_val_loss']:.4f}")
+            summary = train(_run_config(args), args.out, resume=args.resume)
+            resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
+            val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"
+            print(f"{summary['label']}: {summary['steps_done']} steps{resumed}, "
+                  f"final loss {summary['final_loss']:.4f}, val {val}")
         elif args.command == "demo":
-            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
-                cfg = _run_config(args, optimizer=optimizer, mode=mode, device=device)
+                cfg = _run_config(args, optimizer=optimizer, mode=mode)
                 summary = train(cfg, args.out / cfg.label)
                 print(f"{summary['label']:>14}: final loss {summary['final_loss']:.4f}, "
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
         elif args.command == "bench":
-            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            results = run_bench(_run_config(args, device=device), args.out, tuple(args.configs))
+            results = run_bench(_run_config(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
+        elif args.command == "sweep":
+            result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out)
+            spread = result["spread_final_loss_s_le_5"]
+            for s, row in result["runs"].items():
+                print(f"S={s:>3}: final loss {row['final_loss']:.4f}")
+            spread_text = "n/a" if spread is None else f"{spread:.4f}"
+            print(f"spread over S <= 5: {spread_text}; report: {args.out / 'sweep.md'}")
         else:
-            print(f"report: {write_report(args.runs, args.out)}")
+            print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, FileNotFoundError) as error:
         print(f"asteria: error: {error}", file=sys.stderr)
         return 2

@@ -54,3 +54,20 @@ class StepTimer:
         self.end.record()
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1000.0
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process (Linux ``/proc/self/statm``), ``None`` elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+try:
+    import os as _os
+
+    _PAGE_SIZE = _os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):
+    _PAGE_SIZE = 4096

@@ -1,4 +1,11 @@
-"""A small OLMo-2-style decoder: RMSNorm, rotary attention, SwiGLU MLP, no biases."""
+"""OLMo-2 decoders (HF transformers' ``Olmo2ForCausalLM``, random init) in the sizes the CLI trains.
+
+A preset fixes the transformer body (width, depth, heads, MLP width, RoPE, norms). The vocabulary is
+the tokenizer's: 256 for the default byte-level tokenizer, the tokenizer's size (rounded up to a
+multiple of 128) for a HF tokenizer. The names give the size at OLMo's own vocabulary
+(``reference_vocab``); with bytes the embedding and output layers are much smaller, the body is the
+same.
+"""
 
 from __future__ import annotations
 
@@ -10,70 +17,72 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    max_seq_len: int = 128
+class ModelPreset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_seq_len: int
+    reference_vocab: int
+    rope_theta: float = 500_000.0
+    rms_norm_eps: float = 1e-6
 
 
-PRESETS = {
-    "tiny": ModelConfig(),
-    "olmo-160m": ModelConfig(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024),
+# olmo-160m and olmo-660m: OLMo-style shapes with head dim 64 and a SwiGLU width of about 8/3 of the
+# model width; 162M and 664M parameters at OLMo-1's 50304-token vocabulary (untied embeddings).
+# olmo2-1b: allenai/OLMo-2-0425-1B's shapes (2048 wide, 16 layers and heads, MLP 8192, 100352 tokens).
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, max_seq_len=256,
+                        reference_vocab=256, rope_theta=10_000.0),
+    "olmo-160m": ModelPreset(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
+                             max_seq_len=2048, reference_vocab=50304),
+    "olmo-660m": ModelPreset(hidden_size=1536, num_layers=18, num_heads=24, intermediate_size=4096,
+                             max_seq_len=2048, reference_vocab=50304),
+    "olmo2-1b": ModelPreset(hidden_size=2048, num_layers=16, num_heads=16, intermediate_size=8192,
+                            max_seq_len=4096, reference_vocab=100352),
 }
 
 
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the last dimension of (B, H, T, D)."""
-    t, d = x.shape[-2], x.shape[-1]
-    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs[None]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+def build_model(preset: str, vocab_size: int, seq_len: int) -> nn.Module:
+    """A randomly initialised ``Olmo2ForCausalLM`` of ``preset``'s shape over ``vocab_size`` tokens."""
+    if preset not in PRESETS:
+        raise ValueError(f"Invalid model={preset!r}: must be one of {tuple(PRESETS)}")
+    shape = PRESETS[preset]
+    if seq_len > shape.max_seq_len:
+        raise ValueError(f"Invalid seq_len={seq_len}: model {preset!r} takes at most {shape.max_seq_len} tokens")
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads, max_position_embeddings=shape.max_seq_len,
+        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=False,
+        attention_dropout=0.0, initializer_range=0.02, use_cache=False,
+        # The byte tokenizer has no special tokens; training needs none (fixed-length packing).
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+    return CausalLM(Olmo2ForCausalLM(config))
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class CausalLM(nn.Module):
+    """A causal LM with ``loss(batch)`` over (B, T + 1) token windows (next-token cross entropy in
+    float32, whatever the autocast dtype)."""
+
+    def __init__(self, lm: nn.Module) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.attn_norm = nn.RMSNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model)
-        hidden = cfg.mlp_ratio * cfg.d_model
-        self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.lm = lm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        attn = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
-        x = x + self.out(attn.transpose(1, 2).reshape(b, t, d))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.config.vocab_size
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        return self.lm(input_ids=tokens, use_cache=False).logits
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self(batch[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

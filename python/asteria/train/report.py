@@ -1,8 +1,16 @@
-"""Reports over finished runs: a Markdown table and PNG plots."""
+"""Reports over finished runs: PNG plots (loss vs step, wall clock and energy; step-time series) and
+a Markdown table with final loss, time to a target loss, energy per step relative to AdamW and the
+normalized loss-reduction efficiency (L_init - L_final) / (E / E_AdamW), L_init = ln(vocabulary size).
+
+Where a run has no energy readings (the CPU, or a GPU without NVML's energy counter) the energy
+columns say "n/a"; no number is made up.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,53 +19,178 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def load_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, records
+SMOOTHING = 10  # steps in the trailing mean that "final loss" and "time to target" use
 
 
-def write_report(run_dirs: list[Path], out: Path) -> Path:
-    """Writes ``out/report.md``, ``out/loss.png`` and ``out/step_time.png``; returns the Markdown path."""
-    out.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(d) for d in run_dirs]
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for summary, records in runs:
-        steps = [r["step"] for r in records]
-        by_step.plot(steps, [r["loss"] for r in records], label=summary["label"], alpha=0.8)
-        by_time.plot([r["wall"] for r in records], [r["loss"] for r in records], label=summary["label"], alpha=0.8)
+@dataclass
+class Run:
+    path: Path
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @property
+    def label(self) -> str:
+        return self.summary["label"]
+
+    @property
+    def has_energy(self) -> bool:
+        return bool(self.records) and all("energy_joules" in r for r in self.records)
+
+    def cumulative_energy(self) -> list[float]:
+        total, out = 0.0, []
+        for r in self.records:
+            total += r["energy_joules"]
+            out.append(total)
+        return out
+
+    def smoothed(self) -> list[float]:
+        losses = [r["loss"] for r in self.records]
+        return [sum(losses[max(0, i - SMOOTHING + 1):i + 1]) / (i + 1 - max(0, i - SMOOTHING + 1))
+                for i in range(len(losses))]
+
+    def reach(self, target: float) -> dict[str, Any] | None:
+        """The first record whose trailing-mean loss is at or below ``target``."""
+        for record, loss in zip(self.records, self.smoothed()):
+            if loss <= target:
+                return record
+        return None
+
+
+def load_run(run_dir: Path) -> Run:
+    """A finished run's ``summary.json`` and ``metrics.jsonl``; a clear error for anything else."""
+    run_dir = Path(run_dir)
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if not summary_path.is_file() or not metrics_path.is_file():
+        raise FileNotFoundError(f"Invalid run={str(run_dir)!r}: no summary.json and metrics.jsonl (not a finished "
+                                f"asteria train run)")
+    try:
+        summary = json.loads(summary_path.read_text())
+        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    except ValueError as error:
+        raise ValueError(f"Invalid run={str(run_dir)!r}: unreadable metrics ({error})") from None
+    if not records:
+        raise ValueError(f"Invalid run={str(run_dir)!r}: no steps recorded")
+    return Run(run_dir, summary, records)
+
+
+def _unique_labels(runs: list[Run]) -> list[str]:
+    labels = [r.label for r in runs]
+    return [label if labels.count(label) == 1 else f"{label} ({run.path.name})" for label, run in zip(labels, runs)]
+
+
+def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]:
+    """The report's figures per run (the JSON behind the Markdown table)."""
+    reference = next((r for r in runs if r.label == "adamw"), None)
+    if target_loss is None and reference is not None:
+        target_loss = reference.summary["final_loss"]
+    ref_energy = reference.summary.get("energy_joules_total") if reference and reference.has_energy else None
+    ref_per_step = reference.summary.get("energy_joules_per_step") if ref_energy else None
+    rows = {}
+    for name, run in zip(_unique_labels(runs), runs):
+        s = run.summary
+        l_init = math.log(s["vocab_size"]) if "vocab_size" in s else s["initial_loss_bound"]
+        reached = run.reach(target_loss) if target_loss is not None else None
+        energy = s.get("energy_joules_total") if run.has_energy else None
+        row = {
+            "final_loss": s["final_loss"],
+            "final_val_loss": s.get("final_val_loss"),
+            "steps": run.records[-1]["step"],
+            "wall_seconds": run.records[-1]["wall"],
+            "median_step_seconds": s["median_step_seconds"],
+            "max_step_seconds": s["max_step_seconds"],
+            "initial_loss": l_init,
+            "time_to_target_seconds": reached["wall"] if reached else None,
+            "steps_to_target": reached["step"] if reached else None,
+            "energy_joules": energy,
+            "energy_per_step_vs_adamw": (s["energy_joules_per_step"] / ref_per_step
+                                         if energy is not None and ref_per_step else None),
+            "efficiency": ((l_init - s["final_loss"]) / (energy / ref_energy)
+                           if energy is not None and ref_energy else None),
+            "refreshes": s.get("runtime_stats", {}).get("refreshes"),
+            "waits": s.get("runtime_stats", {}).get("waits"),
+        }
+        if reference is not None and reached and reference.reach(target_loss):
+            row["time_to_target_vs_adamw"] = reached["wall"] / reference.reach(target_loss)["wall"]
+        rows[name] = row
+    return {"device": runs[0].summary["device"], "target_loss": target_loss,
+            "reference": "adamw" if reference is not None else None, "runs": rows}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def plot_loss(runs: list[Run], path: Path) -> None:
+    labels = _unique_labels(runs)
+    fig, (by_step, by_time, by_energy) = plt.subplots(1, 3, figsize=(15, 4))
+    for label, run in zip(labels, runs):
+        losses = [r["loss"] for r in run.records]
+        by_step.plot([r["step"] for r in run.records], losses, label=label, alpha=0.8)
+        by_time.plot([r["wall"] for r in run.records], losses, label=label, alpha=0.8)
+        if run.has_energy:
+            by_energy.plot([e / 1000 for e in run.cumulative_energy()], losses, label=label, alpha=0.8)
     by_step.set(xlabel="step", ylabel="training loss", title="loss vs step")
-    by_time.set(xlabel="wall clock (s)", ylabel="training loss", title="loss vs wall clock")
+    by_time.set(xlabel="training wall clock (s)", ylabel="training loss", title="loss vs wall clock")
+    by_energy.set(xlabel="GPU energy (kJ)", ylabel="training loss", title="loss vs energy")
+    if not any(run.has_energy for run in runs):
+        by_energy.text(0.5, 0.5, "energy n/a\n(no NVML energy counter on this device)", ha="center", va="center",
+                       transform=by_energy.transAxes)
     by_step.legend()
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def plot_step_times(runs: list[Run], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.5))
-    for summary, records in runs:
-        ax.plot([r["step"] for r in records], [1e3 * r["step_time"] for r in records], label=summary["label"])
-    ax.set(xlabel="step", ylabel="step time (ms)", title="step-time profile", yscale="log")
+    for label, run in zip(_unique_labels(runs), runs):
+        ax.plot([r["step"] for r in run.records], [1e3 * r["step_time"] for r in run.records], label=label,
+                linewidth=0.8)
+    ax.set(xlabel="step", ylabel="step time (ms)", title="step-time series (wall clock)", yscale="log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def write_report(run_dirs: list[Path], out: Path, target_loss: float | None = None) -> Path:
+    """Writes ``out/report.md``, ``out/report.json``, ``out/loss.png`` and ``out/step_time.png``;
+    returns the Markdown path. ``target_loss`` defaults to AdamW's final loss when an AdamW run is
+    among the runs."""
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise ValueError(f"Invalid target_loss={target_loss!r}: must be a finite number > 0")
+    runs = [load_run(Path(d)) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    figures = compare(runs, target_loss)
+    plot_loss(runs, out / "loss.png")
+    plot_step_times(runs, out / "step_time.png")
+    (out / "report.json").write_text(json.dumps(figures, indent=2))
+    target = figures["target_loss"]
     lines = [
-        f"# Training report ({runs[0][0]['device']})",
+        f"# Training report ({figures['device']})",
         "",
-        "| run | final loss | val loss | median step (ms) | max step (ms) | max/median | wall (s) "
-        "| refreshes | waits |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"Target loss: {_fmt(target, '.4f')}"
+        + (" (AdamW's final loss)" if target_loss is None and target is not None else "")
+        + f". Final loss is the mean of the last {SMOOTHING} steps' training loss; time to target is the "
+          f"training wall clock at the first step whose trailing {SMOOTHING}-step mean reaches it. Efficiency is "
+          "(L_init - L_final) / (E / E_AdamW) with L_init = ln(vocabulary size) and E the run's GPU energy.",
+        "",
+        "| run | steps | final loss | val loss | time to target (s) | vs AdamW | median step (ms) | max/median "
+        "| energy/step vs AdamW | efficiency | refreshes | waits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for summary, _ in runs:
-        stats = summary.get("runtime_stats", {})
-        median, peak = summary["median_step_seconds"], summary["max_step_seconds"]
+    for name, row in figures["runs"].items():
         lines.append(
-            f"| {summary['label']} | {summary['final_loss']:.4f} | {summary['final_val_loss']:.4f} | "
-            f"{1e3 * median:.1f} | {1e3 * peak:.1f} | {peak / median:.2f} | {summary['wall_seconds']:.1f} | "
-            f"{stats.get('refreshes', '-')} | {stats.get('waits', '-')} |"
-        )
+            f"| {name} | {row['steps']} | {row['final_loss']:.4f} | {_fmt(row['final_val_loss'], '.4f')} | "
+            f"{_fmt(row['time_to_target_seconds'], '.1f')} | {_fmt(row.get('time_to_target_vs_adamw'), '.2f')} | "
+            f"{_fmt(row['median_step_seconds'], '.1f', 1e3)} | "
+            f"{_fmt(_ratio(row['max_step_seconds'], row['median_step_seconds']), '.2f')} | "
+            f"{_fmt(row['energy_per_step_vs_adamw'], '.3f')} | {_fmt(row['efficiency'], '.3f')} | "
+            f"{_fmt(row['refreshes'], '.0f')} | {_fmt(row['waits'], '.0f')} |")
     lines += ["", "![loss](loss.png)", "", "![step time](step_time.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
