@@ -48,7 +48,8 @@ def run(name: str, placement: str, steps: int = 15, delay: int = 0, attach: bool
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_host_placement_gives_the_device_placement_bits(name):
-    device, device_report = run(name, "device")
+    # The same grouping in both: batched GPU kernels may round differently for another batch size.
+    device, device_report = run(name, "device", group_bytes=64 * 64 * 4 * 2)
     host, host_report = run(name, "host", group_bytes=64 * 64 * 4 * 2)
     assert all(torch.equal(a, b) for a, b in zip(device, host))
     assert host_report["placement"] == "host" and host_report["bytes_staged"] > 0
@@ -62,17 +63,21 @@ def test_host_placement_gives_the_device_placement_bits(name):
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_device_views_of_host_memory_give_the_same_bits(name):
-    device, _ = run(name, "device")
-    viewed, report = run(name, "device_view", delay=5_000_000)
+    device, _ = run(name, "device", group_bytes=64 * 64 * 4 * 2)
+    viewed, report = run(name, "device_view", delay=5_000_000, group_bytes=64 * 64 * 4 * 2)
     assert report["placement"] == "device_view" and report["bytes_staged"] == 0
     assert all(torch.equal(a, b) for a, b in zip(device, viewed))
 
 
 def test_auto_placement_moves_preconditioners_to_the_host_under_a_gpu_budget():
     model = small_mlp(sizes=SIZES).cuda()
-    budget = 2**20
-    runtime = asteria.RuntimeConfig(workers=1, memory=asteria.MemoryConfig(gpu_budget=budget))
-    with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64, runtime=runtime) as opt:
+    memory = asteria.MemoryConfig(placement="device", group_bytes=64 * 64 * 4)
+    with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64,
+                         runtime=asteria.RuntimeConfig(workers=1, memory=memory)) as opt:
+        budget = opt.memory_report()["device"]["total"] - 1  # the device placement no longer fits
+    memory = asteria.MemoryConfig(gpu_budget=budget, group_bytes=64 * 64 * 4)
+    with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64,
+                         runtime=asteria.RuntimeConfig(workers=1, memory=memory)) as opt:
         report = opt.memory_report()
         assert opt.placement in ("host", "device_view")
         assert report["device"]["total"] <= budget and "root" in report["host"]

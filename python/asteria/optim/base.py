@@ -149,8 +149,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             return "device_view"
         if memory.gpu_budget is not None:
             groups = build_shape_groups(self.param_groups, self.max_preconditioner_dim, self.MERGE_DIMS)
-            # Device placement holds per block its factors and its preconditioners (and the moments).
+            # Device placement holds per block its factors and its preconditioners, and per parameter
+            # element about two moments (a lower bound of what the device needs: enough to decide).
             needed = sum(2 * g.batch * preconditioner_bytes(g.shape) for g in groups)
+            needed += sum(8 * p.numel() for group in self.param_groups for p in group["params"])
             if needed > memory.gpu_budget:
                 return "host"
         return "device"
