@@ -226,10 +226,11 @@ void init_runtime(nb::module_& m) {
                                     ": must be >= 1, or None for every version");
             }
             std::chrono::nanoseconds duration{0};
-            if (fault == runtime::FaultKind::kDelay) {
+            if (fault == runtime::FaultKind::kDelay || (fault == runtime::FaultKind::kHang && seconds != 0.0)) {
               duration = seconds_arg(seconds, "seconds");
             } else if (seconds != 0.0) {
-              throw InvalidArgument("Invalid seconds=" + std::to_string(seconds) + ": only kind='delay' takes seconds");
+              throw InvalidArgument("Invalid seconds=" + std::to_string(seconds) + " for kind='" + kind +
+                                    "': only kinds 'delay' and 'hang' take seconds");
             }
             e.inject_fault(block, version.value_or(runtime::kAnyVersion), fault, duration);
           },
@@ -237,7 +238,7 @@ void init_runtime(nb::module_& m) {
           "Test-only fault injection into the real worker job of (block, version); version=None hits every "
           "version of the block until clear_faults(). kind: 'throw' (the job raises inside its numerics), "
           "'nonfinite' (its result is poisoned with a NaN, which the quality gate rejects), 'hang' (it blocks "
-          "until close(), or fails after slot_timeout_s), 'delay' (it sleeps `seconds` first, cut short by "
+          "until close(), or for `seconds` if given, then fails), 'delay' (it sleeps `seconds` first, cut short by "
           "close()). A specific version's fault fires once.")
       .def(
           "set_random_delay",

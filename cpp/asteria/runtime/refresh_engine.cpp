@@ -435,12 +435,16 @@ void RefreshEngine::inject_fault(std::int64_t id, std::int64_t version, FaultKin
                               " ns: a delay must be > 0");
       }
       break;
+    case FaultKind::kHang:
+      if (duration < std::chrono::nanoseconds::zero()) {
+        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) +
+                              " ns: a hang's bound must be >= 0 (0: until close())");
+      }
+      break;
     case FaultKind::kThrow:
     case FaultKind::kNonFinite:
-    case FaultKind::kHang:
       if (duration != std::chrono::nanoseconds::zero()) {
-        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) + " ns: only kind '" +
-                              to_string(FaultKind::kDelay) + "' takes a duration, not '" + to_string(kind) + "'");
+        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) + " ns: only kinds 'delay' and 'hang' take a duration, not '" + to_string(kind) + "'");
       }
       break;
     default:
@@ -499,12 +503,15 @@ void RefreshEngine::apply_fault(const Fault& fault, std::int64_t id, std::int64_
     case FaultKind::kNonFinite:
       return;  // applied to the result, before the quality gate
     case FaultKind::kHang: {
+      // A simulated genuine hang: nothing but close() (or the hang's own bound, if it has one) ends it.
       const auto started = Clock::now();
+      const auto until = fault.duration > std::chrono::nanoseconds::zero() ? deadline_after(fault.duration)
+                                                                            : deadline_after(std::chrono::nanoseconds::max());
       std::unique_lock lock(fault_mutex_);
-      if (fault_released_.wait_until(lock, deadline_after(config_.slot_timeout), [this] { return closing_; })) {
+      if (fault_released_.wait_until(lock, until, [this] { return closing_; })) {
         throw CancelledError(where + "injected hang ended by close() (fault injection)");
       }
-      throw TimeoutError(where + "injected hang ran past slot_timeout after " + format_seconds(seconds_since(started)) +
+      throw TimeoutError(where + "injected hang ended after " + format_seconds(seconds_since(started)) +
                          " (fault injection)");
     }
     case FaultKind::kDelay: {

@@ -54,7 +54,8 @@ struct BlockMemory {
 enum class FaultKind {
   kThrow,      // the job throws from inside its numerics: the version fails with that exception
   kNonFinite,  // the job's result is poisoned with a NaN after the numerics: the quality gate rejects it
-  kHang,       // the job blocks until close() (then fails with CancelledError) or slot_timeout (TimeoutError)
+  kHang,       // the job blocks until close() (then fails with CancelledError), or for `duration` if > 0
+               // (then fails with TimeoutError); the training thread's bounded waits time out meanwhile
   kDelay,      // the job sleeps `duration` before its numerics (cut short by close()), then runs normally
 };
 
@@ -134,7 +135,8 @@ class RefreshEngine {
   //
   // Arms `kind` for the job of (`block`, `version`); with version == kAnyVersion for every job of
   // the block until clear_faults(). A specific version's fault fires once and takes precedence over
-  // an any-version fault. `duration` is the sleep of kDelay (> 0) and must be zero for the others.
+  // an any-version fault. `duration` is the sleep of kDelay (> 0) or the bound of kHang (0: until
+  // close()), and must be zero for the others.
   // Throws InvalidArgument for an unknown block, a version < 0 or a bad duration.
   void inject_fault(std::int64_t block, std::int64_t version, FaultKind kind,
                     std::chrono::nanoseconds duration = std::chrono::nanoseconds::zero());

@@ -147,7 +147,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor]:
         """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update."""
         grads, has_grad = group.gather_grads()
-        finite = F.finite_rows(grads)
+        finite = F.usable_gradient_rows(grads)
         bad = has_grad & ~finite
         if self.runtime.nonfinite_grad_policy == "raise" and bool(bad.any()):
             block = group.blocks[int(bad.nonzero()[0])]
