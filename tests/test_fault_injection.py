@@ -198,9 +198,9 @@ def test_hung_refresh_times_out_clearly_and_close_returns_promptly(name):
     testing.inject_fault(opt, PARAM, "hang", version=version, mode=0)
     run_to(model, opt, step - 1)
     before = params_of(model)
-    with pytest.raises(TimeoutError, match=rf"block \d+ version {version}.*0\.5") as info:
+    with pytest.raises(TimeoutError, match=rf"mode 0 of parameter '{PARAM}' \(version {version}\) not done within "
+                                           r"timeout_s=0.5: .* needs version \d+, still running after waiting"):
         train(model, opt, 1)
-    assert "0.weight" in str(info.value) or "block" in str(info.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     started = time.monotonic()
     opt.close()  # ends the hung job instead of waiting for it
@@ -217,6 +217,7 @@ def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budge
 
     _, warm = make(name)  # torch and OpenBLAS start their own thread pools lazily
     warm.close()
+    gc.collect()
     before = threads()
     with pytest.raises(ValueError, match=rf"Invalid {budget}=64: too small for this model's state "
                                          r"\(device needs \d+ bytes, host needs \d+ bytes\)"):

@@ -14,6 +14,7 @@ namespace {
 PyObject* g_cancelled = nullptr;
 PyObject* g_numerical = nullptr;
 PyObject* g_block_failure = nullptr;
+PyObject* g_block_timeout = nullptr;
 
 PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const char* doc) {
   const std::string qualified = std::string("asteria._core.") + name;
@@ -33,12 +34,21 @@ void init_errors(nb::module_& m) {
   g_block_failure = new_exception(m, "BlockFailure", PyExc_RuntimeError,
                                   "A preconditioner block failed its refresh too often in a row. "
                                   "args = (message, block, version, cause).");
+  g_block_timeout = new_exception(m, "BlockTimeout", PyExc_TimeoutError,
+                                  "The activation barrier's bounded wait for a block's version ran out. "
+                                  "Attributes: block, version.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const BlockFailure& e) {
       nb::object args = nb::make_tuple(e.what(), e.block(), e.version(), e.cause());
       PyErr_SetObject(g_block_failure, args.ptr());
+    } catch (const BlockTimeout& e) {
+      // An OSError subclass reads three args as (errno, strerror, filename): attributes instead.
+      nb::object error = nb::borrow(g_block_timeout)(e.what());
+      error.attr("block") = e.block();
+      error.attr("version") = e.version();
+      PyErr_SetObject(g_block_timeout, error.ptr());
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const TimeoutError& e) {

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from asteria._core import BlockFailure, CancelledError, NumericalError
+from asteria._core import BlockFailure, BlockTimeout, CancelledError, NumericalError
 
-__all__ = ["BlockFailure", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
+__all__ = ["BlockFailure", "BlockTimeout", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
 
 
 class RefreshError(RuntimeError):
