@@ -37,7 +37,7 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         for name in ("gpu_budget", "host_budget", "nvme_budget"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value > 0), name, value,
+            _check(value is None or (_is_int(value) and value > 0), name, value,
                    "must be None or a positive number of bytes")
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
         _check(self.nvme_dir is None, "nvme_dir", self.nvme_dir, "the NVMe tier is not available in this release")
@@ -97,7 +97,8 @@ class RuntimeConfig:
                "must be an int >= 1")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
         _check(isinstance(self.bootstrap_sync, bool), "bootstrap_sync", self.bootstrap_sync, "must be a bool")
-        _check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
+        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+               and math.isfinite(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         _check(_is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
                "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")

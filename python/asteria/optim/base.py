@@ -7,7 +7,6 @@ which direction it steps in; the preconditioner refreshes run through one ``Refr
 
 from __future__ import annotations
 
-import math
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
@@ -22,32 +21,12 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups
 from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
+                                      check_positive, validate_state_dict)
 from asteria.pipeline.refresh import Refresher, make_refresher
 
 NONFINITE_STREAK = "nonfinite_streak"
 NONFINITE_TOTAL = "nonfinite_total"
-
-
-def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
-    """Raises ``ValueError('Invalid name=value: allowed')`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"Invalid {name}={value!r}: {allowed}")
-
-
-def check_betas(betas: Any, name: str = "betas") -> None:
-    check_arg(isinstance(betas, (tuple, list)) and len(betas) == 2, name, betas, "must be a pair of floats")
-    for i, beta in enumerate(betas):
-        check_arg(isinstance(beta, (int, float)) and 0.0 <= beta < 1.0, f"{name}[{i}]", beta, "must be in [0, 1)")
-
-
-def check_nonnegative(value: Any, name: str) -> None:
-    check_arg(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name, value,
-              "must be a finite number >= 0")
-
-
-def check_positive(value: Any, name: str) -> None:
-    check_arg(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name, value,
-              "must be a finite number > 0")
 
 
 class SecondOrderOptimizer(torch.optim.Optimizer):
@@ -66,13 +45,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         start_preconditioning_step: int | None,
         runtime: RuntimeConfig | None,
     ) -> None:
-        check_arg(isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1, "max_preconditioner_dim",
-                  max_preconditioner_dim, "must be an int >= 1")
-        check_arg(isinstance(precondition_frequency, int) and precondition_frequency >= 1, "precondition_frequency",
-                  precondition_frequency, "must be an int >= 1")
+        check_count(max_preconditioner_dim, "max_preconditioner_dim")
+        check_count(precondition_frequency, "precondition_frequency")
+        check_count(start_preconditioning_step, "start_preconditioning_step", optional=True)
         start = precondition_frequency if start_preconditioning_step is None else start_preconditioning_step
-        check_arg(isinstance(start, int) and start >= 1, "start_preconditioning_step", start_preconditioning_step,
-                  "must be None or an int >= 1")
         check_arg(runtime is None or isinstance(runtime, RuntimeConfig), "runtime", runtime,
                   "must be None or an asteria.RuntimeConfig")
         super().__init__(params, defaults)
@@ -106,6 +82,24 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
         """The (B, *shape) direction to step against, before the learning rate; ``None`` leaves the
         parameters as they are this step."""
+
+    @staticmethod
+    def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+        """Raises ``ValueError`` naming the first invalid hyperparameter of a defaults dict (``where`` = "")
+        or of a param group (``where`` = "param_groups[i]")."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, with the group's hyperparameters checked. Only during construction: the blocks
+        are batched once, so a group added later would never be stepped."""
+        if getattr(self, "_groups", None) is not None:
+            raise ValueError("Invalid add_param_group after construction: an Asteria optimizer batches its blocks "
+                             "when it is built; create a new optimizer with every param group instead")
+        super().add_param_group(param_group)
+        try:
+            self.check_hyperparameters(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]")
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
         """What a refresh of ``group``'s factors at ``step`` computes; override for other rules."""
@@ -203,6 +197,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
         ``ValueError`` naming what differs otherwise, before anything is changed."""
+        validate_state_dict(self, state_dict)
         check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
                   type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
         if state_dict["runtime_mode"] != self.runtime.mode:
