@@ -198,18 +198,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
         ``ValueError`` naming what differs otherwise, before anything is changed."""
         validate_state_dict(self, state_dict)
-        check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
-                  type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
-        if state_dict["runtime_mode"] != self.runtime.mode:
-            raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
-                             f"mode {self.runtime.mode!r}")
-        if state_dict["layout"] != self._layout():
-            raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
-                             f"{self._layout()} (parameters or max_preconditioner_dim differ)")
-        for saved, group in zip(state_dict["groups"], self._groups):
-            if saved.keys() != group.state.keys():
-                raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
-                                 f"{sorted(group.state)} (a different optimizer class?)")
         for saved, group in zip(state_dict["groups"], self._groups):
             for key, tensor in saved.items():
                 group.state[key].copy_(tensor)

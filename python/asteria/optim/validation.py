@@ -69,6 +69,12 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     for key in STATE_DICT_KEYS:
         if key not in state_dict:
             raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict)})")
+    if state_dict["runtime_mode"] != opt.runtime.mode:
+        raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
+                         f"mode {opt.runtime.mode!r}")
+    if state_dict["layout"] != opt._layout():
+        raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
+                         f"{opt._layout()} (parameters or max_preconditioner_dim differ)")
     step = state_dict["step"]
     check_arg(is_int(step) and step >= 0, "state_dict['step']", step, "must be an int >= 0")
     for key, expected, what in (("groups", len(opt._groups), "shape group"),
@@ -83,9 +89,10 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
+        if saved.keys() != group.state.keys():
+            raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
+                             f"{sorted(group.state)} (a different optimizer class?)")
         for key, current in group.state.items():
-            if key not in saved:
-                continue  # a different key set is reported by load_state_dict, naming both sets
             tensor, name = saved[key], f"state_dict['groups'][{i}][{key!r}]"
             check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
             check_arg(tensor.shape == current.shape and tensor.dtype == current.dtype, name,
