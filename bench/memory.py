@@ -62,7 +62,7 @@ def run_one(model_fn, kind: str, mode: str, steps: int, batch: int, seq: int, pl
         return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
                 "preconditioner_bytes": preconditioner_bytes(opt), "placement": report["placement"],
                 "staging_bytes": report["peak_staging_bytes"], "nvme_bytes": report["nvme"]["total"],
-                "params": sum(p.numel() for p in model.parameters()), "loss": float(loss),
+                "params": sum(p.numel() for p in model.parameters()), "loss": float(loss.detach()),
                 "median_step_seconds": sorted(times)[len(times) // 2]}
     finally:
         opt.close()
@@ -81,9 +81,9 @@ def compare(args: argparse.Namespace) -> dict:
         saved = native["peak_gpu_bytes"] - host["peak_gpu_bytes"]
         rows[kind] = {"native": native, "asteria_host": host, "saved_bytes": saved,
                       "saved_over_preconditioner_bytes": saved / native["preconditioner_bytes"]}
-        print(f"{kind:<11} native peak {native['peak_gpu_bytes'] / 2**30:7.2f} GiB | asteria(host) peak "
-              f"{host['peak_gpu_bytes'] / 2**30:7.2f} GiB | preconditioners {native['preconditioner_bytes'] / 2**30:6.2f} "
-              f"GiB | saved / preconditioner bytes {rows[kind]['saved_over_preconditioner_bytes']:.3f} (target >= 0.9)",
+        gib = {key: row["peak_gpu_bytes"] / 2**30 for key, row in (("native", native), ("host", host))}
+        print(f"{kind:<11} native peak {gib['native']:7.2f} GiB | asteria(host) peak {gib['host']:7.2f} GiB | "
+              f"preconditioners {native['preconditioner_bytes'] / 2**30:6.2f} GiB | saved / preconditioner bytes {rows[kind]['saved_over_preconditioner_bytes']:.3f} (target >= 0.9)",
               flush=True)
     return rows
 

@@ -16,6 +16,7 @@ PyObject* g_numerical = nullptr;
 PyObject* g_block_failure = nullptr;
 PyObject* g_pager_io = nullptr;
 PyObject* g_checksum = nullptr;
+PyObject* g_block_timeout = nullptr;
 
 PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const char* doc) {
   const std::string qualified = std::string("asteria._core.") + name;
@@ -52,6 +53,9 @@ void init_errors(nb::module_& m) {
   g_checksum = new_exception(m, "ChecksumError", g_pager_io,
                              "A page read back by the NVMe pager failed validation (header or payload CRC32C, wrong "
                              "key, version or slot size). Same attributes as PagerIOError (errno EBADMSG).");
+  g_block_timeout = new_exception(m, "BlockTimeout", PyExc_TimeoutError,
+                                  "The activation barrier's bounded wait for a block's version ran out. "
+                                  "Attributes: block, version.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -64,6 +68,12 @@ void init_errors(nb::module_& m) {
       set_pager_error(g_pager_io, e);
     } catch (const NotFound& e) {
       PyErr_SetString(PyExc_KeyError, e.what());
+    } catch (const BlockTimeout& e) {
+      // An OSError subclass reads three args as (errno, strerror, filename): attributes instead.
+      nb::object error = nb::borrow(g_block_timeout)(e.what());
+      error.attr("block") = e.block();
+      error.attr("version") = e.version();
+      PyErr_SetObject(g_block_timeout, error.ptr());
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const TimeoutError& e) {

@@ -1,5 +1,6 @@
 // Bindings of the refresh engine (runtime + store + coherence as one object for Python).
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -205,6 +206,57 @@ void init_runtime(nb::module_& m) {
            "Cancels queued jobs, waits for running ones and stops the workers. Idempotent.")
       .def_prop_ro("closed", &RefreshEngine::closed)
       .def(
+          "inject_fault",
+          [](RefreshEngine& e, std::int64_t block, std::optional<std::int64_t> version, const std::string& kind,
+             double seconds) {
+            runtime::FaultKind fault;
+            if (kind == "throw") {
+              fault = runtime::FaultKind::kThrow;
+            } else if (kind == "nonfinite") {
+              fault = runtime::FaultKind::kNonFinite;
+            } else if (kind == "hang") {
+              fault = runtime::FaultKind::kHang;
+            } else if (kind == "delay") {
+              fault = runtime::FaultKind::kDelay;
+            } else {
+              throw InvalidArgument("Invalid kind='" + kind + "': must be 'throw', 'nonfinite', 'hang' or 'delay'");
+            }
+            if (version && *version < 1) {
+              throw InvalidArgument("Invalid version=" + std::to_string(*version) +
+                                    ": must be >= 1, or None for every version");
+            }
+            std::chrono::nanoseconds duration{0};
+            if (fault == runtime::FaultKind::kDelay || (fault == runtime::FaultKind::kHang && seconds != 0.0)) {
+              duration = seconds_arg(seconds, "seconds");
+            } else if (seconds != 0.0) {
+              throw InvalidArgument("Invalid seconds=" + std::to_string(seconds) + " for kind='" + kind +
+                                    "': only kinds 'delay' and 'hang' take seconds");
+            }
+            e.inject_fault(block, version.value_or(runtime::kAnyVersion), fault, duration);
+          },
+          "block"_a, "version"_a = nb::none(), "kind"_a = "throw", "seconds"_a = 0.0,
+          "Test-only fault injection into the real worker job of (block, version); version=None hits every "
+          "version of the block until clear_faults(). kind: 'throw' (the job raises inside its numerics), "
+          "'nonfinite' (its result is poisoned with a NaN, which the quality gate rejects), 'hang' (it blocks "
+          "until close(), or for `seconds` if given, then fails), 'delay' (it sleeps `seconds` first, cut short by "
+          "close()). A specific version's fault fires once.")
+      .def(
+          "set_random_delay",
+          [](RefreshEngine& e, double max_delay_s, std::uint64_t seed) {
+            if (!(max_delay_s >= 0.0) || !std::isfinite(max_delay_s)) {
+              throw InvalidArgument("Invalid max_delay_s=" + std::to_string(max_delay_s) +
+                                    ": must be a finite number of seconds >= 0 (0 turns the delay off)");
+            }
+            e.set_random_delay(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::duration<double>(max_delay_s)),
+                               seed);
+          },
+          "max_delay_s"_a, "seed"_a = 0,
+          "Test-only: every job without an injected fault first sleeps a pseudo-random time in [0, max_delay_s), "
+          "a function of (seed, block, version) only. 0 turns it off.")
+      .def("clear_faults", &RefreshEngine::clear_faults,
+           "Disarms every injected fault and the random delay.")
+      .def(
           "status",
           [](const RefreshEngine& e, std::int64_t block) {
             const coherence::BlockStatus s = e.status(block);
@@ -231,6 +283,7 @@ void init_runtime(nb::module_& m) {
         d["snapshot_waits"] = s.snapshot_waits;
         d["snapshot_wait_seconds"] = s.snapshot_wait_seconds;
         d["refresh_seconds"] = s.refresh_seconds;
+        d["faults_triggered"] = s.faults_triggered;
         return d;
       });
 }

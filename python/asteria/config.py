@@ -48,7 +48,7 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         for name in ("gpu_budget", "host_budget", "nvme_budget", "group_bytes"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value > 0), name, value,
+            _check(value is None or (_is_int(value) and value > 0), name, value,
                    "must be None or a positive number of bytes")
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
         _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir != ""), "nvme_dir",
@@ -116,7 +116,8 @@ class RuntimeConfig:
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")
         _check(isinstance(self.bootstrap_sync, bool), "bootstrap_sync", self.bootstrap_sync, "must be a bool")
-        _check(isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0,
+        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+               and math.isfinite(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         _check(_is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
                "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")

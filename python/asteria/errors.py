@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from asteria._core import BlockFailure, CancelledError, NumericalError
+from asteria._core import BlockFailure, BlockTimeout, CancelledError, NumericalError
 
-__all__ = ["BlockFailure", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
+__all__ = ["BlockFailure", "BlockTimeout", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
 
 
 class RefreshError(RuntimeError):
@@ -23,7 +23,8 @@ class RefreshError(RuntimeError):
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A parameter's gradient held NaN/Inf (policy ``raise``, or too many skipped steps in a row)."""
+    """A parameter's gradient held NaN/Inf, or values whose squares overflow float32 (policy ``raise``, or
+    too many skipped steps in a row)."""
 
     def __init__(self, param: str, detail: str) -> None:
         super().__init__(f"non-finite gradient for parameter {param!r}: {detail}")

@@ -121,7 +121,8 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
           stats_.waits += 1;
         }
         if (Clock::now() >= deadline) {
-          throw TimeoutError(
+          throw BlockTimeout(
+              static_cast<std::int64_t>(id), wanted.awaited,
               timeout_message(step, id, wanted.awaited, seconds_since(started), blocks_[id].status, config_));
         }
         const auto wait_started = Clock::now();

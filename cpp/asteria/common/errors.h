@@ -26,6 +26,19 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
+// The bounded wait for one block's version ran out (the activation barrier); says which.
+class BlockTimeout : public TimeoutError {
+ public:
+  BlockTimeout(std::int64_t block, std::int64_t version, const std::string& message)
+      : TimeoutError(message), block_(block), version_(version) {}
+  std::int64_t block() const noexcept { return block_; }
+  std::int64_t version() const noexcept { return version_; }
+
+ private:
+  std::int64_t block_;
+  std::int64_t version_;
+};
+
 // A job was cancelled (the pool shut down before it ran).
 class CancelledError : public Error {
  public:

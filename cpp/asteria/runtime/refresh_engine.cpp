@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <utility>
 
 #include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
@@ -27,7 +28,30 @@ std::int64_t result_elements(int n, RefreshKind kind) {
 
 std::string block_name(std::int64_t id) { return "block " + std::to_string(id); }
 
+std::string job_name(std::int64_t id, std::int64_t version) {
+  return block_name(id) + " version " + std::to_string(version);
+}
+
+// SplitMix64's finalizer: a well-mixed 64-bit hash, so that a job's random delay depends only on
+// (seed, block, version) and not on which worker runs it or when.
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
 }  // namespace
+
+const char* to_string(FaultKind kind) noexcept {
+  switch (kind) {
+    case FaultKind::kThrow: return "throw";
+    case FaultKind::kNonFinite: return "nonfinite";
+    case FaultKind::kHang: return "hang";
+    case FaultKind::kDelay: return "delay";
+  }
+  return "unknown";
+}
 
 struct RefreshEngine::Block {
   Block(std::int64_t id, const BlockMemory& memory)
@@ -250,10 +274,17 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       throw;
     }
     try {
+      // One atomic load when no fault is armed.
+      std::optional<Fault> fault;
+      if (faults_armed_.load(std::memory_order_acquire)) fault = take_fault(id, version);
+      if (fault) apply_fault(*fault, id, version);
+      const bool poison = fault && fault->kind == FaultKind::kNonFinite;
       if (b.kind == RefreshKind::kInverseRoot) {
         outcome.used_float64 = linalg::inverse_root(b.n, input, b.n, output, b.n, spec).used_float64;
+        if (poison) output[0] = std::numeric_limits<float>::quiet_NaN();
+        gate_result(id, version, output, static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n));
       } else {
-        outcome = compute_eigenbasis(b, version, input, output, spec, skip_tol);
+        outcome = compute_eigenbasis(b, id, version, input, output, spec, skip_tol, poison);
       }
     } catch (...) {
       b.snapshots.release(version);
@@ -279,9 +310,10 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
   registry_.note_finished(id, version, error.empty(), error);
 }
 
-RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64_t version, const float* input,
-                                                            float* output, const linalg::RootSpec& spec,
-                                                            double skip_tol) {
+RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64_t id, std::int64_t version,
+                                                            const float* input, float* output,
+                                                            const linalg::RootSpec& spec, double skip_tol,
+                                                            bool poison) {
   const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
   float* q = output;
   float* estimates = output + nn;
@@ -297,6 +329,9 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
     outcome.used_float64 = report.used_float64;
     outcome.skipped = report.skipped;
   }
+  if (poison) q[0] = std::numeric_limits<float>::quiet_NaN();
+  // The basis and its estimates; a rejected result never becomes the chain's good basis.
+  gate_result(id, version, output, nn + static_cast<std::size_t>(b.n));
   b.good_basis.assign(q, q + nn);
   b.good_version = version;
   return outcome;
@@ -338,6 +373,12 @@ void RefreshEngine::close() {
     if (closed_) return;
     closed_ = true;
   }
+  {
+    // Hung and delayed jobs (fault injection) end now, so that shutdown() below can join them.
+    std::lock_guard lock(fault_mutex_);
+    closing_ = true;
+  }
+  fault_released_.notify_all();
   // Queued jobs are cancelled without running; their versions never activate, which is moot once
   // the engine is closed (activate() refuses from here on).
   pool_->shutdown();
@@ -367,7 +408,118 @@ EngineStats RefreshEngine::stats() const {
   out.snapshot_waits = snapshot_waits_;
   out.snapshot_wait_seconds = snapshot_wait_seconds_;
   out.refresh_seconds = refresh_seconds_;
+  std::lock_guard faults(fault_mutex_);
+  out.faults_triggered = faults_triggered_;
   return out;
+}
+
+void RefreshEngine::gate_result(std::int64_t id, std::int64_t version, const float* result, std::size_t count) {
+  if (!std::all_of(result, result + count, [](float x) { return std::isfinite(x); })) {
+    throw NumericalError("[RefreshEngine] " + job_name(id, version) +
+                         ": the result is not finite (quality gate); the previous version stays in use");
+  }
+}
+
+void RefreshEngine::inject_fault(std::int64_t id, std::int64_t version, FaultKind kind,
+                                 std::chrono::nanoseconds duration) {
+  block(id);
+  const std::string where = "[RefreshEngine::inject_fault] " + block_name(id) + ": ";
+  if (version < 0) {
+    throw InvalidArgument(where + "Invalid version=" + std::to_string(version) + ": must be >= 1, or " +
+                          std::to_string(kAnyVersion) + " for every version");
+  }
+  switch (kind) {
+    case FaultKind::kDelay:
+      if (duration <= std::chrono::nanoseconds::zero()) {
+        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) +
+                              " ns: a delay must be > 0");
+      }
+      break;
+    case FaultKind::kHang:
+      if (duration < std::chrono::nanoseconds::zero()) {
+        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) +
+                              " ns: a hang's bound must be >= 0 (0: until close())");
+      }
+      break;
+    case FaultKind::kThrow:
+    case FaultKind::kNonFinite:
+      if (duration != std::chrono::nanoseconds::zero()) {
+        throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) + " ns: only kinds 'delay' and 'hang' take a duration, not '" + to_string(kind) + "'");
+      }
+      break;
+    default:
+      throw InvalidArgument(where + "Invalid kind=" + std::to_string(static_cast<int>(kind)));
+  }
+  std::lock_guard lock(fault_mutex_);
+  faults_[{id, version}] = Fault{kind, duration};
+  faults_armed_.store(true, std::memory_order_release);
+}
+
+void RefreshEngine::set_random_delay(std::chrono::nanoseconds max_delay, std::uint64_t seed) {
+  if (max_delay < std::chrono::nanoseconds::zero()) {
+    throw InvalidArgument("[RefreshEngine::set_random_delay] Invalid max_delay=" + std::to_string(max_delay.count()) +
+                          " ns: must be >= 0 (0 turns the delay off)");
+  }
+  std::lock_guard lock(fault_mutex_);
+  max_random_delay_ = max_delay;
+  delay_seed_ = seed;
+  faults_armed_.store(!faults_.empty() || max_random_delay_ > std::chrono::nanoseconds::zero(),
+                      std::memory_order_release);
+}
+
+void RefreshEngine::clear_faults() {
+  std::lock_guard lock(fault_mutex_);
+  faults_.clear();
+  max_random_delay_ = std::chrono::nanoseconds::zero();
+  faults_armed_.store(false, std::memory_order_release);
+}
+
+std::optional<RefreshEngine::Fault> RefreshEngine::take_fault(std::int64_t id, std::int64_t version) {
+  std::lock_guard lock(fault_mutex_);
+  std::optional<Fault> fault;
+  if (const auto exact = faults_.find({id, version}); exact != faults_.end()) {
+    fault = exact->second;
+    faults_.erase(exact);
+  } else if (const auto any = faults_.find({id, kAnyVersion}); any != faults_.end()) {
+    fault = any->second;
+  } else if (max_random_delay_ > std::chrono::nanoseconds::zero()) {
+    const std::uint64_t h = mix(delay_seed_ ^ mix(static_cast<std::uint64_t>(id) ^ mix(static_cast<std::uint64_t>(version))));
+    // 53 random bits as a fraction in [0, 1).
+    const double fraction = static_cast<double>(h >> 11) * 0x1.0p-53;
+    fault = Fault{FaultKind::kDelay, std::chrono::nanoseconds(static_cast<std::int64_t>(
+                                         fraction * static_cast<double>(max_random_delay_.count())))};
+  }
+  if (fault) faults_triggered_ += 1;
+  faults_armed_.store(!faults_.empty() || max_random_delay_ > std::chrono::nanoseconds::zero(),
+                      std::memory_order_release);
+  return fault;
+}
+
+void RefreshEngine::apply_fault(const Fault& fault, std::int64_t id, std::int64_t version) {
+  const std::string where = "[RefreshEngine] " + job_name(id, version) + ": ";
+  switch (fault.kind) {
+    case FaultKind::kThrow:
+      throw Error(where + "injected worker exception (fault injection)");
+    case FaultKind::kNonFinite:
+      return;  // applied to the result, before the quality gate
+    case FaultKind::kHang: {
+      // A simulated genuine hang: nothing but close() (or the hang's own bound, if it has one) ends it.
+      const auto started = Clock::now();
+      const auto until = fault.duration > std::chrono::nanoseconds::zero() ? deadline_after(fault.duration)
+                                                                            : deadline_after(std::chrono::nanoseconds::max());
+      std::unique_lock lock(fault_mutex_);
+      if (fault_released_.wait_until(lock, until, [this] { return closing_; })) {
+        throw CancelledError(where + "injected hang ended by close() (fault injection)");
+      }
+      throw TimeoutError(where + "injected hang ended after " + format_seconds(seconds_since(started)) +
+                         " (fault injection)");
+    }
+    case FaultKind::kDelay: {
+      std::unique_lock lock(fault_mutex_);
+      fault_released_.wait_until(lock, deadline_after(fault.duration), [this] { return closing_; });
+      return;
+    }
+  }
 }
 
 }  // namespace asteria::runtime

@@ -3,8 +3,11 @@
 // snapshot ring, submits refresh jobs, and at each step boundary asks which versions to use.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +50,20 @@ struct BlockMemory {
   RefreshKind kind = RefreshKind::kInverseRoot;
 };
 
+// Faults the engine can inject into its own worker jobs (see RefreshEngine::inject_fault).
+enum class FaultKind {
+  kThrow,      // the job throws from inside its numerics: the version fails with that exception
+  kNonFinite,  // the job's result is poisoned with a NaN after the numerics: the quality gate rejects it
+  kHang,       // the job blocks until close() (then fails with CancelledError), or for `duration` if > 0
+               // (then fails with TimeoutError); the training thread's bounded waits time out meanwhile
+  kDelay,      // the job sleeps `duration` before its numerics (cut short by close()), then runs normally
+};
+
+const char* to_string(FaultKind kind) noexcept;
+
+// inject_fault(block, kAnyVersion, ...): the fault hits every version of the block until clear_faults().
+inline constexpr std::int64_t kAnyVersion = 0;
+
 struct EngineStats {
   PoolStats pool;
   coherence::RegistryStats registry;
@@ -57,6 +74,7 @@ struct EngineStats {
   std::uint64_t snapshot_waits = 0;     // begin_snapshot() calls that blocked on a buffer still in use
   double snapshot_wait_seconds = 0.0;
   double refresh_seconds = 0.0;  // summed numerics time over jobs
+  std::uint64_t faults_triggered = 0;   // jobs that met an injected fault or random delay
 };
 
 // Thread safety: add_block() must not race with the other calls; everything else is safe to call
@@ -109,6 +127,25 @@ class RefreshEngine {
   void close();
   bool closed() const;
 
+  // ---- Fault injection: for tests and the soak benchmark, not for production use. ----------
+  // The faults act inside the real worker jobs, so that every failure path (exception capture,
+  // result buffer failed, last good version kept, failure counted, BlockFailure past the bound,
+  // timeouts, close() during a job) runs exactly as it would for a genuine fault. When nothing is
+  // armed a job pays one atomic load.
+  //
+  // Arms `kind` for the job of (`block`, `version`); with version == kAnyVersion for every job of
+  // the block until clear_faults(). A specific version's fault fires once and takes precedence over
+  // an any-version fault. `duration` is the sleep of kDelay (> 0) or the bound of kHang (0: until
+  // close()), and must be zero for the others.
+  // Throws InvalidArgument for an unknown block, a version < 0 or a bad duration.
+  void inject_fault(std::int64_t block, std::int64_t version, FaultKind kind,
+                    std::chrono::nanoseconds duration = std::chrono::nanoseconds::zero());
+  // Every job without an armed fault sleeps a pseudo-random time in [0, max_delay) before its
+  // numerics, a function of (seed, block, version) only; max_delay == 0 turns it off.
+  void set_random_delay(std::chrono::nanoseconds max_delay, std::uint64_t seed);
+  // Disarms every fault and the random delay (jobs already sleeping or hanging are not woken).
+  void clear_faults();
+
   coherence::BlockStatus status(std::int64_t block) const;
   EngineStats stats() const;
   const EngineConfig& config() const noexcept { return config_; }
@@ -120,11 +157,22 @@ class RefreshEngine {
     bool used_float64 = false;
     bool skipped = false;
   };
+  struct Fault {
+    FaultKind kind;
+    std::chrono::nanoseconds duration;
+  };
+  // The fault (if any) that the job of (id, version) meets; consumes a one-shot fault.
+  std::optional<Fault> take_fault(std::int64_t id, std::int64_t version);
+  // Runs the part of `fault` that happens before the numerics (throw, hang, delay).
+  void apply_fault(const Fault& fault, std::int64_t id, std::int64_t version);
+  // Throws NumericalError unless the `count` floats of a job's result are finite (quality gate).
+  static void gate_result(std::int64_t id, std::int64_t version, const float* result, std::size_t count);
   // `previous` is the block's previous eigenbasis job (empty for inverse roots and a chain's first).
   void run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec, double skip_tol,
                const std::optional<JobHandle>& previous);
-  JobOutcome compute_eigenbasis(Block& b, std::int64_t version, const float* input, float* output,
-                                const linalg::RootSpec& spec, double skip_tol);
+  // `poison`: an injected kNonFinite fault, applied before the quality gate.
+  JobOutcome compute_eigenbasis(Block& b, std::int64_t id, std::int64_t version, const float* input, float* output,
+                                const linalg::RootSpec& spec, double skip_tol, bool poison);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
 
@@ -142,6 +190,16 @@ class RefreshEngine {
   double refresh_seconds_ = 0.0;              // guarded by mutex_
   bool closed_ = false;                       // guarded by mutex_
   std::unique_ptr<WorkerPool> pool_;
+
+  // Fault injection. faults_armed_ is the one check a job makes when nothing is armed.
+  std::atomic<bool> faults_armed_{false};
+  mutable std::mutex fault_mutex_;
+  std::condition_variable fault_released_;                     // guarded by fault_mutex_
+  std::map<std::pair<std::int64_t, std::int64_t>, Fault> faults_;  // guarded by fault_mutex_
+  std::chrono::nanoseconds max_random_delay_{0};               // guarded by fault_mutex_
+  std::uint64_t delay_seed_ = 0;                               // guarded by fault_mutex_
+  std::uint64_t faults_triggered_ = 0;                         // guarded by fault_mutex_
+  bool closing_ = false;                                       // guarded by fault_mutex_; wakes hangs and delays
 };
 
 }  // namespace asteria::runtime

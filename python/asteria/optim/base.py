@@ -7,7 +7,6 @@ which direction it steps in; the preconditioner refreshes run through one ``Refr
 
 from __future__ import annotations
 
-import math
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
@@ -22,6 +21,8 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, preconditioner_bytes
 from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
+                                      check_positive, validate_state_dict)
 from asteria.pipeline.refresh import Refresher, make_refresher
 from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
 from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
@@ -33,28 +34,6 @@ PAGED_BUFFERS = 3
 
 NONFINITE_STREAK = "nonfinite_streak"
 NONFINITE_TOTAL = "nonfinite_total"
-
-
-def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
-    """Raises ``ValueError('Invalid name=value: allowed')`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"Invalid {name}={value!r}: {allowed}")
-
-
-def check_betas(betas: Any, name: str = "betas") -> None:
-    check_arg(isinstance(betas, (tuple, list)) and len(betas) == 2, name, betas, "must be a pair of floats")
-    for i, beta in enumerate(betas):
-        check_arg(isinstance(beta, (int, float)) and 0.0 <= beta < 1.0, f"{name}[{i}]", beta, "must be in [0, 1)")
-
-
-def check_nonnegative(value: Any, name: str) -> None:
-    check_arg(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name, value,
-              "must be a finite number >= 0")
-
-
-def check_positive(value: Any, name: str) -> None:
-    check_arg(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name, value,
-              "must be a finite number > 0")
 
 
 class SecondOrderOptimizer(torch.optim.Optimizer):
@@ -78,13 +57,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         start_preconditioning_step: int | None,
         runtime: RuntimeConfig | None,
     ) -> None:
-        check_arg(isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1, "max_preconditioner_dim",
-                  max_preconditioner_dim, "must be an int >= 1")
-        check_arg(isinstance(precondition_frequency, int) and precondition_frequency >= 1, "precondition_frequency",
-                  precondition_frequency, "must be an int >= 1")
+        check_count(max_preconditioner_dim, "max_preconditioner_dim")
+        check_count(precondition_frequency, "precondition_frequency")
+        check_count(start_preconditioning_step, "start_preconditioning_step", optional=True)
         start = precondition_frequency if start_preconditioning_step is None else start_preconditioning_step
-        check_arg(isinstance(start, int) and start >= 1, "start_preconditioning_step", start_preconditioning_step,
-                  "must be None or an int >= 1")
         check_arg(runtime is None or isinstance(runtime, RuntimeConfig), "runtime", runtime,
                   "must be None or an asteria.RuntimeConfig")
         super().__init__(params, defaults)
@@ -223,6 +199,14 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             del group.state[key]
             self._paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
 
+    def _expected_state(self, index: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every state tensor of shape group ``index`` in a checkpoint (those on the
+        NVMe tier included)."""
+        expected = {key: (t.shape, t.dtype) for key, t in self._groups[index].state.items()}
+        for key, fset in self._paged_keys.get(index, {}).items():
+            expected[key] = (torch.Size((fset.batch, fset.dim, fset.dim)), torch.float32)
+        return expected
+
     def _preconditioners(self, group: ShapeGroup) -> list[Tensor]:
         """The device tensors with ``group``'s preconditioners in use (one per mode), readable by the
         current stream; under the host placement they are staged here once per step."""
@@ -249,6 +233,24 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
         """The (B, *shape) direction to step against, before the learning rate; ``None`` leaves the
         parameters as they are this step."""
+
+    @staticmethod
+    def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+        """Raises ``ValueError`` naming the first invalid hyperparameter of a defaults dict (``where`` = "")
+        or of a param group (``where`` = "param_groups[i]")."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, with the group's hyperparameters checked. Only during construction: the blocks
+        are batched once, so a group added later would never be stepped."""
+        if getattr(self, "_groups", None) is not None:
+            raise ValueError("Invalid add_param_group after construction: an Asteria optimizer batches its blocks "
+                             "when it is built; create a new optimizer with every param group instead")
+        super().add_param_group(param_group)
+        try:
+            self.check_hyperparameters(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]")
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
         """What a refresh of ``group``'s factors at ``step`` computes; override for other rules."""
@@ -321,7 +323,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor]:
         """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update."""
         grads, has_grad = group.gather_grads()
-        finite = F.finite_rows(grads)
+        finite = F.usable_gradient_rows(grads)
         bad = has_grad & ~finite
         if self.runtime.nonfinite_grad_policy == "raise" and bool(bad.any()):
             block = group.blocks[int(bad.nonzero()[0])]
@@ -381,24 +383,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
         ``ValueError`` naming what differs otherwise, before anything is changed."""
-        check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
-                  type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
-        saved, mine = state_dict.get("distributed"), self._refresher.identity()
-        if saved != mine:
-            raise ValueError(f"Invalid state_dict: saved on {_describe_layout(saved)}, loaded on "
-                             f"{_describe_layout(mine)}; resume with the same ranks and load each rank's own "
-                             "state_dict")
-        if state_dict["runtime_mode"] != self.runtime.mode:
-            raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
-                             f"mode {self.runtime.mode!r}")
-        if state_dict["layout"] != self._layout():
-            raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
-                             f"{self._layout()} (parameters or max_preconditioner_dim differ)")
-        for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
-            mine = set(group.state) | set(self._paged_keys.get(index, {}))
-            if set(saved) != mine:
-                raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
-                                 f"{sorted(mine)} (a different optimizer class?)")
+        validate_state_dict(self, state_dict)
         for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
             paged = self._paged_keys.get(index, {})
             for key, tensor in saved.items():
@@ -488,12 +473,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _describe_layout(identity: dict[str, Any] | None) -> str:
-    if identity is None:
-        return "a single process"
-    return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
-            f"{identity['local_world_size']}, block owners {identity['owners']})")
 
 
 def _close(refresher: Refresher, tier: PreconditionerTier) -> None:

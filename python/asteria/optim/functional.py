@@ -20,6 +20,14 @@ def finite_rows(x: Tensor) -> Tensor:
     return torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
 
 
+def usable_gradient_rows(grads: Tensor) -> Tensor:
+    """(B,) bool: which blocks' gradients may enter the statistics: every entry finite and the squared
+    Frobenius norm finite in float32. The second rejects a finite gradient whose outer products
+    would overflow (|g| ~ 1e20): every entry of G G^T and of G * G is bounded by ||G||_F^2."""
+    flat = grads.reshape(grads.shape[0], -1)
+    return torch.isfinite(torch.linalg.vecdot(flat, flat))
+
+
 def mode_matrix(x: Tensor, mode: int) -> Tensor:
     """Unfolds (B, d_0, ..., d_k) along dimension ``mode`` into (B, d_mode, prod(others))."""
     return x.movedim(mode + 1, 1).reshape(x.shape[0], x.shape[mode + 1], -1)

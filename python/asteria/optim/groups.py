@@ -87,6 +87,9 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
         names = group.get("param_names") or [None] * len(group["params"])
         for param_index, (param, name) in enumerate(zip(group["params"], names)):
             label = name or f"param_groups[{group_index}][{param_index}] {tuple(param.shape)}"
+            if not param.is_floating_point():
+                raise ValueError(f"Invalid parameter {label} of dtype {param.dtype}: must be a real floating-point "
+                                 "tensor")
             for block in partition(local(param), param_index, label, max_dim, merge):
                 base = (group_index, block.shape, param.device)
                 key = base + (chunks.get(base, 0),)

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
-from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
+from asteria.optim.validation import check_arg, check_betas, check_nonnegative, check_positive, key_name
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"
@@ -67,21 +68,27 @@ class KLShampoo(EigenbasisOptimizer):
         refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
     ) -> None:
-        check_nonnegative(lr, "lr")
-        check_betas(betas)
-        check_positive(eps, "eps")
-        check_nonnegative(weight_decay, "weight_decay")
-        check_nonnegative(refresh_skip_tol, "refresh_skip_tol")
-        check_positive(init_factor, "init_factor")
         check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
                   or runtime.deterministic, "runtime", runtime,
                   "KL-Shampoo in async mode needs deterministic=True (the eigenvalue estimates follow the "
                   "scheduled basis)")
+        check_betas(betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol, init_factor=init_factor)
+        self.check_hyperparameters(defaults)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
+
+    @staticmethod
+    def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+        name = lambda key: key_name(where, key)  # noqa: E731
+        check_nonnegative(hyper["lr"], name("lr"))
+        check_betas(hyper["betas"], name("betas"))
+        check_positive(hyper["eps"], name("eps"))
+        check_nonnegative(hyper["weight_decay"], name("weight_decay"))
+        check_nonnegative(hyper["refresh_skip_tol"], name("refresh_skip_tol"))
+        check_positive(hyper["init_factor"], name("init_factor"))
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
-from asteria.optim.base import SecondOrderOptimizer, check_arg, check_betas, check_nonnegative, check_positive
+from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key, has_root_key, root_key
+from asteria.optim.validation import check_arg, check_betas, check_nonnegative, check_positive, check_unit, key_name
 from asteria.pipeline.factors import FactorSet
 
 GRAFTINGS = ("adam", "none")
@@ -56,20 +58,25 @@ class Shampoo(SecondOrderOptimizer):
         grafting_eps: float = 1e-8,
         runtime: RuntimeConfig | None = None,
     ) -> None:
-        check_nonnegative(lr, "lr")
         check_betas(betas)
-        check_positive(eps, "eps")
-        check_nonnegative(weight_decay, "weight_decay")
-        check_arg(grafting in GRAFTINGS, "grafting", grafting, f"must be one of {GRAFTINGS}")
         grafting_beta2 = betas[1] if grafting_beta2 is None else grafting_beta2
-        check_arg(isinstance(grafting_beta2, (int, float)) and 0.0 <= grafting_beta2 < 1.0, "grafting_beta2",
-                  grafting_beta2, "must be None or in [0, 1)")
-        check_positive(grafting_eps, "grafting_eps")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)
+        self.check_hyperparameters(defaults)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency,
                          start_preconditioning_step=start_preconditioning_step, runtime=runtime)
+
+    @staticmethod
+    def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+        name = lambda key: key_name(where, key)  # noqa: E731
+        check_nonnegative(hyper["lr"], name("lr"))
+        check_betas(hyper["betas"], name("betas"))
+        check_positive(hyper["eps"], name("eps"))
+        check_nonnegative(hyper["weight_decay"], name("weight_decay"))
+        check_arg(hyper["grafting"] in GRAFTINGS, name("grafting"), hyper["grafting"], f"must be one of {GRAFTINGS}")
+        check_unit(hyper["grafting_beta2"], name("grafting_beta2"), "must be None or in [0, 1)")
+        check_positive(hyper["grafting_eps"], name("grafting_eps"))
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
-from asteria.optim.base import check_arg, check_betas, check_nonnegative, check_positive
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
+from asteria.optim.validation import check_arg, check_betas, check_nonnegative, check_positive, check_unit, key_name
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
@@ -63,14 +64,8 @@ class SOAP(EigenbasisOptimizer):
         refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
     ) -> None:
-        check_nonnegative(lr, "lr")
         check_betas(betas)
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
-        check_arg(isinstance(shampoo_beta, (int, float)) and 0.0 <= shampoo_beta < 1.0, "shampoo_beta",
-                  shampoo_beta, "must be None or in [0, 1)")
-        check_positive(eps, "eps")
-        check_nonnegative(weight_decay, "weight_decay")
-        check_nonnegative(refresh_skip_tol, "refresh_skip_tol")
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
                   or runtime.deterministic, "runtime", runtime,
@@ -78,9 +73,20 @@ class SOAP(EigenbasisOptimizer):
         self.precondition_1d = precondition_1d
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol)
+        self.check_hyperparameters(defaults)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency, start_preconditioning_step=1,
                          runtime=runtime)
+
+    @staticmethod
+    def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+        name = lambda key: key_name(where, key)  # noqa: E731
+        check_nonnegative(hyper["lr"], name("lr"))
+        check_betas(hyper["betas"], name("betas"))
+        check_unit(hyper["shampoo_beta"], name("shampoo_beta"), "must be None or in [0, 1)")
+        check_positive(hyper["eps"], name("eps"))
+        check_nonnegative(hyper["weight_decay"], name("weight_decay"))
+        check_nonnegative(hyper["refresh_skip_tol"], name("refresh_skip_tol"))
 
     def _rotated(self, group: ShapeGroup) -> bool:
         return group.order >= 2 or (group.order == 1 and self.precondition_1d)

@@ -279,6 +279,12 @@ class AsyncRefresher(Refresher):
             _, block_id, version, cause = failure.args
             index, block = self.owner[block_id]
             self._raise_failure(self.sets[index], block, version, cause)
+        except _core.BlockTimeout as timeout:
+            index, block = self.owner[timeout.block]
+            fset = self.sets[index]
+            raise TimeoutError(f"refresh of {fset.describe(block)} of parameter {fset.block_params[block]!r} "
+                               f"(version {timeout.version}) not done within timeout_s={self.config.timeout_s}: "
+                               f"{timeout}") from timeout
         by_set: dict[int, list[tuple[int, int, int]]] = {}
         for block_id, version in changes:
             index, block = self.owner[block_id]

@@ -1,0 +1,124 @@
+"""Argument checks shared by the optimizers: hyperparameters (also per param group) and checkpoints.
+
+Every error is ``ValueError("Invalid <name>=<value>: <what is allowed>")``; a checkpoint is checked in
+full before ``load_state_dict`` changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher", "runtime_mode",
+                   "distributed")
+
+
+def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Raises ``ValueError('Invalid name=value: allowed')`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"Invalid {name}={value!r}: {allowed}")
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (``True`` is an int in Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_nonnegative(value: Any, name: str) -> None:
+    check_arg(is_real(value) and value >= 0, name, value, "must be a finite number >= 0")
+
+
+def check_positive(value: Any, name: str) -> None:
+    check_arg(is_real(value) and value > 0, name, value, "must be a finite number > 0")
+
+
+def check_unit(value: Any, name: str, allowed: str = "must be in [0, 1)") -> None:
+    check_arg(is_real(value) and 0.0 <= value < 1.0, name, value, allowed)
+
+
+def check_betas(betas: Any, name: str = "betas") -> None:
+    check_arg(isinstance(betas, (tuple, list)) and len(betas) == 2, name, betas, "must be a pair of floats")
+    for i, beta in enumerate(betas):
+        check_unit(beta, f"{name}[{i}]")
+
+
+def check_count(value: Any, name: str, minimum: int = 1, optional: bool = False) -> None:
+    prefix = "None or " if optional else ""
+    check_arg((optional and value is None) or (is_int(value) and value >= minimum), name, value,
+              f"must be {prefix}an int >= {minimum}")
+
+
+def key_name(where: str, key: str) -> str:
+    """``lr`` for the defaults (where == ""), ``param_groups[1]['lr']`` for a group."""
+    return f"{where}[{key!r}]" if where else key
+
+
+def validate_state_dict(opt: Any, state_dict: Any) -> None:
+    """Checks a checkpoint against optimizer ``opt`` (an ``asteria.optim.base.SecondOrderOptimizer``):
+    every key present, the step a count, one entry per shape group, param group and factor set, every
+    state tensor of the expected shape and dtype and finite where it is floating point, versions counts,
+    hyperparameters valid. Raises ``ValueError`` naming the entry; changes nothing."""
+    check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
+              type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+    for key in STATE_DICT_KEYS:
+        if key not in state_dict:
+            raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict)})")
+    saved, mine = state_dict.get("distributed"), opt._refresher.identity()
+    if saved != mine:
+        raise ValueError(f"Invalid state_dict: saved on {describe_layout(saved)}, loaded on {describe_layout(mine)}; "
+                         "resume with the same ranks and load each rank's own state_dict")
+    if state_dict["runtime_mode"] != opt.runtime.mode:
+        raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
+                         f"mode {opt.runtime.mode!r}")
+    if state_dict["layout"] != opt._layout():
+        raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
+                         f"{opt._layout()} (parameters or max_preconditioner_dim differ)")
+    step = state_dict["step"]
+    check_arg(is_int(step) and step >= 0, "state_dict['step']", step, "must be an int >= 0")
+    for key, expected, what in (("groups", len(opt._groups), "shape group"),
+                                ("param_groups", len(opt.param_groups), "param group"),
+                                ("versions", len(opt._set_groups), "factor set")):
+        value = state_dict[key]
+        check_arg(isinstance(value, (list, tuple)) and len(value) == expected, f"state_dict[{key!r}]",
+                  f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",
+                  f"must be a list of {expected} entries, one per {what} of this optimizer")
+    check_arg(isinstance(state_dict["refresher"], dict), "state_dict['refresher']",
+              type(state_dict["refresher"]).__name__, "must be a dict")
+    for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
+        if not isinstance(saved, dict):
+            raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
+        expected = opt._expected_state(i)
+        if saved.keys() != expected.keys():
+            raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
+                             f"{sorted(expected)} (a different optimizer class?)")
+        for key, (shape, dtype) in expected.items():
+            tensor, name = saved[key], f"state_dict['groups'][{i}][{key!r}]"
+            check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+            check_arg(tensor.shape == shape and tensor.dtype == dtype, name, f"{tensor.dtype} {tuple(tensor.shape)}",
+                      f"{group.name} expects {dtype} {tuple(shape)}")
+            check_arg(not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()), name,
+                      "tensor with non-finite values", "optimizer state must be finite (a corrupted checkpoint?)")
+    for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
+        check_arg(isinstance(versions, (list, tuple)) and len(versions) == fset.batch
+                  and all(is_int(v) and v >= 0 for v in versions), f"state_dict['versions'][{i}]", versions,
+                  f"must be {fset.batch} ints >= 0, the versions in use by the blocks of {fset.name}")
+    for i, saved in enumerate(state_dict["param_groups"]):
+        check_arg(isinstance(saved, dict), f"state_dict['param_groups'][{i}]", type(saved).__name__, "must be a dict")
+        merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | {
+            k: v for k, v in saved.items() if k != "params"}
+        opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
+
+
+def describe_layout(identity: dict[str, Any] | None) -> str:
+    """A rank layout recorded in a checkpoint, in words."""
+    if identity is None:
+        return "a single process"
+    return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
+            f"{identity['local_world_size']}, block owners {identity['owners']})")

@@ -1,0 +1,206 @@
+"""Bad arguments across the public API (issue 8, item 3): every error is a ValueError (TypeError where
+torch itself refuses) naming the argument and its value, raised before anything is changed. Cases
+already pinned elsewhere (tests/test_failures.py, each optimizer's reference test) are not repeated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from asteria import testing
+from conftest import small_mlp, train
+
+OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": True}, "Invalid lr=True"),  # a bool is an int to Python, never a learning rate
+    ({"lr": "0.1"}, "Invalid lr='0.1'"),
+    ({"betas": 0.9}, "Invalid betas=0.9"),
+    ({"betas": (0.9, float("nan"))}, r"Invalid betas\[1\]=nan"),
+    ({"eps": float("inf")}, "Invalid eps=inf"),
+    ({"weight_decay": -0.1}, "Invalid weight_decay=-0.1"),
+    ({"max_preconditioner_dim": True}, "Invalid max_preconditioner_dim=True"),
+    ({"max_preconditioner_dim": 64.0}, "Invalid max_preconditioner_dim=64.0"),
+    ({"precondition_frequency": True}, "Invalid precondition_frequency=True"),
+    ({"precondition_frequency": -3}, "Invalid precondition_frequency=-3"),
+    ({"runtime": asteria.MemoryConfig()}, "Invalid runtime=MemoryConfig"),
+])
+def test_constructor_arguments(optimizer, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        optimizer(small_mlp().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer, kwargs, match", [
+    (asteria.Shampoo, {"start_preconditioning_step": True}, "Invalid start_preconditioning_step=True"),
+    (asteria.Shampoo, {"grafting_beta2": 1.0}, "Invalid grafting_beta2=1.0"),
+    (asteria.SOAP, {"shampoo_beta": -0.5}, "Invalid shampoo_beta=-0.5"),
+    (asteria.SOAP, {"refresh_skip_tol": float("nan")}, "Invalid refresh_skip_tol=nan"),
+    (asteria.KLShampoo, {"init_factor": True}, "Invalid init_factor=True"),
+    (asteria.KLShampoo, {"refresh_skip_tol": -1}, "Invalid refresh_skip_tol=-1"),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_optimizer_specific_arguments(optimizer, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        optimizer(small_mlp().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("group, match", [
+    ({"lr": -1.0}, r"Invalid param_groups\[1\]\['lr'\]=-1.0"),
+    ({"betas": (0.9, 1.5)}, r"Invalid param_groups\[1\]\['betas'\]\[1\]=1.5"),
+    ({"eps": 0.0}, r"Invalid param_groups\[1\]\['eps'\]=0.0"),
+    ({"weight_decay": float("inf")}, r"Invalid param_groups\[1\]\['weight_decay'\]=inf"),
+])
+def test_each_param_group_is_checked(optimizer, group, match):
+    model = small_mlp()
+    groups = [{"params": [model[0].weight, model[0].bias]}, {"params": [model[2].weight, model[2].bias], **group}]
+    with pytest.raises(ValueError, match=match):
+        optimizer(groups)
+
+
+def test_param_group_added_after_construction_is_refused():
+    model = small_mlp()
+    with asteria.Shampoo([model[0].weight], runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        with pytest.raises(ValueError, match="Invalid add_param_group after construction"):
+            opt.add_param_group({"params": [model[2].weight]})
+        assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_non_floating_parameters_are_refused(optimizer):
+    counts = torch.zeros(4, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"Invalid parameter .* of dtype torch.int64: must be a real floating"):
+        optimizer([counts])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"blas_threads": 0}, "Invalid blas_threads=0"),
+    ({"workers": 2.0}, "Invalid workers=2.0"),
+    ({"deterministic": 1}, "Invalid deterministic=1"),
+    ({"bootstrap_sync": None}, "Invalid bootstrap_sync=None"),
+    ({"timeout_s": True}, "Invalid timeout_s=True"),
+    ({"timeout_s": float("nan")}, "Invalid timeout_s=nan"),
+    ({"staleness": True}, "Invalid staleness=True"),
+    ({"max_consecutive_failures": 1.5}, "Invalid max_consecutive_failures=1.5"),
+    ({"max_nonfinite_grad_steps": 0}, "Invalid max_nonfinite_grad_steps=0"),
+    ({"local_world_size": 0}, "Invalid local_world_size=0"),
+])
+def test_runtime_config_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asteria.RuntimeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"host_budget": True}, "Invalid host_budget=True"),
+    ({"gpu_budget": 0}, "Invalid gpu_budget=0"),
+    ({"nvme_budget": 1.5}, "Invalid nvme_budget=1.5"),
+    ({"placement": "gpu"}, "Invalid placement='gpu'"),
+])
+def test_memory_config_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asteria.MemoryConfig(**kwargs)
+
+
+def trained(optimizer, mode: str = "sync"):
+    model = small_mlp()
+    opt = optimizer(list(model.named_parameters()), precondition_frequency=2,
+                    runtime=asteria.RuntimeConfig(mode=mode, staleness=1, workers=1))
+    train(model, opt, 3)
+    return model, opt
+
+
+def mutate(path, value):
+    def apply(state):
+        target = state
+        for key in path[:-1]:
+            target = target[key]
+        if value is KeyError:
+            del target[path[-1]]
+        elif callable(value):
+            target[path[-1]] = value(target[path[-1]])
+        else:
+            target[path[-1]] = value
+    return apply
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("change, match", [
+    (mutate(["step"], KeyError), "Invalid state_dict: missing key 'step'"),
+    (mutate(["refresher"], KeyError), "Invalid state_dict: missing key 'refresher'"),
+    (mutate(["step"], "3"), r"Invalid state_dict\['step'\]='3'"),
+    (mutate(["step"], -1), r"Invalid state_dict\['step'\]=-1"),
+    (mutate(["groups"], lambda g: g[:-1]), r"Invalid state_dict\['groups'\]='list of \d+ entries'"),
+    (mutate(["param_groups"], lambda g: g + g), r"Invalid state_dict\['param_groups'\]='list of 2 entries'"),
+    (mutate(["versions"], lambda v: v[1:]), r"Invalid state_dict\['versions'\]"),
+    (mutate(["versions", 0], lambda v: ["x"] * len(v)), r"Invalid state_dict\['versions'\]\[0\]=\['x'"),
+    (mutate(["groups", 0, "exp_avg"], lambda t: t[..., :1]), r"Invalid state_dict\['groups'\]\[0\]\['exp_avg'\]="
+                                                             r"'torch.float32 .*expects torch.float32"),
+    (mutate(["groups", 0, "exp_avg"], lambda t: t.double()), r"Invalid state_dict\['groups'\]\[0\]\['exp_avg'\]="
+                                                             r"'torch.float64"),
+    (mutate(["groups", 0, "exp_avg"], lambda t: t.tolist()), r"\['exp_avg'\]='list': must be a torch.Tensor"),
+    (mutate(["groups", 0, "exp_avg"], lambda t: torch.full_like(t, float("nan"))),
+     r"\['exp_avg'\]='tensor with non-finite values'"),
+    (mutate(["param_groups", 0, "lr"], -5.0), r"Invalid state_dict\['param_groups'\]\[0\]\['lr'\]=-5.0"),
+    (mutate(["param_groups", 0, "betas"], (0.9, 2.0)), r"Invalid state_dict\['param_groups'\]\[0\]\['betas'\]\[1\]"),
+])
+def test_load_state_dict_rejects_bad_checkpoints_and_changes_nothing(optimizer, change, match):
+    _, source = trained(optimizer)
+    _, target = trained(optimizer)
+    with source, target:
+        state = source.state_dict()
+        # Shampoo names its first moment "momentum"; the eigenbasis optimizers "exp_avg".
+        if optimizer is asteria.Shampoo:
+            for group in state["groups"]:
+                group["exp_avg"] = group.pop("momentum")
+            for group in target._groups:
+                group.state["exp_avg"] = group.state.pop("momentum")
+        before = [t.clone() for g in target._groups for t in g.state.values()]
+        hyper = [dict(g) for g in target.param_groups]
+        change(state)
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict(state)
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in target._groups for t in g.state.values()]))
+        assert [dict(g) for g in target.param_groups] == hyper
+        assert target.runtime_stats()["step"] == 3
+
+
+@pytest.mark.parametrize("source, target", [(asteria.Shampoo, asteria.SOAP), (asteria.SOAP, asteria.KLShampoo)])
+def test_load_state_dict_of_another_optimizer_class(source, target):
+    model = small_mlp()
+    a = source(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync"), max_preconditioner_dim=16)
+    b = target(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync"), max_preconditioner_dim=16)
+    with a, b:
+        with pytest.raises(ValueError, match="Invalid state_dict"):
+            b.load_state_dict(a.state_dict())
+
+
+def test_load_state_dict_of_another_mode():
+    _, sync = trained(asteria.SOAP, "sync")
+    _, other = trained(asteria.SOAP, "async")
+    with sync, other:
+        with pytest.raises(ValueError, match="saved in mode 'sync', this optimizer runs mode 'async'"):
+            other.load_state_dict(sync.state_dict())
+
+
+def test_fault_injection_arguments():
+    model, opt = trained(asteria.Shampoo, "async")
+    with opt:
+        with pytest.raises(ValueError, match="Invalid kind='explode'"):
+            testing.inject_fault(opt, "0.weight", "explode")
+        with pytest.raises(ValueError, match=r"Invalid param='nope': no preconditioner block belongs to it"):
+            testing.inject_fault(opt, "nope")
+        with pytest.raises(ValueError, match="Invalid mode=5"):
+            testing.inject_fault(opt, "0.weight", mode=5)
+        with pytest.raises(ValueError, match="Invalid version=0"):
+            testing.inject_fault(opt, "0.weight", version=0)
+        with pytest.raises(ValueError, match=r"Invalid seconds=0.50* for kind='throw'"):
+            testing.inject_fault(opt, "0.weight", "throw", seconds=0.5)
+        with pytest.raises(ValueError, match="Invalid seconds=0.0"):
+            testing.inject_fault(opt, "0.weight", "delay")
+        with pytest.raises(ValueError, match="Invalid max_delay_s=-1"):
+            testing.set_random_worker_delay(opt, -1.0)
+    _, sync = trained(asteria.Shampoo, "sync")
+    with sync, pytest.raises(ValueError, match="fault injection needs mode='async'"):
+        testing.inject_fault(sync, "0.weight")
