@@ -21,7 +21,9 @@ PARAM = "0.weight"  # (16, 8): two factors, one engine block per mode
 
 def make(name: str, **runtime):
     model = small_mlp()
+    # Unstaggered: every set refreshes on the same steps, so one version number names a step's refresh.
     config = asteria.RuntimeConfig(mode=runtime.pop("mode", "async"), staleness=runtime.pop("staleness", 0),
+                                   stagger=runtime.pop("stagger", False),
                                    workers=1, **runtime)
     params = list(model.named_parameters())
     common = dict(lr=0.01, precondition_frequency=2, max_preconditioner_dim=16, runtime=config)
@@ -64,6 +66,13 @@ def run_to(model, opt, step: int) -> None:
     train(model, opt, step - opt.runtime_stats()["step"])
 
 
+def run_past(model, opt, step: int) -> None:
+    """Trains until the activation of `step` has run: at step `step` itself for Shampoo, at the start of
+    the next step for SOAP and KL-Shampoo (ACTIVATION_LAG = 1: their step reads the bases of the step
+    before)."""
+    run_to(model, opt, step + opt.ACTIVATION_LAG)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cause(name):
     model, opt = make(name, max_consecutive_failures=2)
@@ -73,7 +82,7 @@ def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cau
         for step in (first, second):
             blocks = testing.inject_fault(opt, PARAM, "throw", version=opt.refresh_version(step))
         good = preconditioners(opt, PARAM)
-        run_to(model, opt, first)  # the first failing refresh: the last good preconditioners stay in use
+        run_past(model, opt, first)  # the first failing refresh: the last good preconditioners stay in use
         assert all(torch.equal(a, b) for a, b in zip(preconditioners(opt, PARAM), good))
         stats = opt.runtime_stats()
         assert stats["refresh_failures"] == len(blocks) == 2
@@ -81,7 +90,7 @@ def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cau
             assert status["consecutive_failures"] == 1 and status["total_failures"] == 1
             assert "injected worker exception" in status["last_error"]
         assert all(s["consecutive_failures"] == 0 for s in testing.block_status(opt, "2.weight"))
-        run_to(model, opt, second - 1)
+        run_past(model, opt, second - 1)
         before = params_of(model)
         with pytest.raises(asteria.RefreshError) as info:
             train(model, opt, 1)  # the second failure in a row reaches max_consecutive_failures=2
@@ -102,7 +111,7 @@ def test_nonfinite_refresh_result_is_rejected_by_the_quality_gate(name):
         step = next_refreshes(opt, 1)[0]
         testing.inject_fault(opt, PARAM, "nonfinite", version=opt.refresh_version(step), mode=1)
         good = preconditioners(opt, PARAM)
-        run_to(model, opt, step)
+        run_past(model, opt, step)
         assert opt.runtime_stats()["refresh_failures"] == 1
         statuses = testing.block_status(opt, PARAM)
         assert statuses[1]["total_failures"] == 1 and "not finite (quality gate)" in statuses[1]["last_error"]
@@ -111,7 +120,7 @@ def test_nonfinite_refresh_result_is_rejected_by_the_quality_gate(name):
         assert not torch.equal(preconditioners(opt, PARAM)[0], good[0])  # mode 0 moved on
         assert all_state_finite(opt) and all(torch.isfinite(p).all() for p in model.parameters())
         # The fault fired once: the next refresh of the block succeeds and is used.
-        run_to(model, opt, next_refreshes(opt, 1)[0])
+        run_past(model, opt, next_refreshes(opt, 1)[0])
         assert testing.block_status(opt, PARAM)[1]["consecutive_failures"] == 0
         assert not torch.equal(preconditioners(opt, PARAM)[1], good[1])
 
@@ -124,7 +133,7 @@ def test_nonfinite_factor_is_rejected_counted_and_corrupts_nothing(name):
         good = preconditioners(opt, PARAM)
         group = next(g for g in opt._groups if g.shape == (16, 8))
         group.state["factor_0"][0, 3, 3] = float("inf")  # a factor turned non-finite (e.g. a bit flip)
-        run_to(model, opt, next_refreshes(opt, 1)[0])
+        run_past(model, opt, next_refreshes(opt, 1)[0])
         status = testing.block_status(opt, PARAM)[0]
         assert status["total_failures"] == 1 and "non-finite" in status["last_error"]
         assert opt.runtime_stats()["refresh_failures"] == 1
@@ -196,7 +205,7 @@ def test_hung_refresh_times_out_clearly_and_close_returns_promptly(name):
     step = next_refreshes(opt, 1)[0]
     version = opt.refresh_version(step)
     testing.inject_fault(opt, PARAM, "hang", version=version, mode=0)
-    run_to(model, opt, step - 1)
+    run_past(model, opt, step - 1)
     before = params_of(model)
     with pytest.raises(TimeoutError, match=rf"mode 0 of parameter '{PARAM}' \(version {version}\) not done within "
                                            r"timeout_s=0.5: .* needs version \d+, still running after waiting"):
@@ -220,7 +229,7 @@ def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budge
     gc.collect()
     before = threads()
     with pytest.raises(ValueError, match=rf"Invalid {budget}=64: too small for this model's state "
-                                         r"\(device needs \d+ bytes, host needs \d+ bytes\)"):
+                                         r"\(placement 'device': device needs \d+ bytes, host needs \d+ bytes\)"):
         make(name, memory=asteria.MemoryConfig(**{budget: 64}))
     gc.collect()
     assert threads() == before

@@ -17,7 +17,7 @@ SIZES = (8, 8, 8)
 
 def make(name: str):
     model = small_mlp(sizes=SIZES)
-    runtime = asteria.RuntimeConfig(mode="async", staleness=2, workers=2, deterministic=True)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=2, workers=2, deterministic=True, stagger=False)
     common = dict(lr=0.01, precondition_frequency=2, runtime=runtime)
     if name == "shampoo":
         return model, asteria.Shampoo(list(model.named_parameters()), eps=1e-6, **common)

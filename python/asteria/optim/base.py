@@ -44,7 +44,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     #: steps from a version's activation to its first use: 0 when the step that activates it steps with
     #: it (Shampoo's roots), 1 when the direction is computed while accumulating, before the step's
     #: refresh (SOAP's and KL-Shampoo's bases). The activation of step t may run anywhere between
-    #: step t's refresh and that first use; ``asteria.attach`` moves it into the forward pass.
+    #: step t's refresh and that first use: at the start of step t + 1 (before anything changes, so a
+    #: failing or timed-out activation leaves the parameters as they were), or earlier, in the forward
+    #: pass, with ``asteria.attach``.
     ACTIVATION_LAG = 0
 
     def __init__(
@@ -70,7 +72,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self.start_preconditioning_step = start
         self._step = 0
         self._activated_step = 0  # the newest step whose activation has been done
-        self._attached = 0  # hooks of ``asteria.attach`` in place: a lag-1 activation waits for them
+        self._attached = 0  # how many ``asteria.attach`` handles are in place
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
@@ -288,8 +290,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._done_reading(group)
         self._tier.end_step()
         self._step = step
-        if self.ACTIVATION_LAG and not self._attached:
-            self._activate(step)
         return loss
 
     def _activate(self, step: int) -> None:
@@ -299,6 +299,15 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._refresher.activate(step)
             self._activated_step = step
         self._refresher.ready()
+
+    def is_refresh_step(self, step: int) -> bool:
+        """Whether some factor set is refreshed at ``step`` (see ``self.schedule`` for each set)."""
+        return bool(self.schedule.due(step))
+
+    def refresh_version(self, step: int, index: int = 0) -> int:
+        """The newest version of factor set ``index`` snapshotted by ``step`` (0: none yet); unstaggered,
+        every set has the same."""
+        return self.schedule.version_at(step, index)
 
     def prefetch(self) -> None:
         """Installs now the preconditioner versions that the next ``step()`` activates (on the side

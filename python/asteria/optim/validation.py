@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher", "runtime_mode",
-                   "distributed")
+STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher",
+                   "runtime_mode", "distributed")
 
 
 def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:

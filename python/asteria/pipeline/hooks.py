@@ -10,7 +10,7 @@ step. With ``attach``:
   only on the copies' events. For Shampoo that is the activation of the coming step (unless that
   step's own refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does
   it); for SOAP and KL-Shampoo, whose coming step reads the bases while accumulating, it is the
-  activation of the step just done, which then no longer runs at the end of ``step()``;
+  activation of the step just done, which otherwise runs at the start of the next ``step()``;
 - every module that owns parameters gets a forward hook and a full backward pre-hook that drain
   finished transfers: snapshots whose device-to-host copy has completed go to the CPU workers at
   once (not at the next ``step()``), and staging buffers whose copies have completed are recycled.
