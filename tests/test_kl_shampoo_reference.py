@@ -18,10 +18,12 @@ INIT = 0.1
 class ReferenceKLShampoo:
     """2-D weights: S_L <- b S_L + (1-b)/n G Q_R D_R^-1 Q_R^T G^T (and symmetric), eigenvalues re-estimated
     each step in the stale bases, bases refreshed by QR(S Q) after ordering Q's columns by Rayleigh
-    quotient; 1-D parameters: Adam."""
+    quotient; 1-D parameters: Adam. The eigenvalue estimates start at ``init`` (the reference's constant
+    0.1), or with ``init=None`` at sqrt(mean g^2) of the first gradient (Asteria's default)."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, frequency):
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency, init=INIT):
         self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
+        self.init = init
         self.t = 0
         self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
 
@@ -42,7 +44,10 @@ class ReferenceKLShampoo:
             if self.t == 1:
                 s["SL"], s["SR"] = (1 - b) / n * g @ g.T, (1 - b) / m * g.T @ g
                 s["QL"], s["QR"] = (np.linalg.eigh(x)[1][:, ::-1] for x in (s["SL"], s["SR"]))
-                s["eL"], s["eR"] = np.full(m, INIT**-0.5), np.full(n, INIT**-0.5)
+                d = INIT if self.init is None and not np.any(g) else self.init
+                d = np.sqrt(np.mean(g * g)) if d is None else d
+                s["eL"] = np.minimum(np.full(m, d**-0.5), max(10, min(m, 4000)))
+                s["eR"] = np.minimum(np.full(n, d**-0.5), max(10, min(n, 4000)))
                 continue
             s["m"] = b1 * s["m"] + (1 - b1) * g
             e = np.outer(s["eL"], s["eR"])
@@ -72,9 +77,9 @@ class ReferenceKLShampoo:
             p.copy_(torch.from_numpy(w))
 
 
-def run_reference(steps: int) -> list[torch.Tensor]:
+def run_reference(steps: int, init: float | None = INIT) -> list[torch.Tensor]:
     model = small_mlp(sizes=SIZES)
-    ref = ReferenceKLShampoo(list(model.parameters()), frequency=FREQUENCY, **HYPER)
+    ref = ReferenceKLShampoo(list(model.parameters()), frequency=FREQUENCY, init=init, **HYPER)
     x, y = regression_data(sizes=SIZES)
     for step in range(steps):
         for p in model.parameters():
@@ -84,9 +89,9 @@ def run_reference(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def run_kl(steps: int, runtime: asteria.RuntimeConfig) -> list[torch.Tensor]:
+def run_kl(steps: int, runtime: asteria.RuntimeConfig, init: float | None = INIT) -> list[torch.Tensor]:
     model = small_mlp(sizes=SIZES)
-    with asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, init_factor=INIT, runtime=runtime,
+    with asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, init_factor=init, runtime=runtime,
                            **HYPER) as opt:
         train(model, opt, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
@@ -103,6 +108,38 @@ def test_sync_matches_float64_reference():
 def test_async_staleness_zero_matches_reference():
     runtime = asteria.RuntimeConfig(staleness=0, workers=2, stagger=False)
     assert max(relative_errors(run_kl(14, runtime), run_reference(14))) < 2e-4
+
+
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"),
+                                     asteria.RuntimeConfig(staleness=0, workers=2, stagger=False)],
+                         ids=["sync", "async"])
+def test_init_from_first_gradient_matches_reference(runtime):
+    expected = run_reference(14, init=None)
+    assert max(relative_errors(run_kl(14, runtime, init=None), expected)) < 2e-4
+    assert max(relative_errors(run_reference(14), expected)) > 1e-3  # the two starts differ measurably
+
+
+def scaled_loss_run(scale: float, init: float | None, steps: int = 12) -> list[torch.Tensor]:
+    """KL-Shampoo on the regression with the loss multiplied by ``scale``."""
+    model = small_mlp(sizes=SIZES)
+    x, y = regression_data(sizes=SIZES)
+    with asteria.KLShampoo(model.parameters(), precondition_frequency=FREQUENCY, init_factor=init,
+                           runtime=asteria.RuntimeConfig(mode="sync"), **HYPER) as opt:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            start = (step * 32) % 128
+            (scale * torch.nn.functional.mse_loss(model(x[start:start + 32]), y[start:start + 32])).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_default_init_makes_the_steps_independent_of_the_loss_scale():
+    assert asteria.KLShampoo(small_mlp().parameters()).defaults["init_factor"] is None
+    # Up to the clamp of d^(-1/2) from above (a larger loss clamps less), a 1000x larger loss takes the
+    # same steps (measured: 0.4% apart) ...
+    assert max(relative_errors(scaled_loss_run(1e3, None), scaled_loss_run(1.0, None))) < 1e-2
+    # ... while from a constant start the first steps follow the gradient's scale (measured: 38% apart).
+    assert max(relative_errors(scaled_loss_run(1e3, INIT), scaled_loss_run(1.0, INIT))) > 1e-1
 
 
 def test_reference_comparison_can_fail():
@@ -130,7 +167,8 @@ def test_state_dict_resume_is_bit_for_bit(runtime):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"lr": float("inf")}, "Invalid lr=inf"), ({"betas": (0.9, -0.1)}, r"Invalid betas\[1\]=-0.1"),
-    ({"init_factor": 0.0}, "Invalid init_factor=0.0"), ({"eps": -1.0}, "Invalid eps=-1.0"),
+    ({"init_factor": 0.0}, "Invalid init_factor=0.0"),
+    ({"init_factor": float("nan")}, "Invalid init_factor=nan"), ({"eps": -1.0}, "Invalid eps=-1.0"),
     ({"runtime": asteria.RuntimeConfig(deterministic=False)}, "Invalid runtime=.*deterministic=True"),
 ])
 def test_invalid_hyperparameters(kwargs, match):

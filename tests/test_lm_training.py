@@ -17,7 +17,7 @@ def adamw_loss(tmp_path_factory) -> float:
     return train(cfg, tmp_path_factory.mktemp("adamw"), progress=False)["final_loss"]
 
 
-@pytest.mark.parametrize("optimizer, lr", [("shampoo", 3e-3), ("soap", 3e-3), ("kl-shampoo", 1e-2)])
+@pytest.mark.parametrize("optimizer, lr", [("shampoo", 3e-3), ("soap", 3e-3), ("kl-shampoo", 3e-3)])
 def test_second_order_optimizers_match_or_beat_adamw(optimizer, lr, adamw_loss, tmp_path):
     summary = train(RunConfig(optimizer=optimizer, lr=lr, mode="async", **COMMON), tmp_path, progress=False)
     assert summary["final_loss"] <= adamw_loss, (optimizer, summary["final_loss"], adamw_loss)

@@ -412,7 +412,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def staleness(self) -> int:
         """Refresh intervals by which the most stale preconditioner in use lags its block's newest
         snapshot (0 before the first refresh)."""
-        return max((self.schedule.version_at(self._step, index) - min(fset.versions)
+        # Measured at the newest step whose activation has run (for SOAP and KL-Shampoo, the activation of
+        # the last step runs at the start of the next one: these are the versions that step reads).
+        return max((self.schedule.version_at(self._activated_step, index) - min(fset.versions)
                     for index, (fset, _) in enumerate(self._set_groups)), default=0)
 
     def runtime_stats(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, parameter_count
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
-DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 1e-2}
+DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "batch_size", "seq_len", "lr", "weight_decay", "staleness",
                      "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed")
