@@ -83,7 +83,8 @@ def compare(args: argparse.Namespace) -> dict:
                       "saved_over_preconditioner_bytes": saved / native["preconditioner_bytes"]}
         gib = {key: row["peak_gpu_bytes"] / 2**30 for key, row in (("native", native), ("host", host))}
         print(f"{kind:<11} native peak {gib['native']:7.2f} GiB | asteria(host) peak {gib['host']:7.2f} GiB | "
-              f"preconditioners {native['preconditioner_bytes'] / 2**30:6.2f} GiB | saved / preconditioner bytes {rows[kind]['saved_over_preconditioner_bytes']:.3f} (target >= 0.9)",
+              f"preconditioners {native['preconditioner_bytes'] / 2**30:6.2f} GiB | saved / preconditioner bytes "
+              f"{rows[kind]['saved_over_preconditioner_bytes']:.3f} (target >= 0.9)",
               flush=True)
     return rows
 

@@ -143,7 +143,10 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert kl["max_staleness_seen"] <= 1 and kl["waits"] is not None and kl["staleness_histogram"]
     assert adamw["energy_joules_per_step"] is None and adamw["gpu_median_step_seconds"] is None  # CPU: n/a
     steps = records(tmp_path / "soap-sync")
-    assert kl["max_step_seconds"] == max(r["step_time"] for r in records(tmp_path / "kl-shampoo-async")[1:])
+    kl_times = [r["step_time"] for r in records(tmp_path / "kl-shampoo-async")]
+    assert kl["warmup_steps"] == 4  # f + 1: allocation, compilation and the bootstrap refresh
+    assert kl["max_step_seconds"] == max(kl_times[4:]) and kl["warmup_max_step_seconds"] == max(kl_times[:4])
+    assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(5, 7), key=lambda s: -kl_times[s - 1])
     assert len(steps) == 6
     table = capsys.readouterr().out
     assert "soap-sync" in table and "n/a" in table

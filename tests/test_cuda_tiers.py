@@ -51,7 +51,7 @@ def test_host_placement_gives_the_device_placement_bits(name):
     # The same grouping in both: batched GPU kernels may round differently for another batch size.
     device, device_report = run(name, "device", group_bytes=64 * 64 * 4 * 2)
     host, host_report = run(name, "host", group_bytes=64 * 64 * 4 * 2)
-    assert all(torch.equal(a, b) for a, b in zip(device, host))
+    assert all(torch.equal(a, b) for a, b in zip(device, host)), [float((a - b).abs().max()) for a, b in zip(device, host)]
     assert host_report["placement"] == "host" and host_report["bytes_staged"] > 0
     assert host_report["host"]["total"] > device_report["host"]["total"]
     assert host_report["device"]["total"] < device_report["device"]["total"]
@@ -74,7 +74,9 @@ def test_auto_placement_moves_preconditioners_to_the_host_under_a_gpu_budget():
     memory = asteria.MemoryConfig(placement="device", group_bytes=64 * 64 * 4)
     with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64,
                          runtime=asteria.RuntimeConfig(workers=1, memory=memory)) as opt:
-        budget = opt.memory_report()["device"]["total"] - 1  # the device placement no longer fits
+        # The device placement no longer fits; the host placement (with its staging ring) does.
+        report = opt.memory_report()
+        budget = report["device"]["total"] - report["device"]["root"] // 2
     memory = asteria.MemoryConfig(gpu_budget=budget, group_bytes=64 * 64 * 4)
     with asteria.Shampoo(model.parameters(), max_preconditioner_dim=64,
                          runtime=asteria.RuntimeConfig(workers=1, memory=memory)) as opt:

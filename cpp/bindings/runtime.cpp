@@ -104,9 +104,10 @@ void init_runtime(nb::module_& m) {
       .def(
           "__init__",
           [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
-             int max_consecutive_failures, double slot_timeout_s) {
+             int max_consecutive_failures, double slot_timeout_s, int worker_nice) {
             runtime::EngineConfig config;
             config.workers = workers;
+            config.worker_nice = worker_nice;
             config.blas_threads = blas_threads;
             config.registry.staleness = staleness;
             config.registry.deterministic = deterministic;
@@ -115,7 +116,7 @@ void init_runtime(nb::module_& m) {
             new (self) RefreshEngine(config);
           },
           "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
-          "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0)
+          "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10)
       .def(
           "add_block",
           [](RefreshEngine& e, Ring snapshots, Ring results, const std::string& kind) {

@@ -68,6 +68,8 @@ class RuntimeConfig:
             ``staleness=0`` in async mode reproduces the sync trajectory.
         workers: C++ worker threads; ``None`` leaves cores for the training process and its data
             loader: ``max(1, cpus - 2)`` capped at 32.
+        worker_nice: 0..19, how far below the training thread the workers' CPU priority sits (Linux
+            per-thread nice), so that the thread launching the GPU's work never queues behind them.
         blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
             different worker counts are bitwise identical as long as this stays the same).
         deterministic: activation of versions by schedule only (version k is used from exactly S
@@ -94,6 +96,7 @@ class RuntimeConfig:
     staleness: int = 5
     workers: int | None = None
     blas_threads: int = 1
+    worker_nice: int = 10
     deterministic: bool = True
     stagger: bool | None = None
     bootstrap_sync: bool = True
@@ -112,6 +115,8 @@ class RuntimeConfig:
                "must be None or an int >= 1")
         _check(_is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
                "must be an int >= 1")
+        _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
+               "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")

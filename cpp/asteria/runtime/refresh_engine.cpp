@@ -87,7 +87,7 @@ RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(c
     throw InvalidArgument("Invalid slot_timeout=" + std::to_string(config.slot_timeout.count()) +
                           " ns: must be > 0");
   }
-  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads);
+  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads, config.worker_nice);
 }
 
 RefreshEngine::~RefreshEngine() { close(); }

@@ -1,5 +1,9 @@
 #include "asteria/runtime/worker_pool.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -94,13 +98,17 @@ void JobHandle::wait(std::chrono::nanoseconds timeout) const {
   }
 }
 
-WorkerPool::WorkerPool(int num_workers, int blas_threads) : started_(Clock::now()) {
+WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice) : started_(Clock::now()) {
   if (num_workers < 1) {
     throw InvalidArgument("[WorkerPool] num_workers=" + std::to_string(num_workers) + " must be >= 1");
   }
   if (blas_threads < 1) {
     throw InvalidArgument("[WorkerPool] blas_threads=" + std::to_string(blas_threads) + " must be >= 1");
   }
+  if (nice < 0 || nice > 19) {
+    throw InvalidArgument("[WorkerPool] nice=" + std::to_string(nice) + " must be in [0, 19]");
+  }
+  nice_ = nice;
   stats_.workers = num_workers;
   threads_.reserve(static_cast<std::size_t>(num_workers));
   try {
@@ -172,6 +180,9 @@ PoolStats WorkerPool::stats() const {
 
 void WorkerPool::worker_loop(int blas_threads) {
   set_blas_threads(blas_threads);
+  // At least nice_ (a thread starts at its creator's nice); best effort: a refused change leaves it there.
+  const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+  if (nice_ > 0 && getpriority(PRIO_PROCESS, tid) < nice_) (void)setpriority(PRIO_PROCESS, tid, nice_);
   std::unique_lock lock(mutex_);
   for (;;) {
     work_available_.wait(lock, [this] { return stopping_ || !queue_.empty(); });

@@ -65,7 +65,9 @@ class WorkerPool {
  public:
   // `num_workers` >= 1 threads; each sets its BLAS thread count to `blas_threads` (>= 1) before
   // running jobs, so that workers do not oversubscribe the cores.
-  WorkerPool(int num_workers, int blas_threads = 1);
+  // `nice` (0..19) lowers the workers' CPU priority (Linux per-thread nice) so that the training
+  // thread, which launches the GPU's work, never waits for a core behind them.
+  WorkerPool(int num_workers, int blas_threads = 1, int nice = 0);
   ~WorkerPool();  // shutdown()
 
   WorkerPool(const WorkerPool&) = delete;
@@ -105,6 +107,7 @@ class WorkerPool {
   // Filled by the constructor only; join_mutex_ serializes the joins of concurrent shutdown() calls.
   std::mutex join_mutex_;
   std::vector<std::thread> threads_;  // elements guarded by join_mutex_
+  int nice_ = 0;
 };
 
 }  // namespace asteria::runtime

@@ -1,5 +1,9 @@
 #include "asteria/runtime/worker_pool.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -84,6 +88,17 @@ TEST(WorkerPoolTest, RunsEqualDeadlinesInSubmissionOrder) {
 
   EXPECT_EQ(ran, (std::vector<int>{1, 3, 5, 7, 9, 0, 2, 4, 6, 8}));
   EXPECT_LT(jobs[0].id(), jobs[1].id());
+}
+
+TEST(WorkerPoolTest, WorkersRunAtTheRequestedNiceBelowTheCaller) {
+  const int caller = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  WorkerPool pool(2, 1, 7);
+  std::atomic<int> seen{-100};
+  pool.submit(0, [&seen] { seen = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))); }).wait(kLongWait);
+  EXPECT_EQ(seen.load(), std::min(19, std::max(caller, 7)));
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), caller);  // the caller is untouched
+  EXPECT_THROW(WorkerPool(1, 1, 20), InvalidArgument);
+  EXPECT_THROW(WorkerPool(1, 1, -1), InvalidArgument);
 }
 
 TEST(WorkerPoolTest, WaitRethrowsTheJobsOwnException) {

@@ -80,7 +80,8 @@ class DistributedRefresher(Refresher):
         # ---- the engine, for the blocks this rank owns
         self.engine = _core.RefreshEngine(
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
-            deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s)
+            deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s,
+            worker_nice=config.worker_nice)
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
         self.snapshots: list[torch.Tensor | None] = []

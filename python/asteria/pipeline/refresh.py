@@ -178,6 +178,7 @@ class AsyncRefresher(Refresher):
             deterministic=config.deterministic,
             max_consecutive_failures=config.max_consecutive_failures,
             slot_timeout_s=config.timeout_s,
+            worker_nice=config.worker_nice,
         )
         devices = {s.device for s in sets}
         self.side = {device: streams.SideStream(device) for device in devices}

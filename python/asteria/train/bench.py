@@ -37,11 +37,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _profile(values: list[float]) -> dict[str, float]:
-    steady = values[1:] or values  # the first step allocates and warms up: not a steady step
+def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
+    """Median, p99 and max of the steady steps: those after the first ``warmup`` (the first step
+    allocates and compiles; a second-order run's first refresh, the bootstrap that every later version
+    warm-starts from, comes by step f + 1). The warm-up's own max is kept beside them."""
+    steady = values[warmup:] or values
     median = statistics.median(steady)
     return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
-            "max_over_median": max(steady) / median}
+            "max_over_median": max(steady) / median, "warmup_max": max(values[:warmup] or [0.0]),
+            "slowest_steps": sorted(((v, i + 1) for i, v in enumerate(values) if i >= warmup), reverse=True)[:5]}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -59,12 +63,14 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
-    ref_median = _profile([r["step_time"] for r in reference.records])["median"] if reference else None
+    warmup = base.precondition_frequency + 1
+    ref_median = _profile([r["step_time"] for r in reference.records], warmup)["median"] if reference else None
     rows = {}
     for label, run in runs.items():
         s, records = run.summary, run.records
-        wall = _profile([r["step_time"] for r in records])
-        gpu = _profile([r["gpu_step_time"] for r in records]) if all("gpu_step_time" in r for r in records) else None
+        wall = _profile([r["step_time"] for r in records], warmup)
+        gpu = _profile([r["gpu_step_time"] for r in records], warmup) \
+            if all("gpu_step_time" in r for r in records) else None
         stats = s["runtime_stats"]
         row = {
             "final_loss": s["final_loss"],
@@ -72,6 +78,9 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "median_step_seconds": wall["median"],
             "p99_step_seconds": wall["p99"],
             "max_step_seconds": wall["max"],
+            "warmup_steps": warmup,
+            "warmup_max_step_seconds": wall["warmup_max"],
+            "slowest_steady_steps": [(step, seconds) for seconds, step in wall["slowest_steps"]],
             "max_over_median": wall["max_over_median"],
             "gpu_median_step_seconds": gpu["median"] if gpu else None,
             "gpu_max_step_seconds": gpu["max"] if gpu else None,
@@ -144,4 +153,9 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {peak:>8} "
                      f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
                      f"{r['waits'] if r['waits'] is not None else '-':>6}")
+    lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
+                 "(allocation, compilation, the bootstrap refresh); slowest steady steps (step: ms):")
+    for label, r in results["runs"].items():
+        slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
+        lines.append(f"  {label:<18} warm-up max {1e3 * r['warmup_max_step_seconds']:.0f} ms | {slowest}")
     return "\n".join(lines)
