@@ -51,7 +51,8 @@ def test_host_placement_gives_the_device_placement_bits(name):
     # The same grouping in both: batched GPU kernels may round differently for another batch size.
     device, device_report = run(name, "device", group_bytes=64 * 64 * 4 * 2)
     host, host_report = run(name, "host", group_bytes=64 * 64 * 4 * 2)
-    assert all(torch.equal(a, b) for a, b in zip(device, host)), [float((a - b).abs().max()) for a, b in zip(device, host)]
+    differences = [float((a - b).abs().max()) for a, b in zip(device, host)]
+    assert all(torch.equal(a, b) for a, b in zip(device, host)), differences
     assert host_report["placement"] == "host" and host_report["bytes_staged"] > 0
     assert host_report["host"]["total"] > device_report["host"]["total"]
     assert host_report["device"]["total"] < device_report["device"]["total"]
