@@ -95,7 +95,7 @@ class PreconditionerTier:
         self.groups_sets = groups_sets  # per shape group, in the order the step uses them
         self._order = [g for g, sets in enumerate(groups_sets) if sets]
         self._views: dict[int, list[Tensor]] = {}
-        self._slots: dict[tuple, list[list[Any]]] = {}  # shape -> [[buffer, last-use event], x2]
+        self._slots: dict[tuple, list[list[Any]]] = {}  # (shape, mode) -> [[buffer, last-use event], x2]
         self._turn: dict[tuple, int] = {}
         self._last_read: dict[int, torch.cuda.Event | None] = {}  # id(set) -> event of its last device read
         self._side: dict[torch.device, streams.SideStream] = {}
@@ -166,11 +166,11 @@ class PreconditionerTier:
         return buffer, (pager, index)
 
     def staging_bound(self) -> int:
-        """The most device bytes the staging ring can take: two slots per set shape."""
+        """The most device bytes the staging ring can take: two slots per set shape and mode."""
         if self.placement != "host":
             return 0
-        shapes = {self._shapes[id(s)] for sets in self.groups_sets for s in sets}
-        return sum(2 * 4 * torch.Size(shape).numel() for shape in shapes)
+        keys = {(self._shapes[id(s)], position) for sets in self.groups_sets for position, s in enumerate(sets)}
+        return sum(2 * 4 * torch.Size(shape).numel() for shape, _ in keys)
 
     def staging_bytes(self) -> int:
         return sum(slot[0].numel() * 4 for slots in self._slots.values() for slot in slots)
@@ -246,14 +246,17 @@ class PreconditionerTier:
 
     def _stage(self, group_index: int) -> None:
         views = []
-        for fset in self.groups_sets[group_index]:
+        for position, fset in enumerate(self.groups_sets[group_index]):
+            # Two slots per (shape, mode): the two modes of a square block have one shape, and both
+            # are in use while the next group's copies arrive.
             shape = self._shapes[id(fset)]
-            slots = self._slots.setdefault(shape, [])
+            key = (shape, position)
+            slots = self._slots.setdefault(key, [])
             if len(slots) < 2:
                 slots.append([torch.empty(shape, dtype=torch.float32, device=fset.device), None])
                 self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes())
-            turn = self._turn.get(shape, 0)
-            self._turn[shape] = turn + 1
+            turn = self._turn.get(key, 0)
+            self._turn[key] = turn + 1
             slot = slots[turn % len(slots)]
             side = self._side_stream(fset.device)
             if slot[1] is not None and side.stream is not None:

@@ -25,8 +25,8 @@ from asteria.train.model import PRESETS, build_model, parameter_count
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # A checkpoint continues only the run it came from: these must be equal to resume.
-RESUME_MUST_MATCH = ("model", "optimizer", "mode", "batch_size", "seq_len", "lr", "weight_decay", "staleness",
-                     "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed")
+RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
+                     "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed")
 
 
 @dataclass(kw_only=True)
@@ -44,6 +44,7 @@ class RunConfig:
     staleness: int = 5
     precondition_frequency: int = 10
     workers: int | None = None
+    placement: str = "auto"
     device: str = "cpu"
     data: str | None = None
     tokenizer: str | None = None
@@ -66,6 +67,7 @@ class RunConfig:
         check(self.model in PRESETS, "model", f"must be one of {tuple(PRESETS)}")
         check(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}")
         check(self.mode in ("sync", "async"), "mode", "must be 'sync' or 'async'")
+        check(self.placement in asteria.config.PLACEMENTS, "placement", f"must be one of {asteria.config.PLACEMENTS}")
         for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "eval_every", "eval_batches"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "checkpoint_every", "keep_checkpoints", "seed"):
@@ -94,7 +96,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                  fused=True if cfg.device == "cuda" else None)
-    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, workers=cfg.workers)
+    memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
+    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, workers=cfg.workers, memory=memory)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency, runtime=runtime)
@@ -161,6 +164,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
                       cfg.seed, source=f"data={cfg.data!r}")
     model = build_model(cfg.model, tokenizer.vocab_size, cfg.seq_len).to(device)
     opt = make_optimizer(cfg, model)
+    # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
+    hooks = asteria.attach(model, opt) if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
     resumed_from = None
     if resume:
@@ -221,6 +226,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
                     _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall})
     finally:
         writer.close()
+        if hooks is not None:
+            hooks.remove()
     summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameter_count(model), resumed_from)
     if hasattr(opt, "close"):
         opt.close()
