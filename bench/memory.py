@@ -106,7 +106,7 @@ def ladder(args: argparse.Namespace) -> dict:
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     setups = {"native": dict(mode="sync"), "asteria_host": dict(mode="async", placement="host"),
               "asteria_host_nvme": dict(mode="async", placement="host", nvme_dir=args.nvme_dir,
-                                        host_budget=args.host_budget_gib * 2**30)}
+                                        host_budget=int(args.host_budget_gib * 2**30))}
     results: dict[str, list] = {name: [] for name in setups}
     for name, setup in setups.items():
         for hidden in args.widths:
