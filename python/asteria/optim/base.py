@@ -19,7 +19,7 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
-from asteria.optim.groups import ShapeGroup, build_shape_groups, preconditioner_bytes
+from asteria.optim.groups import ShapeGroup, build_shape_groups
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
                                       check_positive, validate_state_dict)
@@ -76,7 +76,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
-        if group_bytes is None and (self.placement != "device" or memory.nvme_dir is not None):
+        if group_bytes is None and (self.placement != "device" or memory.nvme_dir is not None
+                                    or (memory.placement == "auto" and memory.gpu_budget is not None)):
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
@@ -99,8 +100,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                                                     [g for _, g in self._set_groups])
         self._refresher.tier = self._tier
         # Stops the workers when the optimizer is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier)
+        self._tier_box = [self._tier]  # the finalizer closes the tier in use, also after _fit_gpu_budget
+        self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier_box)
         try:
+            self._fit_gpu_budget()
             self._place_on_nvme()
             self._check_budgets()
         except BaseException:
@@ -125,15 +128,24 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             return "host"
         if all(coherent_memory(device) for device in devices if device.type == "cuda"):
             return "device_view"
-        if memory.gpu_budget is not None:
-            groups = build_shape_groups(self.param_groups, self.max_preconditioner_dim, self.MERGE_DIMS)
-            # Device placement holds per block its factors and its preconditioners, and per parameter
-            # element about two moments (a lower bound of what the device needs: enough to decide).
-            needed = sum(2 * g.batch * preconditioner_bytes(g.shape) for g in groups)
-            needed += sum(8 * p.numel() for group in self.param_groups for p in group["params"])
-            if needed > memory.gpu_budget:
-                return "host"
-        return "device"
+        return "device"  # moved to "host" by _fit_gpu_budget when it exceeds gpu_budget
+
+    def _fit_gpu_budget(self) -> None:
+        """Under ``placement="auto"``: when the device placement exceeds ``gpu_budget``, the
+        preconditioners in use move to pinned host memory (the ``"host"`` placement)."""
+        memory = self.runtime.memory
+        if memory.placement != "auto" or self.placement != "device" or memory.gpu_budget is None:
+            return
+        if not any(s.device.type == "cuda" for s, _ in self._set_groups):
+            return
+        if self.memory_report()["device"]["total"] <= memory.gpu_budget:
+            return
+        for fset, group in self._set_groups:
+            key = next(k for k, t in group.state.items() if t is fset.preconditioners)
+            group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
+        self.placement = "host"
+        self._tier = self._tier_box[0] = PreconditionerTier("host", self._tier.groups_sets)
+        self._refresher.tier = self._tier
 
     def _staggered(self) -> bool:
         """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; off on several ranks,
@@ -486,9 +498,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
 
 
-def _close(refresher: Refresher, tier: PreconditionerTier) -> None:
+def _close(refresher: Refresher, tier_box: list[PreconditionerTier]) -> None:
     """Stops the workers before the buffers they use go away, then closes the NVMe tier."""
     try:
         refresher.close()
     finally:
-        tier.close()
+        tier_box[0].close()
