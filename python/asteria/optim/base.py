@@ -480,7 +480,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         # The staging ring grows to two groups per shape on the first steps: count it at its bound.
         device = report["device"]["total"] + self._tier.staging_bound()
         needs = (f"placement {self.placement!r}: device needs {device} bytes, host needs "
-                 f"{report['host']['total']} bytes")
+                 f"{report['host']['total']} bytes; per kind: host {report['host']}, nvme {report['nvme']}")
         if memory.gpu_budget is not None and device > memory.gpu_budget:
             raise ValueError(f"Invalid gpu_budget={memory.gpu_budget}: too small for this model's state ({needs})")
         if memory.host_budget is not None and report["host"]["total"] > memory.host_budget:
