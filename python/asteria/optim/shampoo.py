@@ -13,7 +13,8 @@ from asteria.optim import functional as F
 from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key, has_root_key, root_key
-from asteria.optim.validation import check_arg, check_betas, check_nonnegative, check_positive, check_unit, key_name
+from asteria.optim.validation import (check_arg, check_betas, check_common_hyperparameters, check_positive,
+                                     check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
 GRAFTINGS = ("adam", "none")
@@ -70,10 +71,7 @@ class Shampoo(SecondOrderOptimizer):
     @staticmethod
     def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
         name = lambda key: key_name(where, key)  # noqa: E731
-        check_nonnegative(hyper["lr"], name("lr"))
-        check_betas(hyper["betas"], name("betas"))
-        check_positive(hyper["eps"], name("eps"))
-        check_nonnegative(hyper["weight_decay"], name("weight_decay"))
+        check_common_hyperparameters(hyper, where)
         check_arg(hyper["grafting"] in GRAFTINGS, name("grafting"), hyper["grafting"], f"must be one of {GRAFTINGS}")
         check_unit(hyper["grafting_beta2"], name("grafting_beta2"), "must be None or in [0, 1)")
         check_positive(hyper["grafting_eps"], name("grafting_eps"))

@@ -13,7 +13,8 @@ from asteria.optim import functional as F
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
-from asteria.optim.validation import check_arg, check_betas, check_nonnegative, check_positive, check_unit, key_name
+from asteria.optim.validation import (check_arg, check_betas, check_common_hyperparameters, check_nonnegative,
+                                     check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates
@@ -81,11 +82,8 @@ class SOAP(EigenbasisOptimizer):
     @staticmethod
     def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
         name = lambda key: key_name(where, key)  # noqa: E731
-        check_nonnegative(hyper["lr"], name("lr"))
-        check_betas(hyper["betas"], name("betas"))
+        check_common_hyperparameters(hyper, where)
         check_unit(hyper["shampoo_beta"], name("shampoo_beta"), "must be None or in [0, 1)")
-        check_positive(hyper["eps"], name("eps"))
-        check_nonnegative(hyper["weight_decay"], name("weight_decay"))
         check_nonnegative(hyper["refresh_skip_tol"], name("refresh_skip_tol"))
 
     def _rotated(self, group: ShapeGroup) -> bool:

@@ -122,3 +122,11 @@ def describe_layout(identity: dict[str, Any] | None) -> str:
         return "a single process"
     return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
             f"{identity['local_world_size']}, block owners {identity['owners']})")
+
+
+def check_common_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters every Asteria optimizer has: lr, betas, eps and weight_decay."""
+    check_nonnegative(hyper["lr"], key_name(where, "lr"))
+    check_betas(hyper["betas"], key_name(where, "betas"))
+    check_positive(hyper["eps"], key_name(where, "eps"))
+    check_nonnegative(hyper["weight_decay"], key_name(where, "weight_decay"))
