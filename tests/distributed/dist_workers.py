@@ -217,10 +217,45 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
     torch.save(result, out / f"rank{rank}.pt")
 
 
-def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list) -> None:
-    """The DDP runs, then the FSDP2 / HSDP runs, in one set of processes (one start-up for both)."""
+# ---- checkpoint and resume on every rank -------------------------------------------------------------
+def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int, int]]) -> None:
+    """Per run (optimizer, S, steps before the checkpoint, steps after): every rank trains its replica on
+    the full batches (identical gradients with no collective of the test's own: a fresh DDP would bucket
+    its all-reduce differently after a restart, which changes the gradients' rounding, not the
+    optimizer's), takes its own ``state_dict()`` with refreshes in flight and trains on; a fresh model
+    and optimizer on the same ranks load the checkpoint and train the same steps. Records whether both
+    end bit for bit equal."""
+    result: dict[str, Any] = {}
+    for kind, staleness, before, after in runs:
+        batches = data(before + after)
+        net = model()
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL)
+        train(net, opt, batches[:before], None)
+        saved = opt.state_dict()
+        weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        train(net, opt, batches[before:], None)
+        opt.close()
+        again = model()
+        again.load_state_dict(weights)
+        resumed = optimizer(kind, again.parameters(), staleness, local_world_size=LOCAL)
+        resumed.load_state_dict(saved)
+        train(again, resumed, batches[before:], None)
+        resumed.close()
+        result[(kind, staleness)] = {
+            "in_flight": len(saved["refresher"]["scheduled"]),
+            "identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters())),
+            "layout": saved["distributed"],
+        }
+    out.mkdir(exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list,
+                    resume_runs: list) -> None:
+    """The DDP runs, the FSDP2 / HSDP runs and the resume runs in one set of processes (one start-up)."""
     ddp_worker(rank, world, out / "ddp", ddp_runs)
     sharded_worker(rank, world, out / "sharded", sharded_runs)
+    resume_worker(rank, world, out / "resume", resume_runs)
 
 
 def load(out: Path, world: int = WORLD) -> list[Any]:

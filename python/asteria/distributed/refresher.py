@@ -111,6 +111,7 @@ class DistributedRefresher(Refresher):
         self._errors: dict[tuple[int, int], str] = {}
         self._bootstrap_pending = config.bootstrap_sync
         self._newest_version = 0
+        self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
         self._last_due = 0
         self._counts = {"bytes_inter_node_sent": 0, "bytes_inter_node_received": 0, "bytes_intra_node_shared": 0,
@@ -216,12 +217,34 @@ class DistributedRefresher(Refresher):
             self._counts["bytes_intra_node_shared"] += unit.capacity * 4
         return "ok"
 
-    def _payload_rows(self, unit: Unit) -> list[tuple[int, int]]:
-        """The (start, stop) float ranges of a result that installs use: the root, or basis and order."""
+    def _payload_size(self, unit: Unit) -> int:
+        """Floats a refreshed block sends between nodes: an inverse root's upper triangle (the C++ root
+        is exactly symmetric, so the mirror rebuilds it bit for bit), or a basis and its column order."""
         n = unit.n
-        if unit.kind == "eigenbasis":
-            return [(0, n * n), ((n + 1) * n, (n + 2) * n)]
-        return [(0, n * n)]
+        return n * (n + 1) // 2 if unit.kind == "root" else n * n + n
+
+    def _triangle(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n not in self._triangles:
+            self._triangles[n] = tuple(torch.triu_indices(n, n))
+        return self._triangles[n]
+
+    def _pack(self, unit: Unit, view: torch.Tensor, base: int) -> torch.Tensor:
+        n = unit.n
+        if unit.kind == "root":
+            rows, cols = self._triangle(n)
+            return view[base:base + n * n].view(n, n)[rows, cols]
+        return torch.cat([view[base:base + n * n], view[base + (n + 1) * n:base + (n + 2) * n]])
+
+    def _unpack(self, unit: Unit, payload: torch.Tensor, view: torch.Tensor, base: int) -> None:
+        n = unit.n
+        if unit.kind == "root":
+            rows, cols = self._triangle(n)
+            matrix = view[base:base + n * n].view(n, n)
+            matrix[rows, cols] = payload
+            matrix[cols, rows] = payload
+            return
+        view[base:base + n * n].copy_(payload[:n * n])
+        view[base + (n + 1) * n:base + (n + 2) * n].copy_(payload[n * n:])
 
     def _exchange(self, d: Domain, version: int, step: int) -> None:
         """Node leaders of ``d`` send their node's new versions of ``version`` to each other."""
@@ -241,7 +264,7 @@ class DistributedRefresher(Refresher):
                     statuses = torch.tensor([STATUS_CODES[s] for _, s, _ in seen], dtype=torch.int8)
                 dist.broadcast(statuses, src=leader, group=group)
                 refreshed = [u for u, code in zip(units, statuses.tolist()) if code == STATUS_CODES["ok"]]
-                size = sum(stop - start for u in refreshed for start, stop in self._payload_rows(u))
+                size = sum(self._payload_size(u) for u in refreshed)
                 if node == self.topo.node:
                     self._counts["bytes_inter_node_sent"] += (statuses.numel() + size * 4) * peers
                 else:
@@ -257,7 +280,7 @@ class DistributedRefresher(Refresher):
                     for u in refreshed:
                         _, _, good = d.store.published(u.index)
                         base = d.store.offset(u.index, good)
-                        parts += [view[base + start:base + stop] for start, stop in self._payload_rows(u)]
+                        parts.append(self._pack(u, view, base))
                     payload = torch.cat(parts)
                     dist.broadcast(payload, src=leader, group=group)
                     continue
@@ -267,9 +290,9 @@ class DistributedRefresher(Refresher):
                 for u, code in zip(units, statuses.tolist()):
                     if code == STATUS_CODES["ok"]:
                         base = d.store.offset(u.index, d.store.write_slot(u.index))
-                        for start, stop in self._payload_rows(u):
-                            view[base + start:base + stop].copy_(payload[at:at + stop - start])
-                            at += stop - start
+                        count = self._payload_size(u)
+                        self._unpack(u, payload[at:at + count], view, base)
+                        at += count
                         if d.shared:
                             self._counts["bytes_intra_node_shared"] += u.capacity * 4
                     d.store.publish(u.index, version, STATUS_NAMES[code])
