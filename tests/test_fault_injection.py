@@ -229,7 +229,8 @@ def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budge
     gc.collect()
     before = threads()
     with pytest.raises(ValueError, match=rf"Invalid {budget}=64: too small for this model's state "
-                                         r"\(placement 'device': device needs \d+ bytes, host needs \d+ bytes\)"):
+                                         r"\(placement 'device': device needs \d+ bytes, host needs \d+ bytes; "
+                                         r"per kind: host \{.*\}, nvme "):
         make(name, memory=asteria.MemoryConfig(**{budget: 64}))
     gc.collect()
     assert threads() == before
