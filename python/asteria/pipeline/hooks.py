@@ -11,9 +11,12 @@ step. With ``attach``:
   step's own refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does
   it); for SOAP and KL-Shampoo, whose coming step reads the bases while accumulating, it is the
   activation of the step just done, which otherwise runs at the start of the next ``step()``;
-- every module that owns parameters gets a forward hook and a full backward pre-hook that drain
-  finished transfers: snapshots whose device-to-host copy has completed go to the CPU workers at
-  once (not at the next ``step()``), and staging buffers whose copies have completed are recycled.
+- every module that owns parameters gets a forward hook that drains finished transfers — snapshots
+  whose device-to-host copy has completed go to the CPU workers at once (not at the next ``step()``),
+  staging buffers whose copies have completed are recycled — and arms a gradient hook on the module's
+  output that drains again when the backward pass reaches the module. (A gradient hook on the output,
+  not a full backward hook: it adds no autograd nodes and works for modules whose inputs need no
+  gradient, such as embeddings.)
 
 The hooks never change what is computed: the same versions are installed for the same step, so a run
 with hooks is bitwise identical to one without (tested).
@@ -73,13 +76,18 @@ def attach(model: nn.Module, optimizer: Any) -> AttachHandle:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
             optimizer.prefetch()
 
-    def drain(*_: Any) -> None:
+    def drain_in_backward(grad: torch.Tensor) -> None:
         optimizer.poll()
+
+    def drain(module: nn.Module, args: Any, output: Any) -> None:
+        optimizer.poll()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(drain_in_backward)
 
     handles = [model.register_forward_pre_hook(prefetch)]
     for module in model.modules():
         if any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_hook(drain))
-            handles.append(module.register_full_backward_pre_hook(drain))
     optimizer._attached += 1
     return AttachHandle(model, optimizer, handles)
