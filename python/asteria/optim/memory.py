@@ -1,0 +1,183 @@
+"""Where a SecondOrderOptimizer's preconditioners in use live and how its step reads them: the
+placement (device, pinned host with a staging ring, device views, the NVMe tier under a host budget),
+the budget checks and the per-tier memory report. A mixin of ``asteria.optim.base.SecondOrderOptimizer``
+(it uses the optimizer's groups, factor sets, tier and refresher)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asteria.optim.groups import ShapeGroup
+from asteria.optim.validation import check_arg
+from asteria.pipeline.factors import FactorSet
+from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
+
+#: the default bound of one shape group's preconditioner bytes under the host placements
+HOST_GROUP_BYTES = 32 * 2**20
+#: host buffers of one set's size that the NVMe tier holds per set shape (read-ahead and install scratch)
+PAGED_BUFFERS = 3
+
+
+class MemoryTiers:
+    """Memory placement and reporting of the Asteria optimizers (see the module docstring)."""
+
+    def _resolve_placement(self) -> str:
+        """The placement of the preconditioners in use (``MemoryConfig.placement``, with ``"auto"``
+        decided from the device and the GPU budget)."""
+        memory = self.runtime.memory
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        on_cuda = any(device.type == "cuda" for device in devices)
+        if memory.placement != "auto":
+            check_arg(on_cuda or memory.placement == "device", "memory.placement", memory.placement,
+                      "the host placements are for parameters on a GPU (CPU parameters already live in host "
+                      "memory): use 'auto' or 'device'")
+            return memory.placement
+        if not on_cuda or self.runtime.mode == "sync":
+            return "device"
+        if memory.nvme_dir is not None:
+            return "host"
+        if all(coherent_memory(device) for device in devices if device.type == "cuda"):
+            return "device_view"
+        return "device"  # moved to "host" by _fit_gpu_budget when it exceeds gpu_budget
+
+    def _fit_gpu_budget(self) -> None:
+        """Under ``placement="auto"``: when the device placement exceeds ``gpu_budget``, the
+        preconditioners in use move to pinned host memory (the ``"host"`` placement)."""
+        memory = self.runtime.memory
+        if memory.placement != "auto" or self.placement != "device" or memory.gpu_budget is None:
+            return
+        if not any(s.device.type == "cuda" for s, _ in self._set_groups):
+            return
+        if self.memory_report()["device"]["total"] <= memory.gpu_budget:
+            return
+        for fset, group in self._set_groups:
+            key = next(k for k, t in group.state.items() if t is fset.preconditioners)
+            group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
+        self.placement = "host"
+        self._tier = self._tier_box[0] = PreconditionerTier("host", self._tier.groups_sets)
+        self._refresher.tier = self._tier
+
+    def _new_preconditioners(self, group: ShapeGroup, dim: int) -> Tensor:
+        """(B, dim, dim) identities where the placement keeps the preconditioners in use: on the
+        group's device, or in pinned host memory."""
+        if self.placement == "device":
+            return torch.eye(dim, device=group.device).repeat(group.batch, 1, 1)
+        return torch.eye(dim).repeat(group.batch, 1, 1).pin_memory()
+
+    def _place_on_nvme(self) -> None:
+        """Moves preconditioner sets to the NVMe tier, largest first, until the host state fits
+        ``host_budget`` (only with ``nvme_dir``; without a ``host_budget`` nothing moves)."""
+        memory = self.runtime.memory
+        if memory.nvme_dir is None:
+            return
+        check_arg(self.runtime.mode == "async", "memory.nvme_dir", memory.nvme_dir,
+                  "the NVMe tier needs mode='async' (the native sync mode keeps everything on the device)")
+        on_host = [fset for fset, _ in self._set_groups if fset.preconditioners.device.type == "cpu"]
+        check_arg(bool(on_host) or not self._set_groups, "memory.nvme_dir", memory.nvme_dir,
+                  f"the NVMe tier pages host-resident preconditioners, and placement {self.placement!r} keeps them on "
+                  "the GPU: use placement='host'")
+        check_arg(self.placement in ("host", "device"), "memory.nvme_dir", memory.nvme_dir,
+                  f"the NVMe tier cannot back placement {self.placement!r}: use placement='host'")
+        if memory.host_budget is None:
+            return
+        host = self.memory_report()["host"]["total"]
+        by_shape: dict[tuple[int, ...], list[FactorSet]] = {}
+        for fset in on_host:
+            by_shape.setdefault(tuple(fset.preconditioners.shape), []).append(fset)
+        chosen: list[FactorSet] = []
+        # Shapes with the most bytes first: paging a shape's first set brings its read-ahead buffers and
+        # install scratch (PAGED_BUFFERS sets' worth), every further set of the shape only saves.
+        for sets in sorted(by_shape.values(), key=lambda sets: -len(sets) * sets[0].preconditioners.numel()):
+            if host <= memory.host_budget or len(sets) <= PAGED_BUFFERS:
+                continue  # a shape with no more sets than its buffers would only cost host memory
+            nbytes = sets[0].preconditioners.numel() * 4
+            host += PAGED_BUFFERS * nbytes
+            for k, fset in enumerate(sets):
+                if k > PAGED_BUFFERS and host <= memory.host_budget:
+                    break
+                host -= nbytes
+                chosen.append(fset)
+        if not chosen:
+            return
+        keys = {}
+        chosen_ids = {id(fset) for fset in chosen}
+        for fset, group in self._set_groups:
+            if id(fset) in chosen_ids:
+                keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
+        self._tier.page(chosen, memory.nvme_dir, self.runtime.timeout_s)
+        for fset in chosen:
+            group, key = keys[id(fset)]
+            del group.state[key]
+            self._paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
+
+    def _expected_state(self, index: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every state tensor of shape group ``index`` in a checkpoint (those on the
+        NVMe tier included)."""
+        expected = {key: (t.shape, t.dtype) for key, t in self._groups[index].state.items()}
+        for key, fset in self._paged_keys.get(index, {}).items():
+            expected[key] = (torch.Size((fset.batch, fset.dim, fset.dim)), torch.float32)
+        return expected
+
+    def _preconditioners(self, group: ShapeGroup) -> list[Tensor]:
+        """The device tensors with ``group``'s preconditioners in use (one per mode), readable by the
+        current stream; under the host placement they are staged here once per step."""
+        index = self._group_index[id(group)]
+        if index not in self._reading:
+            self._reading[index] = self._tier.read(index)
+        return self._reading[index]
+
+    def _done_reading(self, group: ShapeGroup) -> None:
+        index = self._group_index[id(group)]
+        if self._reading.pop(index, None) is not None:
+            self._tier.done(index)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of optimizer state per tier and per kind of state: ``device`` (the parameters'
+        device: factors, moments, and the preconditioners under the device placement, plus the
+        staging ring), ``host`` (pinned host memory: preconditioners under the host placements, the
+        refresh buffers), ``nvme`` (nothing in this release); with the placement, the peak staging
+        bytes and the bytes staged to the device so far."""
+        tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
+        homes = {id(fset.preconditioners) for fset, _ in self._set_groups}
+        for index, group in enumerate(self._groups):
+            for key, tensor in group.state.items():
+                # Preconditioners in host memory count as host state even for CPU parameters (the host
+                # budget, and the NVMe tier under it, are about them).
+                host = tensor.device.type == "cpu" and (group.device.type != "cpu" or id(tensor) in homes)
+                kind = key.rstrip("_0123456789")  # "factor_1" and "factor_0" are one kind
+                tier = tiers["host" if host else "device"]
+                tier[kind] = tier.get(kind, 0) + tensor.numel() * tensor.element_size()
+            for key, fset in self._paged_keys.get(index, {}).items():
+                kind = key.rstrip("_0123456789")
+                tiers["nvme"][kind] = tiers["nvme"].get(kind, 0) + fset.batch * fset.dim * fset.dim * 4
+        staging = self._tier.staging_bytes()
+        if staging:
+            tiers["device"]["staging"] = staging
+        tiers["host"]["refresh_buffers"] = self._refresher.host_bytes()
+        paged = self._tier.paged
+        if paged is not None:
+            tiers["host"]["nvme_buffers"] = paged.host_bytes
+            tiers["nvme"]["page_files"] = paged.nvme_bytes - sum(tiers["nvme"].values())
+        for tier in tiers.values():
+            tier["total"] = sum(tier.values())
+        report: dict[str, Any] = tiers | {"placement": self.placement, "bytes_staged": self._tier.staged_bytes,
+                                          "peak_staging_bytes": self._tier.peak_staging_bytes}
+        if paged is not None:
+            io = paged.stats()
+            report |= {"nvme_bytes_read": io["bytes_read"], "nvme_bytes_written": io["bytes_written"]}
+        return report
+
+    def _check_budgets(self) -> None:
+        report = self.memory_report()
+        memory = self.runtime.memory
+        # The staging ring grows to two groups per shape on the first steps: count it at its bound.
+        device = report["device"]["total"] + self._tier.staging_bound()
+        needs = (f"placement {self.placement!r}: device needs {device} bytes, host needs "
+                 f"{report['host']['total']} bytes; per kind: host {report['host']}, nvme {report['nvme']}")
+        if memory.gpu_budget is not None and device > memory.gpu_budget:
+            raise ValueError(f"Invalid gpu_budget={memory.gpu_budget}: too small for this model's state ({needs})")
+        if memory.host_budget is not None and report["host"]["total"] > memory.host_budget:
+            raise ValueError(f"Invalid host_budget={memory.host_budget}: too small for this model's state ({needs})")
