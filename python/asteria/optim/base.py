@@ -69,7 +69,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.start_preconditioning_step = start
         self._step = 0
         self._activated_step = 0  # the newest step whose activation has been done
-        self._attached = 0  # how many ``asteria.attach`` handles are in place
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes

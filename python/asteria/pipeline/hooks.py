@@ -44,8 +44,6 @@ class AttachHandle:
         return len(self._handles)
 
     def remove(self) -> None:
-        if self._handles:
-            self.optimizer._attached -= 1
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -89,5 +87,4 @@ def attach(model: nn.Module, optimizer: Any) -> AttachHandle:
     for module in model.modules():
         if any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_hook(drain))
-    optimizer._attached += 1
     return AttachHandle(model, optimizer, handles)

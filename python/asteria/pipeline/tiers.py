@@ -94,6 +94,10 @@ class PreconditionerTier:
         self.placement = placement
         self.groups_sets = groups_sets  # per shape group, in the order the step uses them
         self._order = [g for g, sets in enumerate(groups_sets) if sets]
+        # The group the step reads after each one (staged while that one computes), and every set in
+        # the order the step reads them (the NVMe tier's read-ahead schedule): fixed, so built once.
+        self._next = dict(zip(self._order, self._order[1:]))
+        self._read_order = [s for g in self._order for s in groups_sets[g]]
         self._views: dict[int, list[Tensor]] = {}
         self._slots: dict[tuple, list[list[Any]]] = {}  # (shape, mode) -> [[buffer, last-use event], x2]
         self._turn: dict[tuple, int] = {}
@@ -102,7 +106,6 @@ class PreconditionerTier:
         self._used: dict[int, list[list[Any]]] = {}  # group -> the slots its staged copy occupies
         self._group_of = {id(s): g for g, sets in enumerate(groups_sets) for s in sets}
         self.paged: PagedSets | None = None
-        self._shapes = {id(s): tuple(s.preconditioners.shape) for sets in groups_sets for s in sets}
         self._cpu_held: dict[int, list[tuple[Any, int]]] = {}
         self.staged_bytes = 0
         self.peak_staging_bytes = 0
@@ -121,7 +124,7 @@ class PreconditionerTier:
         pin = any(s.device.type == "cuda" for s in sets)
         self.paged = PagedSets(directory, sets, contents, pin, timeout_s)
         for fset in sets:  # nothing may read the set except through the tier from now on
-            fset.preconditioners = torch.empty(self._shapes[id(fset)], device="meta")
+            fset.preconditioners = torch.empty(fset.preconditioners.shape, device="meta")  # keeps the shape
 
     def is_paged(self, fset: FactorSet) -> bool:
         return self.paged is not None and fset in self.paged
@@ -130,7 +133,7 @@ class PreconditionerTier:
         """The preconditioners of ``fset`` in use, as a tensor (read from NVMe if paged there)."""
         if not self.is_paged(fset):
             return fset.preconditioners
-        return self.paged.read_into(fset, torch.empty(self._shapes[id(fset)], dtype=torch.float32))
+        return self.paged.read_into(fset, torch.empty(fset.preconditioners.shape, dtype=torch.float32))
 
     def set_current(self, fset: FactorSet, value: Tensor) -> None:
         """Replaces the preconditioners of ``fset`` in use (a checkpoint load)."""
@@ -161,7 +164,7 @@ class PreconditionerTier:
         """Where ``fset``'s preconditioners are read from now: its home, or an acquired NVMe buffer."""
         if not self.is_paged(fset):
             return fset.preconditioners, None
-        self.paged.schedule([s for g in self._order for s in self.groups_sets[g]])
+        self.paged.schedule(self._read_order)
         buffer, pager, index = self.paged.acquire(fset)
         return buffer, (pager, index)
 
@@ -169,7 +172,8 @@ class PreconditionerTier:
         """The most device bytes the staging ring can take: two slots per set shape and mode."""
         if self.placement != "host":
             return 0
-        keys = {(self._shapes[id(s)], position) for sets in self.groups_sets for position, s in enumerate(sets)}
+        keys = {(tuple(s.preconditioners.shape), position)
+                for sets in self.groups_sets for position, s in enumerate(sets)}
         return sum(2 * 4 * torch.Size(shape).numel() for shape, _ in keys)
 
     def staging_bytes(self) -> int:
@@ -194,9 +198,9 @@ class PreconditionerTier:
         if group_index not in self._views:
             self._stage(group_index)
         views = self._views.pop(group_index)
-        position = self._order.index(group_index)
-        if position + 1 < len(self._order) and self._order[position + 1] not in self._views:
-            self._stage(self._order[position + 1])
+        following = self._next.get(group_index)
+        if following is not None and following not in self._views:
+            self._stage(following)
         for fset, view in zip(sets, views):
             side = self._side_stream(fset.device)
             side.main_waits(self._last_read[id(fset)])
@@ -249,7 +253,7 @@ class PreconditionerTier:
         for position, fset in enumerate(self.groups_sets[group_index]):
             # Two slots per (shape, mode): the two modes of a square block have one shape, and both
             # are in use while the next group's copies arrive.
-            shape = self._shapes[id(fset)]
+            shape = tuple(fset.preconditioners.shape)
             key = (shape, position)
             slots = self._slots.setdefault(key, [])
             if len(slots) < 2:
