@@ -5,6 +5,7 @@ one process per rank, over Gloo on the CPU. Each worker writes what the test che
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -17,6 +18,11 @@ import torch.multiprocessing as mp
 
 import asteria
 from asteria.distributed import PeerError, gather_runtime_stats
+
+# The suite's shared helpers (tests/conftest.py), also in the spawned workers.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import small_mlp  # noqa: E402
 
 WORLD = 4
 LOCAL = 2          # 4 processes as 2 nodes x 2 ranks
@@ -60,17 +66,7 @@ def _entry(fn: Callable, rank: int, world: int, out: Path, args: tuple) -> None:
 
 
 def model(seed: int = 0) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    layers: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
-        linear = torch.nn.Linear(a, b)
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(b, a, generator=gen) / a**0.5)
-            linear.bias.copy_(torch.randn(b, generator=gen) * 0.1)
-        layers.append(linear)
-        if i < len(SIZES) - 2:
-            layers.append(torch.nn.Tanh())
-    return torch.nn.Sequential(*layers)
+    return small_mlp(seed, SIZES)
 
 
 def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
