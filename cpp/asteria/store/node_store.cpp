@@ -89,6 +89,39 @@ class Backoff {
   std::chrono::microseconds sleep_{5};
 };
 
+// Spins, with backoff, until ready(i) holds for every i < count in turn. While blocked it checks every
+// kPeerCheckInterval that the peers are alive (check(what(i))) and past the deadline calls late(i, seconds),
+// which throws. The time spent blocked is handed to record(seconds) once, also when something throws.
+template <typename Ready, typename What, typename Late, typename Check, typename Record>
+void spin_until(std::size_t count, std::chrono::nanoseconds timeout, Ready ready, What what, Late late, Check check,
+                Record record) {
+  const auto started = Clock::now();
+  const auto deadline = deadline_after(timeout);
+  auto next_check = started + kPeerCheckInterval;
+  bool blocked = false;
+  Backoff backoff;
+  try {
+    for (std::size_t i = 0; i < count;) {
+      if (ready(i)) {
+        ++i;
+        continue;
+      }
+      blocked = true;
+      const auto now = Clock::now();
+      if (now >= deadline) late(i, seconds_since(started));
+      if (now >= next_check) {
+        check(what(i));
+        next_check = now + kPeerCheckInterval;
+      }
+      backoff.pause();
+    }
+  } catch (...) {
+    if (blocked) record(seconds_since(started));
+    throw;
+  }
+  if (blocked) record(seconds_since(started));
+}
+
 }  // namespace
 
 const char* to_string(VersionStatus status) noexcept {
@@ -388,39 +421,23 @@ std::vector<Published> NodeStore::wait(const std::vector<std::int64_t>& blocks,
   }
   for (const std::int64_t b : blocks) control(b, "wait");
   std::vector<Published> out(blocks.size());
-  const auto started = Clock::now();
-  const auto deadline = deadline_after(timeout);
-  auto next_check = started + kPeerCheckInterval;
-  bool blocked = false;
-  Backoff backoff;
-  std::size_t i = 0;
-  try {
-    while (i < blocks.size()) {
-      out[i] = published(blocks[i]);
-      if (out[i].version >= versions[i]) {
-        ++i;
-        continue;
-      }
-      blocked = true;
-      const auto now = Clock::now();
-      const std::string what = "block " + std::to_string(blocks[i]) + " version " + std::to_string(versions[i]);
-      if (now >= deadline) {
-        throw TimeoutError("[NodeStore::wait] " + what + " was not published within " +
-                           format_seconds(seconds_since(started)) + " (the store holds version " +
-                           std::to_string(out[i].version) +
+  const auto what = [&](std::size_t i) {
+    return "block " + std::to_string(blocks[i]) + " version " + std::to_string(versions[i]);
+  };
+  spin_until(
+      blocks.size(), timeout,
+      [&](std::size_t i) {
+        out[i] = published(blocks[i]);
+        return out[i].version >= versions[i];
+      },
+      what,
+      [&](std::size_t i, double seconds) {
+        throw TimeoutError("[NodeStore::wait] " + what(i) + " was not published within " + format_seconds(seconds) +
+                           " (the store holds version " + std::to_string(out[i].version) +
                            "): the rank that owns it, or the node leader that receives it, is late, stalled or gone");
-      }
-      if (now >= next_check) {
-        check_peers(what);
-        next_check = now + kPeerCheckInterval;
-      }
-      backoff.pause();
-    }
-  } catch (...) {
-    if (blocked) record_wait(seconds_since(started));
-    throw;
-  }
-  if (blocked) record_wait(seconds_since(started));
+      },
+      [this](const std::string& waiting_for) { check_peers(waiting_for); },
+      [this](double seconds) { record_wait(seconds); });
   return out;
 }
 
@@ -433,37 +450,18 @@ std::int64_t NodeStore::done(int local_rank) const {
 }
 
 void NodeStore::wait_done(std::int64_t step, std::chrono::nanoseconds timeout) {
-  const auto started = Clock::now();
-  const auto deadline = deadline_after(timeout);
-  auto next_check = started + kPeerCheckInterval;
-  bool blocked = false;
-  Backoff backoff;
-  int r = 0;
-  try {
-    while (r < local_ranks_) {
-      const std::int64_t done = ranks_[r].done.load(std::memory_order_acquire);
-      if (done >= step) {
-        ++r;
-        continue;
-      }
-      blocked = true;
-      const auto now = Clock::now();
-      const std::string what = "local rank " + std::to_string(r) + " to finish step " + std::to_string(step);
-      if (now >= deadline) {
-        throw TimeoutError("[NodeStore::wait_done] waited " + format_seconds(seconds_since(started)) + " for " + what +
-                           " (it has finished step " + std::to_string(done) + "): it is late, stalled or gone");
-      }
-      if (now >= next_check) {
-        check_peers(what);
-        next_check = now + kPeerCheckInterval;
-      }
-      backoff.pause();
-    }
-  } catch (...) {
-    if (blocked) record_wait(seconds_since(started));
-    throw;
-  }
-  if (blocked) record_wait(seconds_since(started));
+  const auto done_by = [this](std::size_t r) { return ranks_[r].done.load(std::memory_order_acquire); };
+  const auto what = [&](std::size_t r) {
+    return "local rank " + std::to_string(r) + " to finish step " + std::to_string(step);
+  };
+  spin_until(
+      static_cast<std::size_t>(local_ranks_), timeout, [&](std::size_t r) { return done_by(r) >= step; }, what,
+      [&](std::size_t r, double seconds) {
+        throw TimeoutError("[NodeStore::wait_done] waited " + format_seconds(seconds) + " for " + what(r) +
+                           " (it has finished step " + std::to_string(done_by(r)) + "): it is late, stalled or gone");
+      },
+      [this](const std::string& waiting_for) { check_peers(waiting_for); },
+      [this](double seconds) { record_wait(seconds); });
 }
 
 NodeStoreStats NodeStore::stats() const {
