@@ -99,3 +99,28 @@ def test_eigenbasis_optimizers_async_match_sync_and_ignore_stream_delays(optimiz
     stale = asteria.RuntimeConfig(staleness=2, workers=2)
     for a, b in zip(run(stale), run(stale, side_delay=20_000_000)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nonfinite_streak_check_raises_on_gpu_without_host_waits(mode):
+    """On the GPU the streak check reads a pinned copy made at an earlier refresh step: it still raises,
+    at most one interval after the bound is crossed, and no good step raises."""
+    model = small_mlp(sizes=SIZES).cuda()
+    x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+    runtime = asteria.RuntimeConfig(mode=mode, max_nonfinite_grad_steps=3, workers=1)
+    with asteria.Shampoo(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64,
+                         runtime=runtime) as opt:
+        for _ in range(4):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[:64]), y[:64]).backward()
+            opt.step()
+        bad_steps = 0
+        with pytest.raises(asteria.NonFiniteGradientError, match=r"max_nonfinite_grad_steps=3"):
+            for _ in range(20):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[:64]), y[:64]).backward()
+                model[0].bias.grad.fill_(float("nan"))
+                bad_steps += 1
+                opt.step()
+        # Crossed at the 3rd bad step; read at a refresh step (every 3) one check later at the latest.
+        assert 3 <= bad_steps <= 3 + 2 * 3

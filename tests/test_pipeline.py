@@ -192,3 +192,21 @@ def test_attach_rejects_bad_arguments():
         asteria.attach("model", asteria.Shampoo(model.parameters()))
     with pytest.raises(ValueError, match="Invalid optimizer=AdamW"):
         asteria.attach(model, torch.optim.AdamW(model.parameters()))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"Invalid drain_points=.*int >= 0"):
+            asteria.attach(model, asteria.Shampoo(model.parameters()), drain_points=bad)
+
+
+def test_attach_spreads_a_few_drain_points_over_the_modules():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(10)])
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(workers=1)) as opt:
+        counts = {}
+        for points in (0, 3, 8, 50):
+            handle = asteria.attach(model, opt, drain_points=points)
+            hooked = [i for i, layer in enumerate(model) if layer._forward_hooks]
+            counts[points] = (handle.num_hooks, hooked)
+            handle.remove()
+    assert counts[0] == (1, [])                      # the root's prefetch hook only
+    assert counts[3] == (4, [0, 3, 6])
+    assert counts[8][0] == 9 and len(counts[8][1]) == 8
+    assert counts[50] == (11, list(range(10)))       # never more than one per module

@@ -104,10 +104,11 @@ void init_runtime(nb::module_& m) {
       .def(
           "__init__",
           [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
-             int max_consecutive_failures, double slot_timeout_s, int worker_nice) {
+             int max_consecutive_failures, double slot_timeout_s, int worker_nice, std::vector<int> worker_cpus) {
             runtime::EngineConfig config;
             config.workers = workers;
             config.worker_nice = worker_nice;
+            config.worker_cpus = std::move(worker_cpus);
             config.blas_threads = blas_threads;
             config.registry.staleness = staleness;
             config.registry.deterministic = deterministic;
@@ -116,7 +117,8 @@ void init_runtime(nb::module_& m) {
             new (self) RefreshEngine(config);
           },
           "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
-          "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10)
+          "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10,
+          "worker_cpus"_a = std::vector<int>{})
       .def(
           "add_block",
           [](RefreshEngine& e, Ring snapshots, Ring results, const std::string& kind) {

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from asteria.pipeline import cpus
 
 MODES = ("sync", "async")
 PLACEMENTS = ("auto", "device", "host", "device_view")
@@ -66,8 +68,13 @@ class RuntimeConfig:
         staleness: S >= 0. A block's preconditioner in use is at most S refresh intervals behind its
             newest snapshot; the optimizer waits (bounded barrier) rather than exceed it.
             ``staleness=0`` in async mode reproduces the sync trajectory.
-        workers: C++ worker threads; ``None`` leaves cores for the training process and its data
-            loader: ``max(1, cpus - 2)`` capped at 32.
+        workers: C++ worker threads; ``None``: one per CPU of the workers' set (``worker_cpus``), capped
+            at 32; unpinned, this rank's share of the CPUs less 2 (cores left to the training process
+            and its data loader).
+        worker_cpus: where the workers run. ``"auto"``: pinned off the first physical cores of this
+            rank's share of the machine (SMT siblings included), which stay free for the training
+            thread that launches the GPU's kernels (see ``asteria.pipeline.cpus``); ``"any"``: not
+            pinned; or a sequence of logical CPUs this process may use.
         worker_nice: 0..19, how far below the training thread the workers' CPU priority sits (Linux
             per-thread nice), so that the thread launching the GPU's work never queues behind them.
         blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
@@ -96,6 +103,7 @@ class RuntimeConfig:
     staleness: int = 5
     workers: int | None = None
     blas_threads: int = 1
+    worker_cpus: Sequence[int] | Literal["auto", "any"] = "auto"
     worker_nice: int = 10
     deterministic: bool = True
     stagger: bool | None = None
@@ -115,6 +123,11 @@ class RuntimeConfig:
                "must be None or an int >= 1")
         _check(_is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
                "must be an int >= 1")
+        if not (isinstance(self.worker_cpus, str) and self.worker_cpus in ("auto", "any")):
+            allowed = cpus.allowed_cpus()
+            _check(isinstance(self.worker_cpus, (list, tuple)) and len(self.worker_cpus) > 0
+                   and all(_is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
+                   f"must be 'auto', 'any' or a non-empty sequence of CPUs this process may use ({allowed})")
         _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
@@ -137,12 +150,23 @@ class RuntimeConfig:
         _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
 
+    def resolved_worker_cpus(self) -> list[int]:
+        """The CPUs the workers are pinned to (empty: not pinned)."""
+        if self.worker_cpus == "any":
+            return []
+        if self.worker_cpus == "auto":
+            return cpus.default_worker_cpus()
+        return sorted(set(self.worker_cpus))
+
     def resolved_workers(self) -> int:
         """The worker count to start: ``workers`` or the default that leaves cores free."""
         if self.workers is not None:
             return self.workers
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(32, cpus - 2))
+        pinned = self.resolved_worker_cpus()
+        if pinned:
+            return min(32, len(pinned))
+        _, local_world = cpus.local_layout()
+        return max(1, min(32, len(cpus.allowed_cpus()) // local_world - 2))
 
 
 def _is_int(value: Any) -> bool:

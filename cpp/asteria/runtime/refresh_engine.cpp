@@ -87,7 +87,8 @@ RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(c
     throw InvalidArgument("Invalid slot_timeout=" + std::to_string(config.slot_timeout.count()) +
                           " ns: must be > 0");
   }
-  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads, config.worker_nice);
+  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads, config.worker_nice,
+                                       config.worker_cpus);
 }
 
 RefreshEngine::~RefreshEngine() { close(); }

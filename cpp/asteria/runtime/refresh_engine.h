@@ -25,6 +25,7 @@ struct EngineConfig {
   int workers = 1;        // >= 1
   int blas_threads = 1;   // >= 1, per worker
   int worker_nice = 10;   // 0..19: the workers' CPU priority below the training thread's
+  std::vector<int> worker_cpus;  // logical CPUs the workers run on (empty: not pinned); see WorkerPool
   coherence::RegistryConfig registry;
   std::chrono::nanoseconds slot_timeout = std::chrono::seconds(300);  // workers waiting for a result buffer
 };

@@ -1,5 +1,7 @@
 #include "asteria/runtime/worker_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -98,7 +100,32 @@ void JobHandle::wait(std::chrono::nanoseconds timeout) const {
   }
 }
 
-WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice) : started_(Clock::now()) {
+namespace {
+
+// The CPU set of `cpus`; throws InvalidArgument for a CPU outside [0, CPU_SETSIZE) or one this process
+// may not run on (checked against the calling thread's own affinity).
+cpu_set_t cpu_set_of(const std::vector<int>& cpus) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) != 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &allowed);
+  }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int cpu : cpus) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed)) {
+      throw InvalidArgument("[WorkerPool] cpus contains " + std::to_string(cpu) +
+                            ": must be CPUs this process may run on (its affinity set)");
+    }
+    CPU_SET(cpu, &set);
+  }
+  return set;
+}
+
+}  // namespace
+
+WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<int> cpus)
+    : started_(Clock::now()) {
   if (num_workers < 1) {
     throw InvalidArgument("[WorkerPool] num_workers=" + std::to_string(num_workers) + " must be >= 1");
   }
@@ -109,6 +136,10 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice) : started_(C
     throw InvalidArgument("[WorkerPool] nice=" + std::to_string(nice) + " must be in [0, 19]");
   }
   nice_ = nice;
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  if (!cpus.empty()) (void)cpu_set_of(cpus);  // validates before any thread starts
+  cpus_ = std::move(cpus);
   stats_.workers = num_workers;
   threads_.reserve(static_cast<std::size_t>(num_workers));
   try {
@@ -183,6 +214,14 @@ void WorkerPool::worker_loop(int blas_threads) {
   // At least nice_ (a thread starts at its creator's nice); best effort: a refused change leaves it there.
   const auto tid = static_cast<id_t>(syscall(SYS_gettid));
   if (nice_ > 0 && getpriority(PRIO_PROCESS, tid) < nice_) (void)setpriority(PRIO_PROCESS, tid, nice_);
+  if (!cpus_.empty()) {
+    // Validated by the constructor; should the process's affinity have changed since, the kernel's
+    // refusal leaves this worker where it is (best effort, like nice).
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : cpus_) CPU_SET(cpu, &set);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
   std::unique_lock lock(mutex_);
   for (;;) {
     work_available_.wait(lock, [this] { return stopping_ || !queue_.empty(); });

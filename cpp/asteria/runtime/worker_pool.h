@@ -67,7 +67,11 @@ class WorkerPool {
   // running jobs, so that workers do not oversubscribe the cores.
   // `nice` (0..19) lowers the workers' CPU priority (Linux per-thread nice) so that the training
   // thread, which launches the GPU's work, never waits for a core behind them.
-  WorkerPool(int num_workers, int blas_threads = 1, int nice = 0);
+  // `cpus`: the logical CPUs every worker may run on (each worker gets the whole set; the kernel
+  // balances within it); empty: wherever the creating thread may run. Keeping the workers off the
+  // cores (and their SMT siblings) that the training thread uses stops them from slowing its kernel
+  // launches. Throws InvalidArgument for a negative CPU or one the kernel refuses for this process.
+  WorkerPool(int num_workers, int blas_threads = 1, int nice = 0, std::vector<int> cpus = {});
   ~WorkerPool();  // shutdown()
 
   WorkerPool(const WorkerPool&) = delete;
@@ -83,6 +87,7 @@ class WorkerPool {
 
   PoolStats stats() const;
   int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
+  const std::vector<int>& cpus() const noexcept { return cpus_; }
 
  private:
   struct QueueEntry {
@@ -108,6 +113,7 @@ class WorkerPool {
   std::mutex join_mutex_;
   std::vector<std::thread> threads_;  // elements guarded by join_mutex_
   int nice_ = 0;
+  std::vector<int> cpus_;  // sorted, unique; empty: not pinned
 };
 
 }  // namespace asteria::runtime

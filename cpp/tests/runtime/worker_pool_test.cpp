@@ -1,5 +1,7 @@
 #include "asteria/runtime/worker_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -99,6 +101,31 @@ TEST(WorkerPoolTest, WorkersRunAtTheRequestedNiceBelowTheCaller) {
   EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), caller);  // the caller is untouched
   EXPECT_THROW(WorkerPool(1, 1, 20), InvalidArgument);
   EXPECT_THROW(WorkerPool(1, 1, -1), InvalidArgument);
+}
+
+TEST(WorkerPoolTest, WorkersRunOnlyOnTheirCpus) {
+  cpu_set_t mine;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof(mine), &mine), 0);
+  int last = -1;  // the highest CPU this process may use: the workers go there, away from CPU 0's
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &mine)) last = c;
+  ASSERT_GE(last, 0);
+  WorkerPool pool(2, 1, 0, {last, last});  // duplicates collapse
+  EXPECT_EQ(pool.cpus(), std::vector<int>{last});
+  std::vector<JobHandle> jobs;
+  std::vector<int> seen(4, -2), counts(4, -1);
+  for (int i = 0; i < 4; ++i) {
+    jobs.push_back(pool.submit(i, [&seen, &counts, i] {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      pthread_getaffinity_np(pthread_self(), sizeof(set), &set);
+      counts[i] = CPU_COUNT(&set);
+      seen[i] = sched_getcpu();
+    }));
+  }
+  for (auto& job : jobs) job.wait(kLongWait);
+  EXPECT_EQ(counts, std::vector<int>(4, 1));
+  EXPECT_EQ(seen, std::vector<int>(4, last));
 }
 
 TEST(WorkerPoolTest, WaitRethrowsTheJobsOwnException) {
@@ -270,6 +297,8 @@ TEST(WorkerPoolTest, WorkersSetTheirBlasThreadCount) {
 }
 
 TEST(WorkerPoolTest, RejectsInvalidArguments) {
+  EXPECT_THROW(WorkerPool(1, 1, 0, {-1}), InvalidArgument);
+  EXPECT_THROW(WorkerPool(1, 1, 0, {CPU_SETSIZE}), InvalidArgument);
   try {
     WorkerPool pool(0);
     FAIL() << "num_workers=0 accepted";

@@ -78,10 +78,11 @@ class DistributedRefresher(Refresher):
         self.node_units = {id(d): {node: d.units_of_node(node) for node in d.nodes} for d in self.domains}
         self.views = {id(d): torch.from_numpy(d.store.data()) for d in self.domains}
         # ---- the engine, for the blocks this rank owns
+        self.worker_cpus = config.resolved_worker_cpus()
         self.engine = _core.RefreshEngine(
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
             deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s,
-            worker_nice=config.worker_nice)
+            worker_nice=config.worker_nice, worker_cpus=self.worker_cpus)
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
         self.snapshots: list[torch.Tensor | None] = []
@@ -468,7 +469,7 @@ class DistributedRefresher(Refresher):
             "wait_seconds": registry["wait_seconds"] + engine["snapshot_wait_seconds"] + self._store_wait_seconds,
             "activation_waits": registry["waits"], "snapshot_waits": engine["snapshot_waits"],
             "store_wait_seconds": self._store_wait_seconds, "exchange_seconds": self._exchange_seconds,
-            "workers": pool["workers"], "worker_busy_fraction": pool["busy_fraction"],
+            "workers": pool["workers"], "worker_cpus": self.worker_cpus, "worker_busy_fraction": pool["busy_fraction"],
             "shared_store_bytes": sum(d.store.bytes for d in self.domains if d.shared),
         }
         out.update(self._counts)

@@ -69,6 +69,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.start_preconditioning_step = start
         self._step = 0
         self._activated_step = 0  # the newest step whose activation has been done
+        self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
@@ -241,15 +242,34 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         return torch.where(F.batch_view(keep, grads), grads, 0.0), keep
 
     def _check_nonfinite_streaks(self) -> None:
-        """Raises when some block skipped too many steps in a row (read at refresh steps only, to keep
-        the other steps free of host synchronization)."""
+        """Raises when some block skipped too many steps in a row. Read at refresh steps only, and on a GPU
+        without making the host wait: each check copies the streaks to pinned host memory on the stream
+        and reads the copy of an earlier check once it has landed (one refresh step later, so at most one
+        interval late; a step between never changes parameters of such a block, only skips it)."""
         bound = self.runtime.max_nonfinite_grad_steps
-        for group in self._groups:
+        for index, group in enumerate(self._groups):
             streak = group.state[NONFINITE_STREAK]
-            if int(streak.max()) >= bound:
-                block = group.blocks[int((streak >= bound).nonzero()[0])]
-                raise NonFiniteGradientError(block.name, f"{int(streak.max())} steps in a row skipped "
-                                             f"(max_nonfinite_grad_steps={bound})")
+            if streak.device.type != "cuda":
+                self._raise_for_streak(group, streak, bound)
+                continue
+            probe = self._streak_probes.get(index)
+            if probe is not None and not probe[1].query():
+                continue  # the last copy is still on its way: read it next time
+            if probe is not None:
+                self._raise_for_streak(group, probe[0], bound)
+            host = probe[0] if probe is not None else torch.empty(streak.shape, dtype=streak.dtype, pin_memory=True)
+            host.copy_(streak, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(streak.device))
+            self._streak_probes[index] = (host, event)
+
+    @staticmethod
+    def _raise_for_streak(group: ShapeGroup, streak: Tensor, bound: int) -> None:
+        worst = int(streak.max())
+        if worst >= bound:
+            block = group.blocks[int((streak >= bound).nonzero()[0])]
+            raise NonFiniteGradientError(block.name, f"{worst} steps in a row skipped "
+                                         f"(max_nonfinite_grad_steps={bound})")
 
     def _apply(self, group: ShapeGroup, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]

@@ -171,6 +171,7 @@ class AsyncRefresher(Refresher):
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
+        self.worker_cpus = config.resolved_worker_cpus()
         self.engine = _core.RefreshEngine(
             workers=config.resolved_workers(),
             blas_threads=config.blas_threads,
@@ -179,6 +180,7 @@ class AsyncRefresher(Refresher):
             max_consecutive_failures=config.max_consecutive_failures,
             slot_timeout_s=config.timeout_s,
             worker_nice=config.worker_nice,
+            worker_cpus=self.worker_cpus,
         )
         devices = {s.device for s in sets}
         self.side = {device: streams.SideStream(device) for device in devices}
@@ -255,8 +257,10 @@ class AsyncRefresher(Refresher):
         self._install_events.clear()
 
     def poll(self, step: int) -> None:
-        self._submit_ready(step)
-        self._release_copied(block_all=False)
+        if self._pending_snapshots:
+            self._submit_ready(step)
+        if self._pending_releases:
+            self._release_copied(block_all=False)
 
     def _release_copied(self, block_all: bool) -> None:
         still = []
@@ -356,10 +360,13 @@ class AsyncRefresher(Refresher):
             self.tier.after_install(fset, target)
         with side.staging():
             if fset.permute is not None:
-                blocks = [block for block, _, _ in items]
-                orders = torch.stack([results[version % self.depth, block, n + 1] for block, version, _ in items])
-                fset.permute(torch.tensor(blocks, device=fset.device),
-                             orders.to(fset.device, non_blocking=side.cuda).long())
+                # Both index tensors go through pinned memory: a copy from pageable memory would make
+                # the host wait for the streams, and this runs on the training thread.
+                pin = side.cuda
+                blocks = torch.tensor([block for block, _, _ in items], dtype=torch.long, pin_memory=pin)
+                orders = torch.empty((len(items), n), dtype=torch.float32, pin_memory=pin)
+                torch.stack([results[version % self.depth, block, n + 1] for block, version, _ in items], out=orders)
+                fset.permute(blocks.to(fset.device, non_blocking=pin), orders.to(fset.device, non_blocking=pin).long())
         event = side.record()
         # The main stream waits for the copy only where it uses the preconditioners (``ready()``), so a
         # prefetch issued from a forward hook does not stall the forward pass.
@@ -391,6 +398,7 @@ class AsyncRefresher(Refresher):
             "max_wait_seconds": registry["max_wait_seconds"],
             "activations": registry["activations"],
             "workers": pool["workers"],
+            "worker_cpus": self.worker_cpus,
             "worker_busy_fraction": pool["busy_fraction"],
             "jobs_queued": pool["queue_depth"],
             "job_mean_latency_seconds": pool["mean_latency_seconds"],

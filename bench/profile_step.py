@@ -1,0 +1,137 @@
+"""Where a training step's time goes: model (forward + backward) vs optimizer step, host (launch) time
+vs device time, and the top operators by host and device time, for several optimizer configs on the
+same model and batch.
+
+Run (GPU):  python3 bench/profile_step.py --model olmo-160m --batch-size 8 --seq-len 512 \
+                --configs adamw shampoo-sync shampoo-async shampoo-async:f=100000 shampoo-async:w=1
+Run (CPU, a quick look):  python3 bench/profile_step.py --model tiny --device cpu --configs shampoo-sync shampoo-async
+
+A config is ``OPTIMIZER-MODE`` with optional ``:f=N`` (precondition frequency, default 10), ``:w=N``
+(workers), ``:s=N`` (staleness, default 5), ``:attach=0`` (no hooks) and ``:tf32=1`` (TF32 matmuls).
+Per config it prints, over the steady steps (after f + 1 warm-up steps): median and max of the whole
+step (wall, synchronized each step), of the model part and of ``opt.step()`` (CUDA events), and the
+host time spent inside ``opt.step()`` before it returns (launch and Python overhead); then the
+profiler's top operators over a few steps. Writes ``--out/profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asteria
+from asteria.train.loop import RunConfig, make_optimizer
+from asteria.train.model import build_model
+
+
+def parse(spec: str) -> tuple[str, dict[str, Any]]:
+    name, *mods = spec.split(":")
+    options: dict[str, Any] = {"f": 10, "w": None, "s": 5, "attach": 1, "tf32": 0}
+    for mod in mods:
+        key, _, value = mod.partition("=")
+        if key not in options or not value.isdigit():
+            raise ValueError(f"Invalid config={spec!r}: modifiers are f=N, w=N, s=N, attach=0|1, tf32=0|1")
+        options[key] = int(value)
+    return name, options
+
+
+def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    name, o = parse(spec)
+    optimizer, mode = ("adamw", "sync") if name == "adamw" else name.rsplit("-", 1)
+    torch.backends.cuda.matmul.allow_tf32 = bool(o["tf32"])
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = build_model(args.model, 256, args.seq_len).to(device)
+    cfg = RunConfig(model=args.model, optimizer=optimizer, mode=mode, device=args.device, staleness=o["s"],
+                    precondition_frequency=o["f"], workers=o["w"], batch_size=args.batch_size,
+                    seq_len=args.seq_len)
+    opt = make_optimizer(cfg, model)
+    second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
+    hooks = asteria.attach(model, opt) if second_order and o["attach"] else None
+    cuda = device.type == "cuda"
+    warmup = min(o["f"], 10) + 1
+    batches = [torch.randint(0, 256, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
+    rows: list[dict[str, float]] = []
+
+    def one_step(i: int) -> dict[str, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if cuda:
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model.loss(batches[i % len(batches)])
+        loss.backward()
+        if cuda:
+            e1.record()
+        h0 = time.perf_counter()
+        opt.step()
+        host_opt = time.perf_counter() - h0
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            e2.record()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        row = {"wall": wall, "host_opt": host_opt}
+        if cuda:
+            row |= {"gpu_model": e0.elapsed_time(e1) / 1e3, "gpu_opt": e1.elapsed_time(e2) / 1e3}
+        return row
+
+    for i in range(warmup + args.steps):
+        row = one_step(i)
+        if i >= warmup:
+            rows.append(row)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(args.profile_steps):
+            one_step(i)
+    if hooks is not None:
+        hooks.remove()
+    stats = opt.runtime_stats() if second_order else {}
+    if hasattr(opt, "close"):
+        opt.close()
+    summary = {key: {"median": statistics.median(r[key] for r in rows), "max": max(r[key] for r in rows)}
+               for key in rows[0]}
+    averages = prof.key_averages()
+    top_host = averages.table(sort_by="self_cpu_time_total", row_limit=args.top)
+    top_device = averages.table(sort_by="self_device_time_total", row_limit=args.top) if cuda else ""
+    print(f"\n=== {spec} ===")
+    for key, value in summary.items():
+        print(f"  {key:>9}: median {1e3 * value['median']:8.2f} ms   max {1e3 * value['max']:8.2f} ms")
+    if second_order:
+        print(f"  waits {stats.get('waits')} ({stats.get('wait_seconds', 0.0):.3f} s), "
+              f"worker busy {stats.get('worker_busy_fraction', 0.0):.2f}, workers {stats.get('workers')}")
+    print(top_host)
+    print(top_device)
+    return {"summary": summary, "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
+            "top_host": top_host, "top_device": top_device}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="olmo-160m")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20, help="steady steps timed per config")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--configs", nargs="+", default=["adamw", "shampoo-sync", "shampoo-async"])
+    parser.add_argument("--out", type=Path, default=Path("runs/profile"))
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device: {device}; model {args.model}, batch {args.batch_size} x {args.seq_len}")
+    results = {spec: run(spec, args) for spec in args.configs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The worker CPU plan (asteria.pipeline.cpus) and RuntimeConfig.worker_cpus, on a written sysfs tree
+and on this machine's real one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import asteria
+from asteria.pipeline import cpus
+
+
+def write_topology(root, siblings: dict[int, str]) -> None:
+    for cpu, text in siblings.items():
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings_list").write_text(text + "\n")
+
+
+def test_cores_group_smt_siblings(tmp_path):
+    # 4 cores x 2 threads, numbered as Linux does on most x86 hosts: cpu i and i + 4 share a core.
+    write_topology(tmp_path, {i: f"{i % 4},{i % 4 + 4}" for i in range(8)})
+    assert cpus.physical_cores(list(range(8)), tmp_path) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Only the CPUs this process may use count; a CPU without topology is a core of its own.
+    assert cpus.physical_cores([1, 2, 5, 9], tmp_path) == [[1, 5], [2], [9]]
+    write_topology(tmp_path / "ranges", {0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"})
+    assert cpus.physical_cores([0, 1, 2, 3], tmp_path / "ranges") == [[0, 1], [2, 3]]
+
+
+def test_plan_keeps_whole_cores_free_per_local_rank():
+    cores = [[i, i + 8] for i in range(8)]  # 8 cores x 2 threads
+    # One rank: the first two cores (and their siblings) stay free.
+    assert cpus.plan_worker_cpus(cores) == sorted(c for core in cores[2:] for c in core)
+    # Two ranks of one node: four cores each, two of them free; the shares do not overlap.
+    first, second = cpus.plan_worker_cpus(cores, 0, 2), cpus.plan_worker_cpus(cores, 1, 2)
+    assert first == [2, 3, 10, 11] and second == [6, 7, 14, 15]
+    # Small shares keep one core; a single core is not pinned at all.
+    assert cpus.plan_worker_cpus([[0], [1], [2]]) == [1, 2]
+    assert cpus.plan_worker_cpus([[0, 1]]) == []
+    assert cpus.plan_worker_cpus([[0], [1]], 1, 2) == []
+    with pytest.raises(ValueError, match="Invalid local_rank=2"):
+        cpus.plan_worker_cpus(cores, 2, 2)
+
+
+def test_local_layout_reads_torchrun(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert cpus.local_layout() == (3, 4)
+    monkeypatch.setenv("LOCAL_RANK", "9")  # inconsistent: treated as a single process
+    assert cpus.local_layout() == (0, 1)
+
+
+def test_runtime_config_worker_cpus():
+    allowed = cpus.allowed_cpus()
+    assert asteria.RuntimeConfig(worker_cpus="any").resolved_worker_cpus() == []
+    explicit = asteria.RuntimeConfig(worker_cpus=[allowed[-1], allowed[-1]], workers=None)
+    assert explicit.resolved_worker_cpus() == [allowed[-1]]
+    assert explicit.resolved_workers() == 1
+    auto = asteria.RuntimeConfig().resolved_worker_cpus()
+    assert set(auto) <= set(allowed) and (auto == [] or len(auto) < len(allowed))
+    for bad in ([], [-1], [max(allowed) + 1000], "all", [0.5]):
+        with pytest.raises(ValueError, match=r"Invalid worker_cpus=.*'auto', 'any' or a non-empty sequence"):
+            asteria.RuntimeConfig(worker_cpus=bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
+def test_workers_run_on_the_planned_cpus():
+    """The engine's workers are pinned: a refresh runs while this thread is elsewhere, and
+    runtime_stats() names the set."""
+    cpu = cpus.allowed_cpus()[-1]
+    model = torch.nn.Linear(6, 5)
+    runtime = asteria.RuntimeConfig(worker_cpus=[cpu], staleness=0)
+    with asteria.Shampoo(model.parameters(), precondition_frequency=1, runtime=runtime) as opt:
+        for _ in range(3):
+            model(torch.randn(4, 6)).square().sum().backward()
+            opt.step()
+        stats = opt.runtime_stats()
+    assert stats["worker_cpus"] == [cpu] and stats["workers"] == 1 and stats["refreshes"] >= 1
