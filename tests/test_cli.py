@@ -123,6 +123,10 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["sweep", "--optimizer", "adamw", "--out", "OUT"], "Invalid optimizer='adamw'"),
         (["sweep", "--staleness", "1", "-2", "--out", "OUT"], "Invalid staleness=-2"),
         (["bench", "--configs", "lion-async", "--out", "OUT"], "Invalid config='lion-async'"),
+        (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
+        (["train", "--local-world-size", "0", "--out", "OUT"], "Invalid local_world_size=0: must be an int >= 1"),
+        (["train", "--local-world-size", "2", "--steps", "1", "--out", "OUT"],
+         "Invalid local_world_size=2: must divide the world size 1"),
     ],
 )
 def test_bad_input_names_the_value(argv, message, capsys, tmp_path):
@@ -130,6 +134,32 @@ def test_bad_input_names_the_value(argv, message, capsys, tmp_path):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+RANK0_OF_4 = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+
+
+@pytest.mark.parametrize(
+    "env, argv, message",
+    [
+        (RANK0_OF_4, ["train", "--local-world-size", "3"], "Invalid local_world_size=3: must divide the world size 4"),
+        (RANK0_OF_4 | {"LOCAL_WORLD_SIZE": "3"}, ["train"], "Invalid LOCAL_WORLD_SIZE=3: must divide the world size 4"),
+        ({"WORLD_SIZE": "two"}, ["train"], "Invalid WORLD_SIZE='two': must be an int >= 1"),
+        ({"WORLD_SIZE": "2"}, ["train"], "Invalid RANK=None: torchrun sets it"),
+        (RANK0_OF_4 | {"RANK": "4"}, ["train"], "Invalid RANK=4: must be below WORLD_SIZE=4"),
+        (RANK0_OF_4 | {"LOCAL_RANK": "5"}, ["train"], "Invalid LOCAL_RANK=5: must be below LOCAL_WORLD_SIZE=4"),
+        (RANK0_OF_4, ["demo"], "Invalid command='demo' under torchrun (WORLD_SIZE=4)"),
+    ],
+)
+def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, message, monkeypatch, capsys, tmp_path):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main([*argv, "--out", str(tmp_path / "out"), "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err
+    assert not torch.distributed.is_initialized() and not (tmp_path / "out").exists()
 
 
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):

@@ -33,7 +33,7 @@ import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -123,7 +123,9 @@ def _short(value: Any) -> str:
 def pack(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """A JSON-able skeleton of ``obj`` whose tensors (and numpy arrays) are appended to ``tensors``."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
+        # A DTensor (FSDP2: AdamW's moments) is this rank's state as its local shard; the training loop
+        # lays it out as its parameter again when it loads (train/distributed.py).
+        tensors.append((obj.to_local() if _is_dtensor(obj) else obj).detach())
         return {"$t": len(tensors) - 1}
     if isinstance(obj, (np.ndarray, np.generic)):
         tensors.append(torch.from_numpy(np.array(obj, copy=True)))
@@ -141,6 +143,10 @@ def pack(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, tuple):
         return {"$tuple": [pack(v, tensors) for v in obj]}
     raise TypeError(f"cannot checkpoint a {type(obj).__name__}: {_short(obj)}")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
 def unpack(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
@@ -308,15 +314,22 @@ class Loaded:
     rank_state: Any
 
 
-def load(path: Path) -> Loaded:
-    """Verifies and reads a checkpoint for this rank (on the CPU)."""
+def load(path: Path, model_template: dict[str, torch.Tensor] | None = None,
+         check: Callable[[Manifest], None] | None = None) -> Loaded:
+    """Verifies and reads a checkpoint for this rank (on the CPU). ``check(manifest)`` runs after the
+    files are verified and before any data is read (it raises to refuse the checkpoint). The model's
+    tensors are read into ``model_template``'s tensors in place when given (an FSDP2 model's own
+    ``state_dict()``: each rank reads its shards), else into new full CPU tensors."""
     import torch.distributed.checkpoint as dcp
 
     manifest = verify(path)
     rank, world = rank_and_world()
     if manifest.world_size != world:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: saved by {manifest.world_size} ranks, this run has "
-                              f"{world}")
+                              f"{world}; resume on {manifest.world_size} processes (torchrun: nodes x "
+                              "--nproc-per-node)")
+    if check is not None:
+        check(manifest)
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata().state_dict_metadata
     own = (f"optim.rank{rank}.", f"state.rank{rank}.json")
@@ -325,7 +338,13 @@ def load(path: Path) -> Loaded:
         if key.startswith("model.") or key.startswith(own):
             if not hasattr(meta, "size"):
                 raise CheckpointError(f"Invalid checkpoint={str(path)!r}: entry {key!r} is not a tensor")
-            flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            if model_template is not None and key.startswith("model."):
+                if key[len("model."):] not in model_template:
+                    raise CheckpointError(f"Invalid checkpoint={str(path)!r}: its model has {key[len('model.'):]!r}, "
+                                          "this one does not")
+                flat[key] = model_template[key[len("model."):]]
+            else:
+                flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if f"state.rank{rank}.json" not in flat:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: no state for rank {rank}")
     with _quiet():

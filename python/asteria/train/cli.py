@@ -1,10 +1,12 @@
-"""The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``), ``demo`` (AdamW vs Asteria
-Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one config over
-staleness bounds) and ``report`` over finished runs."""
+"""The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``; on several processes under
+torchrun: ``torchrun --nproc-per-node N -m asteria.train.cli train --parallel ddp|fsdp ...``), ``demo``
+(AdamW vs Asteria Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one
+config over staleness bounds) and ``report`` over finished runs."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -16,7 +18,7 @@ from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
-OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str}
+OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int}
 HELP = {
     "model": "model preset (OLMo-2 architecture, random init)",
     "data": "a text file or a folder of them (default: the Python standard library's sources)",
@@ -25,7 +27,12 @@ HELP = {
     "keep_checkpoints": "newest checkpoints kept (0: all)",
     "device": "cpu or cuda (default: cuda when available)",
     "lr": "learning rate (default: the optimizer's own)",
-    "workers": "C++ refresh workers (default: cores - 2)",
+    "workers": "C++ refresh workers per process (default: cores - 2, shared among the processes of a host)",
+    "batch_size": "sequences per step and process (the global batch is this x the number of processes)",
+    "parallel": "under torchrun with several processes: ddp (replicated model) or fsdp (FSDP2, fully_shard per "
+                "decoder layer and the root)",
+    "local_world_size": "ranks per node under torchrun; less than the processes per host simulates several nodes "
+                        "(default: torchrun's LOCAL_WORLD_SIZE)",
 }
 
 
@@ -76,13 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
     try:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if args.command != "train" and world != "1":
+            raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
+                             "runs on several processes (bench/scaling.py launches torchrun itself)")
         if args.command == "train":
             summary = train(_run_config(args), args.out, resume=args.resume)
-            resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
-            val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"
-            print(f"{summary['label']}: {summary['steps_done']} steps{resumed}, "
-                  f"final loss {summary['final_loss']:.4f}, val {val}")
+            if rank == "0":
+                resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
+                val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"
+                procs = f" on {summary['distributed']['world_size']} processes" if summary["distributed"] else ""
+                print(f"{summary['label']}: {summary['steps_done']} steps{procs}{resumed}, "
+                      f"final loss {summary['final_loss']:.4f}, val {val}")
         elif args.command == "demo":
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
@@ -106,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, FileNotFoundError) as error:
-        print(f"asteria: error: {error}", file=sys.stderr)
+        where = f" (rank {rank})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"asteria: error{where}: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,14 +1,16 @@
 """One training run: model, data, optimizer, metrics (JSON lines and TensorBoard), progress bar,
-checkpoints and resume."""
+checkpoints and resume; on one process, or on several under torchrun (DDP or FSDP2: see
+``train/distributed.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +21,17 @@ import asteria
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
+from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, default_workers,
+                                      local_optimizer_state_to_dtensors, resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
-from asteria.train.model import PRESETS, build_model, parameter_count
+from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
-                     "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed")
+                     "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed",
+                     "parallel")
 
 
 @dataclass(kw_only=True)
@@ -55,6 +60,8 @@ class RunConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     seed: int = 0
+    parallel: str = "ddp"
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -80,6 +87,10 @@ class RunConfig:
         check(is_int(self.max_bytes) and self.max_bytes >= 4096, "max_bytes", "must be an int >= 4096")
         check(self.seq_len <= PRESETS.get(self.model, PRESETS["tiny"]).max_seq_len, "seq_len",
               f"model {self.model!r} takes at most {PRESETS.get(self.model, PRESETS['tiny']).max_seq_len} tokens")
+        check(self.parallel in PARALLEL_MODES, "parallel", f"must be one of {PARALLEL_MODES}")
+        check(self.local_world_size is None or (is_int(self.local_world_size) and self.local_world_size >= 1),
+              "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
+              "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
@@ -92,42 +103,61 @@ class RunConfig:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module, workers: int | None = None,
+                   local_world_size: int | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer over ``model``'s parameters (DTensors once FSDP2 has sharded it). ``workers``
+    applies when ``cfg.workers`` is None; ``local_world_size`` is the node size of a distributed run."""
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
-    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, workers=cfg.workers, memory=memory)
+    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness,
+                                    workers=cfg.workers if cfg.workers is not None else workers, memory=memory,
+                                    local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency, runtime=runtime)
 
 
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
-    """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs."""
+    """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
+    newer than the checkpoint counts as its default)."""
     saved = manifest.config
-    diffs = [f"{name}={saved.get(name)!r} (this run: {getattr(cfg, name)!r})" for name in RESUME_MUST_MATCH
-             if saved.get(name) != getattr(cfg, name)]
+    defaults = {f.name: f.default for f in fields(RunConfig)}
+    diffs = [f"{name}={saved.get(name, defaults[name])!r} (this run: {getattr(cfg, name)!r})"
+             for name in RESUME_MUST_MATCH if saved.get(name, defaults[name]) != getattr(cfg, name)]
     if diffs:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
                               "; resume only with the settings it was saved with")
 
 
-def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    loaded = checkpoint.load(path)
-    check_resumable(loaded.manifest, cfg, path)
+def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
+             run: DistributedRun | None) -> dict[str, Any]:
+    fsdp = run is not None and run.parallel == "fsdp"
+    loaded = checkpoint.load(path, model_template=model.state_dict() if fsdp else None,
+                             check=lambda manifest: check_resumable(manifest, cfg, path))
     state = loaded.rank_state
+    local = run.layout.local_world_size if run is not None else 1
+    if state.get("local_world_size", 1) != local:
+        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: saved with local_world_size="
+                              f"{state.get('local_world_size', 1)} (ranks per node), this run has {local}; resume "
+                              "with the node layout it was saved with")
     try:
         model.load_state_dict(loaded.model_state)
     except RuntimeError as error:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: its model does not fit this one: {error}") from None
+    optimizer_state = state["optimizer"]
+    if fsdp and not isinstance(opt, asteria.optim.base.SecondOrderOptimizer):
+        optimizer_state = local_optimizer_state_to_dtensors(optimizer_state, opt)
     try:
-        opt.load_state_dict(state["optimizer"])
+        opt.load_state_dict(optimizer_state)
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: its optimizer state does not fit this "
                               f"{type(opt).__name__}: {error}") from None
     torch.set_rng_state(state["rng"]["torch"])
-    if torch.cuda.is_available() and state["rng"]["cuda"]:
+    if run is not None and run.device.type == "cuda":
+        torch.cuda.set_rng_state(state["rng"]["cuda"][0], run.device)
+    elif torch.cuda.is_available() and state["rng"]["cuda"]:
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state["loop"]
 
@@ -149,56 +179,100 @@ def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
 def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
     """Trains and writes ``out/metrics.jsonl``, ``out/summary.json``, TensorBoard logs and, every
     ``cfg.checkpoint_every`` steps, ``out/checkpoints/step-N``. With ``resume`` it continues from the
-    newest complete checkpoint in ``out`` (or starts afresh when there is none)."""
-    from torch.utils.tensorboard import SummaryWriter
+    newest complete checkpoint in ``out`` (or starts afresh when there is none).
 
+    Under torchrun (``WORLD_SIZE`` > 1) every process calls this: it joins the process group (NCCL on
+    GPUs, Gloo on the CPU), wraps the model (``cfg.parallel``: DDP or FSDP2), reads its own slice of each
+    global batch (``cfg.batch_size`` sequences per rank), and rank 0 alone writes the metrics (the loss
+    averaged and the energy summed over ranks), TensorBoard, the summary and shows the progress bar.
+    Every rank returns the summary."""
+    layout = resolve_layout(cfg.local_world_size)  # a bad environment or node size fails before anything runs
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_root = out / "checkpoints"
-    if not resume and checkpoint.published(ckpt_root):
+    if not resume and checkpoint.published(out / "checkpoints"):
         raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
                          f"continue it, or choose another --out")
+    if not layout.distributed:
+        return _train(cfg, out, progress, resume, None)
+    run = DistributedRun(layout, cfg.device, cfg.parallel)
+    try:
+        summary = _train(cfg, out, progress, resume, run)
+    except BaseException:
+        if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
+            run.shutdown()
+        raise
+    run.shutdown()
+    return summary
+
+
+def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None) -> dict[str, Any]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    lead = run is None or run.lead
+    world = run.layout.world_size if run is not None else 1
+    ckpt_root = out / "checkpoints"
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device)
+    device = run.device if run is not None else torch.device(cfg.device)
     tokenizer = load_tokenizer(cfg.tokenizer)
     data = PackedData(tokenizer.encode(load_documents(cfg.data, cfg.max_bytes)), cfg.seq_len, cfg.val_fraction,
                       cfg.seed, source=f"data={cfg.data!r}")
     model = build_model(cfg.model, tokenizer.vocab_size, cfg.seq_len).to(device)
-    opt = make_optimizer(cfg, model)
+    parameters = parameter_count(model)
+    layer_parameters = sum(p.numel() for p in decoder_layers(model).parameters())
+    net = run.wrap(model) if run is not None else model  # what the forward pass calls (DDP: the wrapper)
+    if run is None:
+        opt = make_optimizer(cfg, model)
+    else:
+        opt = make_optimizer(cfg, model, workers=default_workers(run.layout),
+                             local_world_size=run.layout.local_world_size)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
     hooks = asteria.attach(model, opt) if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
     resumed_from = None
     if resume:
-        checkpoint.discard_partial(ckpt_root)
+        if lead:
+            checkpoint.discard_partial(ckpt_root)
+        if run is not None:
+            run.barrier()
         found = checkpoint.published(ckpt_root)
         if found:
-            loop = _restore(found[-1], cfg, model, opt)
+            loop = _restore(found[-1], cfg, model, opt, run)
             resumed_from = str(found[-1])
-    records = _read_records(out / "metrics.jsonl", loop["step"])
-    _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    records = _read_records(out / "metrics.jsonl", loop["step"]) if lead else []
+    if lead:
+        _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
 
-    writer = SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
+    writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
+              if lead else None)
     energy, timer = EnergyMeter(device), StepTimer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step, cursor, wall = loop["step"], loop["cursor"], loop["wall"]
-    bar = tqdm(range(step + 1, cfg.steps + 1), desc=cfg.label, disable=not progress, leave=False, mininterval=0.5)
+    first_step = step
+    # Rank r reads sequences [r*B, (r+1)*B) of each global batch of B*world sequences.
+    offset = run.layout.rank * cfg.batch_size if run is not None else 0
+    bar = tqdm(range(step + 1, cfg.steps + 1), desc=cfg.label, disable=not (progress and lead), leave=False,
+               mininterval=0.5)
     try:
-        with (out / "metrics.jsonl").open("a") as log:
+        with (out / "metrics.jsonl").open("a") if lead else contextlib.nullcontext() as log:
             for step in bar:
                 t0 = time.perf_counter()
                 joules = energy.joules()
-                batch = data.batch(cursor, cfg.batch_size).to(device, non_blocking=True)
-                cursor += cfg.batch_size
+                batch = data.batch(cursor + offset, cfg.batch_size).to(device, non_blocking=True)
+                cursor += cfg.batch_size * world
                 timer.begin()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = model.loss(batch)
+                    loss = next_token_loss(net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
                 loss.backward()
                 checkpoint.fault_point("train-step", step)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 gpu_seconds = timer.finish()
-                loss_value = loss.item()  # synchronizes, so the step time below is the whole step
+                step_joules = None
+                if run is None:
+                    loss_value = loss.item()  # synchronizes, so the step time below is the whole step
+                else:  # the mean over ranks and the energy of all ranks' GPUs (one all-reduce)
+                    loss_value, step_joules = run.reduce_step(loss, None if joules is None
+                                                              else energy.joules() - joules)
                 step_time = time.perf_counter() - t0
                 wall += step_time
                 record: dict[str, Any] = {"step": step, "loss": loss_value, "step_time": step_time, "wall": wall,
@@ -207,44 +281,58 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
                     record["gpu_step_time"] = gpu_seconds
                     record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
                     record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-                if joules is not None:
+                if run is None and joules is not None:
                     record["energy_joules"] = energy.joules() - joules
+                elif step_joules is not None:
+                    record["energy_joules"] = step_joules
                 if hasattr(opt, "staleness"):
                     record["staleness"] = opt.staleness()
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    record["val_loss"] = evaluate(model, data, device, cfg.batch_size, cfg.eval_batches)
-                log.write(json.dumps(record) + "\n")
-                for key in ("loss", "val_loss", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
-                    if key in record:
-                        writer.add_scalar(key, record[key], step)
+                    record["val_loss"] = (evaluate(model, data, device, cfg.batch_size, cfg.eval_batches)
+                                          if run is None else
+                                          run.evaluate(model, data, cfg.batch_size, cfg.eval_batches))
+                if lead:
+                    log.write(json.dumps(record) + "\n")
+                    for key in ("loss", "val_loss", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
+                        if key in record:
+                            writer.add_scalar(key, record[key], step)
                 bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_time:.0f}",
                                 stale=record.get("staleness", "-"))
                 records.append(record)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    log.flush()
-                    os.fsync(log.fileno())
-                    _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall})
+                    if lead:
+                        log.flush()
+                        os.fsync(log.fileno())
+                    _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall}, run)
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         if hooks is not None:
             hooks.remove()
-    summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameter_count(model), resumed_from)
+    summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameters, resumed_from)
+    summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
+                              if run is not None else None)
     if hasattr(opt, "close"):
         opt.close()
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+    if lead:
+        _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
 def _save(root: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
-          loop: dict[str, Any]) -> Path:
+          loop: dict[str, Any], run: DistributedRun | None) -> Path:
     rank, world = checkpoint.rank_and_world()
+    if run is not None and run.device.type == "cuda":  # this rank's GPU only
+        cuda_rng = [torch.cuda.get_rng_state(run.device)]
+    else:
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     state = {
         "optimizer": opt.state_dict(),
         "loop": loop,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "rng": {"torch": torch.get_rng_state(), "cuda": cuda_rng},
         "rank": rank,
         "world_size": world,
+        "local_world_size": run.layout.local_world_size if run is not None else 1,
     }
     return checkpoint.save(root, loop["step"], model.state_dict(), state, asdict(cfg), keep=cfg.keep_checkpoints)
 

@@ -80,8 +80,19 @@ class CausalLM(nn.Module):
         return self.lm(input_ids=tokens, use_cache=False).logits
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        return next_token_loss(self(batch[:, :-1]), batch)
+
+
+def next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (float32) of ``logits`` over ``batch[:, :-1]`` against ``batch[:, 1:]``.
+    ``CausalLM.loss`` is this over its own logits; a wrapped model (DDP) computes its logits through the
+    wrapper and the loss here."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of a ``CausalLM`` (FSDP2 shards each one as a unit)."""
+    return model.lm.model.layers
 
 
 def parameter_count(model: nn.Module) -> int:

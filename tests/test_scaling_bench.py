@@ -1,0 +1,135 @@
+"""bench/scaling.py without launching anything: the child command lines and environment, option
+checks, and the table's figures from finished runs (summary.json and metrics.jsonl written here).
+The driver itself runs torchrun (see tests/distributed/test_cli_distributed.py for real launches)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "scaling.py"
+
+
+@pytest.fixture(scope="module")
+def scaling():
+    spec = importlib.util.spec_from_file_location("scaling_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_child_commands_environment_and_default_process_counts(scaling):
+    args = scaling.build_parser().parse_args(["--out", "X", "--local-world-size", "1", "--model", "olmo-160m",
+                                              "--workers", "3"])
+    args.device = "cuda"
+    argv = scaling.train_command(args, "kl-shampoo-async", 2, "fsdp", Path("X/kl/fsdp-p2"))
+    text = " ".join(argv)
+    assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert "asteria.train.cli train --out X/kl/fsdp-p2 --optimizer kl-shampoo --mode async" in text
+    for option in ("--parallel fsdp", "--local-world-size 1", "--precondition-frequency 10", "--model olmo-160m",
+                   "--workers 3", "--device cuda", "--eval-every 60"):
+        assert option in text, option
+    single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
+    assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single
+    assert "--optimizer adamw --mode sync" in single
+    env = scaling.child_env("cuda")
+    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == \
+        ("0", "1", "1")
+    assert [scaling.default_nprocs(g) for g in (0, 1, 2, 4, 8)] == [[1, 2], [1], [1, 2], [1, 2, 4], [1, 2, 4, 8]]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--configs", "adamw", "lion-async"], "Invalid config='lion-async'"),
+        (["--configs", "adamw", "adamw"], "Invalid configs=['adamw', 'adamw']: each config at most once"),
+        (["--parallel", "hsdp"], "Invalid parallel='hsdp': must be one of ('ddp', 'fsdp')"),
+        (["--nprocs", "0"], "Invalid nprocs=0: must be >= 1"),
+        (["--nprocs", "64", "--device", "cuda"], "Invalid nprocs=64: one process per GPU"),
+        (["--nprocs", "1", "2", "--local-world-size", "3"], "Invalid local_world_size=3: must divide every process"),
+        (["--model", "gpt5"], "Invalid model='gpt5'"),
+        (["--steps", "0"], "Invalid steps=0: must be >= 1"),
+    ],
+)
+def test_bad_options_name_the_value(scaling, argv, message, tmp_path, capsys):
+    assert scaling.main(["--out", str(tmp_path / "out"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def fake_run(run_dir: Path, step_ms: list[float], losses: list[float], procs: int, parallel: str) -> None:
+    """A finished run as ``asteria train`` leaves it (the fields the driver reads)."""
+    run_dir.mkdir(parents=True)
+    wall, lines = 0.0, []
+    for step, (ms, loss) in enumerate(zip(step_ms, losses), start=1):
+        wall += ms / 1e3
+        lines.append(json.dumps({"step": step, "loss": loss, "step_time": ms / 1e3, "wall": wall}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    distributed = None
+    if procs > 1:
+        distributed = {
+            "nodes": 2,
+            "optimizer_bytes": {"per_step": {"bytes_inter_node_sent": 3e6, "bytes_intra_node_shared": 1e6}},
+            "gradient_bytes_per_step_computed": {"total_sent": 8e6, "inter_node_sent": 4e6},
+            "replica_agreement": {"max_abs_diff": 0.0 if parallel == "ddp" else None},
+        }
+    summary = {"device": "cpu", "label": run_dir.parent.name, "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+               "energy_joules_per_step": None, "distributed": distributed}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_table_figures_from_finished_runs(scaling, tmp_path):
+    # f = 2: the first 3 steps are warm-up. Losses fall 1 per step from 10; AdamW ends lower.
+    steps = 14
+    fake_run(tmp_path / "adamw" / "p1", [500.0] * 3 + [100.0] * 11, [10.0 - 0.5 * i for i in range(steps)], 1, "single")
+    fake_run(tmp_path / "soap" / "p1", [500.0] * 3 + [200.0] * 11, [10.0 - 0.2 * i for i in range(steps)], 1, "single")
+    fake_run(tmp_path / "adamw" / "ddp-p2", [500.0] * 3 + [125.0] * 10 + [400.0],
+             [10.0 - 0.5 * i for i in range(steps)], 2, "ddp")
+    rows = [scaling.measure(tmp_path / "adamw" / "p1", 1, "single", "adamw", 4, 32, warmup=3),
+            scaling.measure(tmp_path / "soap" / "p1", 1, "single", "soap-async", 4, 32, warmup=3),
+            scaling.measure(tmp_path / "adamw" / "ddp-p2", 2, "ddp", "adamw", 4, 32, warmup=3)]
+    rows = scaling.finish_rows(rows, target_loss=None)
+    single, soap, ddp = rows
+    assert single["median_step_seconds"] == 0.1 and single["tokens_per_second"] == pytest.approx(4 * 32 / 0.1)
+    assert ddp["median_step_seconds"] == 0.125 and ddp["max_step_seconds"] == 0.4
+    assert ddp["max_over_median"] == pytest.approx(3.2)
+    assert ddp["tokens_per_second"] == pytest.approx(2 * 4 * 32 / 0.125)
+    assert ddp["scaling_efficiency"] == pytest.approx(0.8) and single["scaling_efficiency"] == 1.0
+    assert ddp["optimizer_inter_node_bytes_per_step"] == 3e6 and ddp["gradient_bytes_per_step_computed"] == 8e6
+    assert single["gradient_bytes_per_step_computed"] == 0.0 and single["replica_max_abs_diff"] is None
+    # Target: AdamW's final loss at the same procs; SOAP (slower descent) never reaches it in 14 steps.
+    assert soap["target_loss"] == single["final_loss"] and soap["time_to_target_seconds"] is None
+    assert single["steps_to_target"] == steps  # its own trailing mean reaches it at the end
+    assert single["time_to_target_seconds"] == pytest.approx(3 * 0.5 + 11 * 0.1)
+    results = {"device": "cpu", "command": "python3 bench/scaling.py", "rows": rows, "failures": [],
+               "settings": {"model": "tiny", "steps": steps, "batch_size": 4, "seq_len": 32,
+                            "precondition_frequency": 2, "staleness": 1, "seed": 0, "local_world_size": 1}}
+    table = scaling.markdown(results).splitlines()
+    body = [line for line in table if line.startswith("|")]
+    assert len(body) == 2 + len(rows) and len({line.count("|") for line in body}) == 1
+    assert "| adamw | 2 | ddp | 125.0 | 400.0 | 3.20 | 2048 | 0.80 |" in table[-1]
+    text = scaling.format_table(results)
+    assert text.startswith("device: cpu") and "soap-async" in text
+
+
+def test_finished_runs_are_reused_and_max_seconds_stops_launching(scaling, tmp_path, capsys):
+    """With --skip-done a run that finished with the same command line is read, not relaunched; past
+    --max-seconds nothing more starts (exit 3) and the table covers what is done."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--nprocs", "1", "2", "--configs", "adamw", "--device", "cpu", "--steps", "14",
+            "--precondition-frequency", "2", "--skip-done", "--max-seconds", "1e-9"]
+    args = scaling.build_parser().parse_args(argv)
+    run_dir = out / "adamw" / "p1"
+    fake_run(run_dir, [100.0] * 14, [10.0 - 0.5 * i for i in range(14)], 1, "single")
+    (run_dir / "command.json").write_text(json.dumps(scaling.train_command(args, "adamw", 1, "single", run_dir)[1:]))
+    assert scaling.finished_with(run_dir, scaling.train_command(args, "adamw", 1, "single", run_dir))
+    assert not scaling.finished_with(run_dir, scaling.train_command(args, "soap-async", 1, "single", run_dir))
+    assert scaling.main(argv) == 3
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["config"], r["procs"]) for r in results["rows"]] == [("adamw", 1)]
+    assert results["not_started"] == [{"config": "adamw", "procs": 2, "parallel": p} for p in ("ddp", "fsdp")]
+    assert "done before: reused" in capsys.readouterr().out
+    assert "Not started (--max-seconds): adamw 2 ddp, adamw 2 fsdp" in (out / "scaling.md").read_text()
