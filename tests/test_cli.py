@@ -124,6 +124,8 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["sweep", "--staleness", "1", "-2", "--out", "OUT"], "Invalid staleness=-2"),
         (["bench", "--configs", "lion-async", "--out", "OUT"], "Invalid config='lion-async'"),
         (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
+        (["train", "--matmul-precision", "medium", "--out", "OUT"],
+         "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),
         (["train", "--local-world-size", "0", "--out", "OUT"], "Invalid local_world_size=0: must be an int >= 1"),
         (["train", "--local-world-size", "2", "--steps", "1", "--out", "OUT"],
          "Invalid local_world_size=2: must divide the world size 1"),

@@ -20,6 +20,7 @@ from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int}
 HELP = {
+    "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
     "model": "model preset (OLMo-2 architecture, random init)",
     "data": "a text file or a folder of them (default: the Python standard library's sources)",
     "tokenizer": "a local HF tokenizer folder (default: bytes, 256 tokens)",

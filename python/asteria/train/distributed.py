@@ -111,13 +111,6 @@ def resolve_layout(local_world_size: int | None, environ: Mapping[str, str] = os
                   local_world_size=local)
 
 
-def default_workers(layout: Layout) -> int:
-    """C++ refresh workers per rank when ``--workers`` is not given: the single-process default
-    (cores - 2, at most 32) shared among the processes of this host."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(32, (cpus - 2) // layout.host_local_world_size))
-
-
 class DistributedRun:
     """The process group and everything a training run does across ranks (see the module docstring)."""
 

@@ -21,13 +21,16 @@ import asteria
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
-from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, default_workers,
-                                      local_optimizer_state_to_dtensors, resolve_layout)
+from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, local_optimizer_state_to_dtensors,
+                                      resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
+# torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
+# updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
+MATMUL_PRECISIONS = ("highest", "high")
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed",
@@ -62,6 +65,7 @@ class RunConfig:
     seed: int = 0
     parallel: str = "ddp"
     local_world_size: int | None = None
+    matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -92,6 +96,7 @@ class RunConfig:
               "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
               "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
     @property
@@ -103,16 +108,16 @@ class RunConfig:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module, workers: int | None = None,
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                    local_world_size: int | None = None) -> torch.optim.Optimizer:
-    """The run's optimizer over ``model``'s parameters (DTensors once FSDP2 has sharded it). ``workers``
-    applies when ``cfg.workers`` is None; ``local_world_size`` is the node size of a distributed run."""
+    """The run's optimizer over ``model``'s parameters (DTensors once FSDP2 has sharded it);
+    ``local_world_size`` is the node size of a distributed run."""
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness,
-                                    workers=cfg.workers if cfg.workers is not None else workers, memory=memory,
+                                    workers=cfg.workers, memory=memory,
                                     local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -211,6 +216,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     world = run.layout.world_size if run is not None else 1
     ckpt_root = out / "checkpoints"
     torch.manual_seed(cfg.seed)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
     device = run.device if run is not None else torch.device(cfg.device)
     tokenizer = load_tokenizer(cfg.tokenizer)
     data = PackedData(tokenizer.encode(load_documents(cfg.data, cfg.max_bytes)), cfg.seq_len, cfg.val_fraction,
@@ -222,8 +228,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     if run is None:
         opt = make_optimizer(cfg, model)
     else:
-        opt = make_optimizer(cfg, model, workers=default_workers(run.layout),
-                             local_world_size=run.layout.local_world_size)
+        # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
+        opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
     hooks = asteria.attach(model, opt) if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
