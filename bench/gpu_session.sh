@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One batch of GPU-machine work (the device tool gives short leases). Stages, chosen by $STAGES
-# (default: all but scaling): build, cuda (the CUDA tests), memory (bench/memory.py --compare), bench
-# (asteria bench on olmo-160m), ladder (bench/memory.py --ladder), refresh (refresh-engine benchmark);
-# scaling (bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2; needs a 2-GPU machine) only when named.
-# Logs and JSON land in $OUT (default: runs/gpu-session).
+# (default: build cuda memory bench ladder refresh):
+#   build    the package;                  cuda     the CUDA tests;
+#   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
+#   refresh  the refresh-engine benchmark; profile  bench/profile_step.py (where a step's time goes);
+#   bench    asteria bench on olmo-160m, at the issue's small batch (8 x 512) and a GPU-bound one
+#            (32 x 1024, TF32 matrix products);
+#   long     issue 7's comparison: 300 steps of olmo-160m at 32 x 1024, AdamW vs the Asteria optimizers;
+#   sweep    asteria sweep over S for Asteria SOAP (same model and batch, 150 steps);
+#   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine).
+# Logs and JSON land in $OUT (default: runs/gpu-session). Set CUDA_VISIBLE_DEVICES (and taskset) outside
+# to run two sessions side by side on a 2-GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-session}
@@ -11,18 +18,30 @@ STAGES=${STAGES:-"build cuda memory bench ladder refresh"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+quiet() { grep -v "it/s\|s/it\|USDT"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
+lscpu | grep -E "Model name|^CPU\(s\)|Thread" | tee -a "$OUT/device.txt"
 has build && python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
 has cuda && python3 -m pytest -q -p no:warnings tests/test_cuda.py tests/test_cuda_tiers.py tests/test_pager.py \
   2>&1 | tail -25 | tee "$OUT/pytest.txt"
 has memory && python3 bench/memory.py --compare --model olmo-660m --out "$OUT" 2>&1 | tee "$OUT/memory.txt"
-has bench && python3 -m asteria.train.cli bench --model olmo-160m --steps 60 --batch-size 8 --seq-len 512 \
-  --precondition-frequency 10 --staleness 5 --eval-every 60 --out "$OUT/bench" 2>&1 | grep -v "it/s" \
-  | tee "$OUT/bench.txt"
+CLI="python3 -m asteria.train.cli"
+GPU_BOUND="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision high"
+has bench && $CLI bench --model olmo-160m --steps 60 --batch-size 8 --seq-len 512 --precondition-frequency 10 \
+  --staleness 5 --eval-every 60 --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/bench.txt"
+has bench && $CLI bench $GPU_BOUND --steps 60 --precondition-frequency 10 --staleness 5 --eval-every 60 \
+  --out "$OUT/bench-large" 2>&1 | quiet | tee "$OUT/bench-large.txt"
+has long && $CLI bench $GPU_BOUND --steps 300 --precondition-frequency 10 --staleness 5 --eval-every 100 \
+  --configs adamw soap-async shampoo-async kl-shampoo-async --out "$OUT/long" 2>&1 | quiet | tee "$OUT/long.txt"
+has sweep && $CLI sweep $GPU_BOUND --optimizer soap --mode async --steps 150 --eval-every 150 \
+  --staleness 0 1 3 5 --out "$OUT/sweep" 2>&1 | quiet | tee "$OUT/sweep.txt"
+has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \
+  --configs adamw shampoo-sync shampoo-async soap-async --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
 has ladder && python3 bench/memory.py --ladder --cap-gib 24 --out "$OUT/ladder" 2>&1 | tee "$OUT/ladder.txt"
-has scaling && python3 bench/scaling.py --out "$OUT/scaling" --nprocs 1 2 --parallel ddp fsdp --model olmo-160m \
-  --steps 60 --batch-size 8 --seq-len 512 2>&1 | tee "$OUT/scaling.txt"
+has nvme && python3 bench/memory.py --ladder --cap-gib 24 --setups asteria_host_nvme --widths 1536 \
+  --host-budget-gib 22 --out "$OUT/nvme" 2>&1 | tee "$OUT/nvme.txt"
 has refresh && python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 32 --out "$OUT/refresh_engine.json" \
   2>&1 | tee "$OUT/refresh_engine.txt"
+has scaling && python3 bench/scaling.py --out "$OUT/scaling" --nprocs 1 2 --parallel ddp fsdp --model olmo-160m \
+  --steps ${SCALING_STEPS:-40} --batch-size 8 --seq-len 512 ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling.txt"
 exit 0

@@ -115,7 +115,8 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
             "--seq-len", str(args.seq_len), "--staleness", str(args.staleness),
             "--precondition-frequency", str(args.precondition_frequency), "--seed", str(args.seed),
             "--eval-every", str(args.eval_every or args.steps), "--eval-batches", str(args.eval_batches),
-            "--max-bytes", str(args.max_bytes), "--device", args.device]
+            "--max-bytes", str(args.max_bytes), "--device", args.device,
+            "--matmul-precision", args.matmul_precision]
     if procs > 1:
         argv += ["--parallel", parallel]
         if args.local_world_size is not None:
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--staleness", type=int, default=5)
     parser.add_argument("--precondition-frequency", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+                        help="float32 matrix products: float32 or TF32 (GPUs)")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=None, help="[default: once, at the last step]")
