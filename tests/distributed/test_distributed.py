@@ -77,7 +77,10 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         # Every block has exactly one owner; all ranks own some.
         assert sum(s["owned_blocks"] for s in stats) == stats[0]["blocks"]
         assert all(s["owned_blocks"] > 0 for s in stats)
-        assert sum(s["refreshes"] for s in stats) == stats[0]["blocks"] * (steps // 2)
+        # Every snapshotted version is refreshed once; at the end the newest S versions (not yet due)
+        # may still be on the workers when the counts are read.
+        expected, done = stats[0]["blocks"] * (steps // 2), sum(s["refreshes"] for s in stats)
+        assert expected - stats[0]["blocks"] * staleness <= done <= expected, (kind, staleness, done, expected)
         # Only node leaders (ranks 0 and 2) talk across nodes; what one sends the other receives.
         assert stats[1]["bytes_inter_node_sent"] == stats[3]["bytes_inter_node_sent"] == 0
         assert stats[0]["bytes_inter_node_sent"] > 0 and stats[2]["bytes_inter_node_sent"] > 0
