@@ -108,3 +108,33 @@ def test_staleness_histogram_counts_steps():
     _, stats = run(asteria.RuntimeConfig(staleness=1, workers=2), steps=20)
     histogram = np.array(stats["staleness_histogram"])
     assert histogram.sum() > 0 and histogram[2:].sum() == 0
+
+
+def test_workers_behind_the_schedule_warn_once_with_what_to_change():
+    """Refresh jobs slower than the interval (an injected delay per job, one worker, a refresh every
+    step): step() waits at the staleness bound, and the optimizer says so once, with the numbers."""
+    from asteria import testing
+
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(staleness=1, workers=1)
+    with asteria.Shampoo(model.parameters(), precondition_frequency=1, runtime=runtime) as opt:
+        train(model, opt, 1)
+        testing.set_random_worker_delay(opt, 0.05)
+        with pytest.warns(asteria.RefreshBacklogWarning, match=r"waited \d+ times .* raise precondition_frequency "
+                                                               r"\(now 1\), staleness \(now 1\)") as caught:
+            train(model, opt, 12)
+        assert len([w for w in caught if issubclass(w.category, asteria.RefreshBacklogWarning)]) == 1
+        assert opt.runtime_stats()["waits"] >= 3
+
+
+def test_no_backlog_warning_at_staleness_zero(recwarn):
+    """At S = 0 every activation waits for its refresh by design: no warning."""
+    from asteria import testing
+
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), precondition_frequency=1,
+                         runtime=asteria.RuntimeConfig(staleness=0, workers=1)) as opt:
+        testing.set_random_worker_delay(opt, 0.01)
+        train(model, opt, 6)
+        assert opt.runtime_stats()["waits"] >= 3
+    assert not [w for w in recwarn if issubclass(w.category, asteria.RefreshBacklogWarning)]

@@ -2,10 +2,10 @@
 off the GPU's critical path, on C++ workers with bounded staleness."""
 
 from asteria.config import MemoryConfig, RuntimeConfig
-from asteria.errors import NonFiniteGradientError, RefreshError
+from asteria.errors import NonFiniteGradientError, RefreshBacklogWarning, RefreshError
 from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.pipeline.hooks import AttachHandle, attach
 
-__all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshError", "RuntimeConfig",
-           "SOAP", "Shampoo", "attach"]
+__all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshBacklogWarning",
+           "RefreshError", "RuntimeConfig", "SOAP", "Shampoo", "attach"]
 __version__ = "0.1.0"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from asteria._core import BlockFailure, BlockTimeout, CancelledError, NumericalError
 
-__all__ = ["BlockFailure", "BlockTimeout", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError"]
+__all__ = ["BlockFailure", "BlockTimeout", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError",
+           "RefreshBacklogWarning"]
 
 
 class RefreshError(RuntimeError):
@@ -29,3 +30,9 @@ class NonFiniteGradientError(FloatingPointError):
     def __init__(self, param: str, detail: str) -> None:
         super().__init__(f"non-finite gradient for parameter {param!r}: {detail}")
         self.param = param
+
+
+class RefreshBacklogWarning(RuntimeWarning):
+    """The CPU workers do not keep up with the refresh schedule: ``step()`` has waited for them beyond
+    the first refresh (with staleness S >= 1, where waiting is not the design). Issued once per
+    optimizer, with the waits, the workers' busy fraction and what to change."""

@@ -181,6 +181,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self._check_nonfinite_streaks()
             items = [(index, version, self._root_request(self._set_groups[index][1], step)) for index, version in due]
             self._refresher.refresh(step, items)
+            self._refresher.check_backlog(step)
         if not self.ACTIVATION_LAG:
             self._activate(step)
         for group, (_, keep) in zip(self._groups, batches):

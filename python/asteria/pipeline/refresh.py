@@ -9,6 +9,7 @@ registry activates at each step boundary.
 from __future__ import annotations
 
 import time
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from asteria import _core
 from asteria.config import RuntimeConfig
-from asteria.errors import RefreshError
+from asteria.errors import RefreshBacklogWarning, RefreshError
 from asteria.optim import functional as F
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -54,6 +55,9 @@ class Refresher(ABC):
 
     def ready(self) -> None:
         """Makes the current stream wait for the installs issued so far (before it reads them)."""
+
+    def check_backlog(self, step: int) -> None:
+        """Warns (once) when the workers fall behind the schedule; called at refresh steps."""
 
     @abstractmethod
     def state(self, step: int) -> dict[str, Any]:
@@ -208,6 +212,7 @@ class AsyncRefresher(Refresher):
         self._bytes_to_device = 0
         # Versions snapshotted but not yet activated: (set index, version, activation step, request).
         self._scheduled: list[tuple[int, int, int, RootRequest]] = []
+        self._backlog_warned = False
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
@@ -255,6 +260,25 @@ class AsyncRefresher(Refresher):
         for side, event in self._install_events:
             side.main_waits(event)
         self._install_events.clear()
+
+    def check_backlog(self, step: int) -> None:
+        if self._backlog_warned or self.config.staleness == 0:
+            return  # at S = 0 every activation waits for its refresh by design
+        engine = self.engine.stats()
+        waits = engine["registry"]["waits"] + engine["snapshot_waits"]
+        seconds = engine["registry"]["wait_seconds"] + engine["snapshot_wait_seconds"]
+        expected = 1 if self.config.bootstrap_sync else 0  # the first refresh is waited for by design
+        if waits - expected < 2:
+            return
+        self._backlog_warned = True
+        pool = engine["pool"]
+        warnings.warn(RefreshBacklogWarning(
+            f"Asteria: by step {step} step() waited {waits - expected} times ({seconds:.2f} s in all, the "
+            f"first refresh included) for the CPU refresh workers, which were busy "
+            f"{pool['busy_fraction']:.0%} of the time ({pool['workers']} workers, {engine['refresh_seconds']:.1f} "
+            f"CPU-seconds of refreshes so far). The refresh work of an interval takes longer than the interval: "
+            f"raise precondition_frequency (now {self.interval}), staleness (now {self.config.staleness}) or "
+            f"RuntimeConfig.workers, or train with fewer, larger steps."), stacklevel=4)
 
     def poll(self, step: int) -> None:
         if self._pending_snapshots:
