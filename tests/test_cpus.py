@@ -58,6 +58,7 @@ def test_runtime_config_worker_cpus():
     explicit = asteria.RuntimeConfig(worker_cpus=[allowed[-1], allowed[-1]], workers=None)
     assert explicit.resolved_worker_cpus() == [allowed[-1]]
     assert explicit.resolved_workers() == 1
+    assert asteria.RuntimeConfig(worker_cpus=range(allowed[-1], allowed[-1] + 1)).resolved_worker_cpus() == [allowed[-1]]
     auto = asteria.RuntimeConfig().resolved_worker_cpus()
     assert set(auto) <= set(allowed) and (auto == [] or len(auto) < len(allowed))
     for bad in ([], [-1], [max(allowed) + 1000], "all", [0.5]):

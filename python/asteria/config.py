@@ -125,7 +125,8 @@ class RuntimeConfig:
                "must be an int >= 1")
         if not (isinstance(self.worker_cpus, str) and self.worker_cpus in ("auto", "any")):
             allowed = cpus.allowed_cpus()
-            _check(isinstance(self.worker_cpus, (list, tuple)) and len(self.worker_cpus) > 0
+            _check(isinstance(self.worker_cpus, Sequence) and not isinstance(self.worker_cpus, str)
+                   and len(self.worker_cpus) > 0
                    and all(_is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
                    f"must be 'auto', 'any' or a non-empty sequence of CPUs this process may use ({allowed})")
         _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,

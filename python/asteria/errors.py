@@ -33,6 +33,7 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class RefreshBacklogWarning(RuntimeWarning):
-    """The CPU workers do not keep up with the refresh schedule: ``step()`` has waited for them beyond
-    the first refresh (with staleness S >= 1, where waiting is not the design). Issued once per
-    optimizer, with the waits, the workers' busy fraction and what to change."""
+    """The CPU workers do not keep up with the refresh schedule: after each factor set's first refresh,
+    ``step()`` waited for them at least twice, for at least 5% of the training time (with staleness
+    S >= 1, where waiting is not the design). Issued once per optimizer, with the waits, the workers'
+    busy fraction and what to change."""

@@ -245,8 +245,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     def _check_nonfinite_streaks(self) -> None:
         """Raises when some block skipped too many steps in a row. Read at refresh steps only, and on a GPU
         without making the host wait: each check copies the streaks to pinned host memory on the stream
-        and reads the copy of an earlier check once it has landed (one refresh step later, so at most one
-        interval late; a step between never changes parameters of such a block, only skips it)."""
+        and reads the copy of an earlier check once it has landed. A block that crosses the bound is thus
+        raised for up to two intervals late; a step in between never changes its parameters, it only
+        skips the block."""
         bound = self.runtime.max_nonfinite_grad_steps
         for index, group in enumerate(self._groups):
             streak = group.state[NONFINITE_STREAK]

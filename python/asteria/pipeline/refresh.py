@@ -24,6 +24,10 @@ from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 
+BACKLOG_MIN_SECONDS = 0.05  # RefreshBacklogWarning: wait time that counts, at least...
+BACKLOG_FRACTION = 0.05     # ...and this fraction of the training time it spans
+
+
 class Refresher(ABC):
     """Computes and installs preconditioners for a fixed list of factor sets."""
 
@@ -213,6 +217,7 @@ class AsyncRefresher(Refresher):
         # Versions snapshotted but not yet activated: (set index, version, activation step, request).
         self._scheduled: list[tuple[int, int, int, RootRequest]] = []
         self._backlog_warned = False
+        self._backlog_base: tuple[int, float, float] | None = None  # waits, wait seconds, time: the baseline
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
@@ -267,18 +272,27 @@ class AsyncRefresher(Refresher):
         engine = self.engine.stats()
         waits = engine["registry"]["waits"] + engine["snapshot_waits"]
         seconds = engine["registry"]["wait_seconds"] + engine["snapshot_wait_seconds"]
-        expected = 1 if self.config.bootstrap_sync else 0  # the first refresh is waited for by design
-        if waits - expected < 2:
+        now = time.monotonic()
+        if self._backlog_base is None:
+            # Each set's first version is waited for at its own step by design (bootstrap_sync, staggered
+            # over the first interval): count from the first refresh after all of them.
+            if min(self._newest_versions) >= 2:
+                self._backlog_base = (waits, seconds, now)
+            return
+        base_waits, base_seconds, since = self._backlog_base
+        waited, lost = waits - base_waits, seconds - base_seconds
+        # Two or more waits that cost at least 5% of the training time since (and 50 ms) mean the workers
+        # are behind; a few scheduling hiccups on a loaded machine do not.
+        if waited < 2 or lost < max(BACKLOG_MIN_SECONDS, BACKLOG_FRACTION * (now - since)):
             return
         self._backlog_warned = True
         pool = engine["pool"]
         warnings.warn(RefreshBacklogWarning(
-            f"Asteria: by step {step} step() waited {waits - expected} times ({seconds:.2f} s in all, the "
-            f"first refresh included) for the CPU refresh workers, which were busy "
-            f"{pool['busy_fraction']:.0%} of the time ({pool['workers']} workers, {engine['refresh_seconds']:.1f} "
-            f"CPU-seconds of refreshes so far). The refresh work of an interval takes longer than the interval: "
-            f"raise precondition_frequency (now {self.interval}), staleness (now {self.config.staleness}) or "
-            f"RuntimeConfig.workers, or train with fewer, larger steps."), stacklevel=4)
+            f"Asteria: step() waited {waited} times for the CPU refresh workers between the first interval and "
+            f"step {step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time); the {pool['workers']} "
+            f"workers were busy {pool['busy_fraction']:.0%} of the time. The refresh work of an interval takes "
+            f"longer than the interval: raise precondition_frequency (now {self.interval}), staleness (now "
+            f"{self.config.staleness}) or RuntimeConfig.workers, or train with fewer, larger steps."), stacklevel=5)
 
     def poll(self, step: int) -> None:
         if self._pending_snapshots:
