@@ -83,6 +83,16 @@ def test_sweep_over_staleness(tmp_path, capsys):
     assert "| 0 |" in table and "| 2 |" in table and "Spread of the final loss over S <= 5" in table
     assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "report.md").exists()
     assert "spread over S <= 5" in capsys.readouterr().out
+    assert "Activation: deterministic" in table
+
+
+def test_sweep_with_newest_finished_activation(tmp_path):
+    """--no-deterministic: each block uses its newest finished refresh, still within S."""
+    assert main(["sweep", "--out", str(tmp_path), "--staleness", "3", "--steps", "7", "--eval-every", "7",
+                 "--optimizer", "shampoo", "--mode", "async", "--no-deterministic", *BASE]) == 0
+    summary = json.loads((tmp_path / "S3" / "summary.json").read_text())
+    assert summary["config"]["deterministic"] is False and summary["runtime_stats"]["max_staleness_seen"] <= 3
+    assert "newest finished version" in (tmp_path / "sweep.md").read_text()
 
 
 def test_hf_tokenizer_from_a_local_folder(tmp_path):

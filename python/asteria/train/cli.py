@@ -20,6 +20,8 @@ from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int}
 HELP = {
+    "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
+                     "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
     "model": "model preset (OLMo-2 architecture, random init)",
     "data": "a text file or a folder of them (default: the Python standard library's sources)",
@@ -42,10 +44,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
     for f in fields(RunConfig):
         if f.name in skip:
             continue
-        kind = OPTIONAL_TYPES[f.name] if f.default is None else type(f.default)
         default = "auto" if f.name == "device" else f.default
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
-                            help=f"{HELP.get(f.name, '')} [default: {default}]".strip())
+        help_text = f"{HELP.get(f.name, '')} [default: {default}]".strip()
+        if isinstance(f.default, bool):  # --name / --no-name
+            parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+            continue
+        kind = OPTIONAL_TYPES[f.name] if f.default is None else type(f.default)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=help_text)
 
 
 def _run_config(args: argparse.Namespace, **overrides) -> RunConfig:

@@ -66,6 +66,7 @@ class RunConfig:
     parallel: str = "ddp"
     local_world_size: int | None = None
     matmul_precision: str = "highest"
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -96,6 +97,7 @@ class RunConfig:
               "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
               "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(isinstance(self.deterministic, bool), "deterministic", "must be True or False")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
@@ -116,7 +118,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
-    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness,
+    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
                                     workers=cfg.workers, memory=memory,
                                     local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]

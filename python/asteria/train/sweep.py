@@ -56,6 +56,9 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
     spread = result["spread_final_loss_s_le_5"]
     lines = [f"# Staleness sweep: {base.label}, model {base.model}, {base.steps} steps, "
              f"f={base.precondition_frequency}", "",
+             "Activation: " + ("deterministic, each version exactly S intervals after its snapshot (the bound is "
+                               "also the lag)" if base.deterministic else
+                               "each block's newest finished version, at most S intervals behind"), "",
              "| S | final loss | val loss | median step (ms) | waits | max staleness seen |",
              "|---|---|---|---|---|---|"]
     for s in values:
