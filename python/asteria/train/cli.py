@@ -30,7 +30,7 @@ HELP = {
     "keep_checkpoints": "newest checkpoints kept (0: all)",
     "device": "cpu or cuda (default: cuda when available)",
     "lr": "learning rate (default: the optimizer's own)",
-    "workers": "C++ refresh workers per process (default: cores - 2, shared among the processes of a host)",
+    "workers": "C++ refresh workers per process (default: one per CPU of its share of the host, less 2 cores)",
     "batch_size": "sequences per step and process (the global batch is this x the number of processes)",
     "parallel": "under torchrun with several processes: ddp (replicated model) or fsdp (FSDP2, fully_shard per "
                 "decoder layer and the root)",
