@@ -366,18 +366,25 @@ class DistributedRefresher(Refresher):
             if not refreshed:
                 continue
             n = fset.dim
-            blocks = torch.tensor([u.block for u, _, _ in refreshed], dtype=torch.long, device=fset.device)
-            values = torch.stack([self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n)
-                                  for u, good, d in refreshed]).to(fset.device)
+            # The node store is pageable shared memory: the values are first gathered into pinned host
+            # memory, so that the copies to the GPU are queued on the stream without the host waiting for
+            # it (the stream orders them before the math that reads the preconditioners).
+            pin = fset.device.type == "cuda"
+            blocks = torch.tensor([u.block for u, _, _ in refreshed], dtype=torch.long, pin_memory=pin)
+            values = torch.empty((len(refreshed), n, n), dtype=torch.float32, pin_memory=pin)
+            torch.stack([self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n)
+                         for u, good, d in refreshed], out=values)
             if self.tier is not None:
                 self.tier.before_install(fset)
-            fset.preconditioners.index_copy_(0, blocks.to(fset.preconditioners.device),
-                                             values.to(fset.preconditioners.device))
-            fset.installed.index_fill_(0, blocks, True)
+            target = fset.preconditioners
+            target.index_copy_(0, blocks.to(target.device, non_blocking=pin), values.to(target.device, non_blocking=pin))
+            on_device = blocks.to(fset.device, non_blocking=pin)
+            fset.installed.index_fill_(0, on_device, True)
             if fset.permute is not None:
-                orders = torch.stack([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
-                                      for u, good, d in refreshed])
-                fset.permute(blocks, orders.to(fset.device).long())
+                orders = torch.empty((len(refreshed), n), dtype=torch.float32, pin_memory=pin)
+                torch.stack([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
+                             for u, good, d in refreshed], out=orders)
+                fset.permute(on_device, orders.to(fset.device, non_blocking=pin).long())
             self._counts["bytes_to_device"] += len(refreshed) * n * n * 4
 
     def _record_staleness(self) -> None:
