@@ -376,9 +376,10 @@ class DistributedRefresher(Refresher):
                          for u, good, d in refreshed], out=values)
             if self.tier is not None:
                 self.tier.before_install(fset)
-            target = fset.preconditioners
-            target.index_copy_(0, blocks.to(target.device, non_blocking=pin), values.to(target.device, non_blocking=pin))
             on_device = blocks.to(fset.device, non_blocking=pin)
+            target = fset.preconditioners  # on fset's device, or in host memory (host placements)
+            index = on_device if target.device == fset.device else blocks
+            target.index_copy_(0, index, values.to(target.device, non_blocking=pin))
             fset.installed.index_fill_(0, on_device, True)
             if fset.permute is not None:
                 orders = torch.empty((len(refreshed), n), dtype=torch.float32, pin_memory=pin)

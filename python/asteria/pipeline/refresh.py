@@ -218,6 +218,7 @@ class AsyncRefresher(Refresher):
         self._scheduled: list[tuple[int, int, int, RootRequest]] = []
         self._backlog_warned = False
         self._backlog_base: tuple[int, float, float] | None = None  # waits, wait seconds, time: the baseline
+        self._backlog_next_check = 0
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
@@ -269,15 +270,18 @@ class AsyncRefresher(Refresher):
     def check_backlog(self, step: int) -> None:
         if self._backlog_warned or self.config.staleness == 0:
             return  # at S = 0 every activation waits for its refresh by design
+        # Each set's first version is waited for at its own step by design (bootstrap_sync, staggered over
+        # the first interval): count from the first refresh after all of them. Then look once per interval
+        # (staggered sets refresh on every step; the engine's counters need not be read that often).
+        if min(self._newest_versions) < 2 or step < self._backlog_next_check:
+            return
+        self._backlog_next_check = step + self.interval
         engine = self.engine.stats()
         waits = engine["registry"]["waits"] + engine["snapshot_waits"]
         seconds = engine["registry"]["wait_seconds"] + engine["snapshot_wait_seconds"]
         now = time.monotonic()
         if self._backlog_base is None:
-            # Each set's first version is waited for at its own step by design (bootstrap_sync, staggered
-            # over the first interval): count from the first refresh after all of them.
-            if min(self._newest_versions) >= 2:
-                self._backlog_base = (waits, seconds, now)
+            self._backlog_base = (waits, seconds, now)
             return
         base_waits, base_seconds, since = self._backlog_base
         waited, lost = waits - base_waits, seconds - base_seconds
