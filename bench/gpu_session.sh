@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # One batch of GPU-machine work (the device tool gives short leases). Stages, chosen by $STAGES
-# (default: build cuda memory bench ladder refresh):
+# (default: build cuda memory bench bench-large ladder refresh):
 #   build    the package;                  cuda     the CUDA tests;
 #   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
 #   refresh  the refresh-engine benchmark; profile  bench/profile_step.py (where a step's time goes);
-#   bench    asteria bench on olmo-160m, at the issue's small batch (8 x 512) and a GPU-bound one
-#            (32 x 1024, TF32 matrix products);
-#   long     issue 7's comparison: 300 steps of olmo-160m at 32 x 1024, AdamW vs the Asteria optimizers;
-#   sweep    asteria sweep over S for Asteria SOAP (same model and batch, 150 steps);
+#   bench    asteria bench on olmo-160m at the issue's small batch (8 x 512);
+#   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products);
+#   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
+#            optimizers (more options in $LONG_ARGS, e.g. --no-deterministic);
+#   sweep    asteria sweep over S ($SWEEP_S) for Asteria SOAP (same model and batch, 150 steps; $SWEEP_ARGS);
 #   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine).
 # Logs and JSON land in $OUT (default: runs/gpu-session). Set CUDA_VISIBLE_DEVICES (and taskset) outside
 # to run two sessions side by side on a 2-GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-session}
-STAGES=${STAGES:-"build cuda memory bench ladder refresh"}
+STAGES=${STAGES:-"build cuda memory bench bench-large ladder refresh"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -29,12 +30,13 @@ CLI="python3 -m asteria.train.cli"
 GPU_BOUND="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision high"
 has bench && $CLI bench --model olmo-160m --steps 60 --batch-size 8 --seq-len 512 --precondition-frequency 10 \
   --staleness 5 --eval-every 60 --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/bench.txt"
-has bench && $CLI bench $GPU_BOUND --steps 60 --precondition-frequency 10 --staleness 5 --eval-every 60 \
+has bench-large && $CLI bench $GPU_BOUND --steps 60 --precondition-frequency 10 --staleness 5 --eval-every 60 \
   --out "$OUT/bench-large" 2>&1 | quiet | tee "$OUT/bench-large.txt"
-has long && $CLI bench $GPU_BOUND --steps 300 --precondition-frequency 10 --staleness 5 --eval-every 100 \
-  --configs adamw soap-async shampoo-async kl-shampoo-async --out "$OUT/long" 2>&1 | quiet | tee "$OUT/long.txt"
+has long && $CLI bench $GPU_BOUND --steps ${LONG_STEPS:-300} --precondition-frequency 10 --staleness 5 --eval-every 100 \
+  --configs adamw soap-async shampoo-async kl-shampoo-async ${LONG_ARGS:-} --out "$OUT/long" 2>&1 | quiet \
+  | tee "$OUT/long.txt"
 has sweep && $CLI sweep $GPU_BOUND --optimizer soap --mode async --steps 150 --eval-every 150 \
-  --staleness 0 1 3 5 --out "$OUT/sweep" 2>&1 | quiet | tee "$OUT/sweep.txt"
+  --staleness ${SWEEP_S:-0 1 3 5} ${SWEEP_ARGS:-} --out "$OUT/sweep" 2>&1 | quiet | tee "$OUT/sweep.txt"
 has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \
   --configs adamw shampoo-sync shampoo-async soap-async --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
 has ladder && python3 bench/memory.py --ladder --cap-gib 24 --out "$OUT/ladder" 2>&1 | tee "$OUT/ladder.txt"

@@ -45,6 +45,19 @@ def test_demo_writes_runs_and_report(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "step_time.png").stat().st_size > 1000
 
 
+def test_train_follows_the_lr_schedule_and_clips_gradients(tmp_path):
+    common = ["train", "--optimizer", "adamw", "--steps", "10", "--warmup-steps", "4", "--lr", "0.01", *TINY]
+    assert main([*common, "--out", str(tmp_path / "free"), "--grad-clip", "0"]) == 0
+    rows = records(tmp_path / "free")
+    assert [r["lr"] for r in rows[:4]] == pytest.approx([0.002, 0.004, 0.006, 0.008])
+    assert 0.009 < rows[4]["lr"] < 0.01 and rows[-1]["lr"] == pytest.approx(0.001)
+    # A clip far below the gradients' norm leaves Adam's steps at the eps floor: the loss barely moves.
+    assert main([*common, "--out", str(tmp_path / "clipped"), "--grad-clip", "1e-12"]) == 0
+    clipped = records(tmp_path / "clipped")
+    assert clipped[0]["loss"] == pytest.approx(rows[0]["loss"])
+    assert abs(clipped[-1]["loss"] - clipped[0]["loss"]) < 0.2 * abs(rows[-1]["loss"] - rows[0]["loss"])
+
+
 def test_report_table_target_and_energy(tmp_path):
     assert main(["demo", "--out", str(tmp_path), "--steps", "8", "--eval-every", "4", *TINY]) == 0
     runs = [str(tmp_path / "adamw"), str(tmp_path / "shampoo-async")]

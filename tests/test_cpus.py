@@ -58,7 +58,8 @@ def test_runtime_config_worker_cpus():
     explicit = asteria.RuntimeConfig(worker_cpus=[allowed[-1], allowed[-1]], workers=None)
     assert explicit.resolved_worker_cpus() == [allowed[-1]]
     assert explicit.resolved_workers() == 1
-    assert asteria.RuntimeConfig(worker_cpus=range(allowed[-1], allowed[-1] + 1)).resolved_worker_cpus() == [allowed[-1]]
+    last = allowed[-1]
+    assert asteria.RuntimeConfig(worker_cpus=range(last, last + 1)).resolved_worker_cpus() == [last]
     auto = asteria.RuntimeConfig().resolved_worker_cpus()
     assert set(auto) <= set(allowed) and (auto == [] or len(auto) < len(allowed))
     for bad in ([], [-1], [max(allowed) + 1000], "all", [0.5]):
@@ -79,3 +80,49 @@ def test_workers_run_on_the_planned_cpus():
             opt.step()
         stats = opt.runtime_stats()
     assert stats["worker_cpus"] == [cpu] and stats["workers"] == 1 and stats["refreshes"] >= 1
+
+
+@pytest.fixture
+def restore_torch_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_training_cores_counts_the_cores_without_workers():
+    allowed = cpus.allowed_cpus()
+    cores = cpus.physical_cores(allowed)
+    assert cpus.training_cores([]) == len(cores)
+    assert cpus.training_cores(allowed) == 1  # never below one
+    assert cpus.training_cores(cores[0]) == max(1, len(cores) - 1)
+
+
+def test_torch_thread_cap_sets_and_restores(restore_torch_threads):
+    torch.set_num_threads(2)
+    assert cpus.TorchThreadCap("keep", cpus.allowed_cpus()).previous is None
+    assert cpus.TorchThreadCap("auto", []).previous is None  # workers not pinned: torch keeps its pool
+    cap = cpus.TorchThreadCap(1, [])
+    assert torch.get_num_threads() == 1
+    cap.restore()
+    assert torch.get_num_threads() == 2
+    auto = cpus.TorchThreadCap("auto", cpus.allowed_cpus())  # every core busy: one thread left
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(3)  # changed by someone else since: restore leaves it
+    auto.restore()
+    assert torch.get_num_threads() == 3
+
+
+def test_async_optimizer_caps_torch_threads_until_close(restore_torch_threads):
+    torch.set_num_threads(2)
+    model = torch.nn.Linear(4, 4)
+    runtime = asteria.RuntimeConfig(mode="async", workers=1, torch_threads=1)
+    with asteria.Shampoo(model.parameters(), runtime=runtime) as opt:
+        assert torch.get_num_threads() == 1
+        assert opt.runtime_stats()["torch_threads"] == 1
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, "all", 1.5, True])
+def test_runtime_config_rejects_bad_torch_threads(value):
+    with pytest.raises(ValueError, match=f"Invalid torch_threads={value!r}"):
+        asteria.RuntimeConfig(torch_threads=value)

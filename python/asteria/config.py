@@ -75,6 +75,10 @@ class RuntimeConfig:
             rank's share of the machine (SMT siblings included), which stay free for the training
             thread that launches the GPU's kernels (see ``asteria.pipeline.cpus``); ``"any"``: not
             pinned; or a sequence of logical CPUs this process may use.
+        torch_threads: torch's intra-op CPU threads while the workers run (restored by ``close()``).
+            ``"auto"``: when the workers are pinned, at most the physical cores left to this rank's
+            training process, so that a parallel CPU operator of the training loop does not wait for
+            time slices on the workers' cores; ``"keep"``: unchanged; or an int >= 1.
         worker_nice: 0..19, how far below the training thread the workers' CPU priority sits (Linux
             per-thread nice), so that the thread launching the GPU's work never queues behind them.
         blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
@@ -104,6 +108,7 @@ class RuntimeConfig:
     workers: int | None = None
     blas_threads: int = 1
     worker_cpus: Sequence[int] | Literal["auto", "any"] = "auto"
+    torch_threads: int | Literal["auto", "keep"] = "auto"
     worker_nice: int = 10
     deterministic: bool = True
     stagger: bool | None = None
@@ -129,6 +134,8 @@ class RuntimeConfig:
                    and len(self.worker_cpus) > 0
                    and all(_is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
                    f"must be 'auto', 'any' or a non-empty sequence of CPUs this process may use ({allowed})")
+        _check(self.torch_threads in ("auto", "keep") or (_is_int(self.torch_threads) and self.torch_threads >= 1),
+               "torch_threads", self.torch_threads, "must be 'auto', 'keep' or an int >= 1")
         _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")

@@ -63,12 +63,21 @@ struct RefreshEngine::Block {
         results(reinterpret_cast<std::byte*>(memory.results),
                 static_cast<std::size_t>(result_elements(memory.n, memory.kind)) * sizeof(float),
                 static_cast<std::size_t>(memory.result_stride) * sizeof(float), memory.depth,
-                "block " + std::to_string(id) + " results") {}
+                "block " + std::to_string(id) + " results"),
+        result_base(memory.results),
+        result_stride(memory.depth > 1 ? memory.result_stride : 0),
+        depth(memory.depth) {}
 
   const int n;
   const RefreshKind kind;
   store::VersionedRing snapshots;
   store::VersionedRing results;
+  float* const result_base;         // result buffer 0, in the caller's memory
+  const std::int64_t result_stride;  // floats between result buffers
+  const int depth;
+
+  // The version activate() returned last (or the one given to set_basis); guarded by mutex_.
+  std::int64_t activated = 0;
 
   // The eigenbasis chain, submission side; guarded by the engine's mutex_.
   std::optional<JobHandle> last_job;
@@ -241,6 +250,7 @@ void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float
                           ", with no eigenbasis job of the block in flight");
   }
   b.last_version = version;
+  b.activated = version;
   std::lock_guard chain(b.chain_mutex);
   b.good_basis.assign(basis, basis + nn);
   b.good_version = version;
@@ -341,8 +351,34 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
 std::vector<coherence::Activation> RefreshEngine::activate(std::int64_t step, std::chrono::nanoseconds timeout) {
   if (closed()) throw CancelledError("[RefreshEngine::activate] the engine is closed");
   std::vector<coherence::Activation> changes = registry_.activate(step, timeout);
-  for (const auto& change : changes) block(change.block).results.acquire(change.version);
+  std::lock_guard lock(mutex_);
+  for (const auto& change : changes) {
+    Block& b = block(change.block);
+    b.results.acquire(change.version);
+    if (b.kind == RefreshKind::kEigenbasis) compose_order(b, change.version);
+    b.activated = change.version;
+  }
   return changes;
+}
+
+float* RefreshEngine::order_row(Block& b, std::int64_t version) {
+  const std::int64_t buffer = version % b.depth;
+  return b.result_base + buffer * b.result_stride + static_cast<std::int64_t>(b.n) * (b.n + 1);
+}
+
+void RefreshEngine::compose_order(Block& b, std::int64_t version) {
+  // Version v's order is relative to the newest good basis before it. When activation passes over
+  // good versions (the newest finished one under the non-deterministic rule, or several versions due
+  // at once), the caller's state is still in the order of the version it has: compose the skipped
+  // versions' orders, newest last, so that the row says where each column comes from in that one.
+  // Skipped versions stay published until release() retires them, and only this thread retires.
+  if (b.activated == 0) return;
+  float* composed = order_row(b, version);
+  for (std::int64_t u = version - 1; u > b.activated; --u) {
+    if (b.results.state(u) != store::SlotState::kPublished) continue;  // failed: not in the chain
+    const float* order = order_row(b, u);
+    for (int j = 0; j < b.n; ++j) composed[j] = order[static_cast<int>(composed[j])];
+  }
 }
 
 void RefreshEngine::release(std::int64_t id, std::int64_t version) {

@@ -118,7 +118,10 @@ class RefreshEngine {
   void set_basis(std::int64_t block, std::int64_t version, const float* basis);
 
   // Chooses the versions in use at `step` (CoherenceRegistry::activate) and pins the result buffer
-  // of every block whose version changes; the caller copies it and then calls release().
+  // of every block whose version changes; the caller copies it and then calls release(). For an
+  // eigenbasis block that passes over good versions, the returned version's order row is rewritten
+  // to be relative to the version activated before it (the orders of the versions in between
+  // composed), so that state kept in eigen-coordinates can follow in one permutation.
   std::vector<coherence::Activation> activate(std::int64_t step, std::chrono::nanoseconds timeout);
   // Unpins a version returned by activate() and lets the ring reuse it and every older version.
   void release(std::int64_t block, std::int64_t version);
@@ -177,6 +180,10 @@ class RefreshEngine {
                                 const linalg::RootSpec& spec, double skip_tol, bool poison);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
+  // The column-order row of `version`'s result buffer (kEigenbasis blocks).
+  static float* order_row(Block& b, std::int64_t version);
+  // Rewrites `version`'s order relative to b.activated (see activate()). Requires mutex_.
+  static void compose_order(Block& b, std::int64_t version);
 
   const EngineConfig config_;
   coherence::CoherenceRegistry registry_;

@@ -318,6 +318,62 @@ TEST(RefreshEngineEigenbasis, SetBasisSeedsTheChain) {
   EXPECT_THROW(engine.set_basis(block, 5, basis.data()), InvalidArgument);  // not after version 6
 }
 
+// Activation that passes over good versions hands back one order relative to the basis in use.
+void expect_composed_order(bool middle_fails) {
+  set_blas_threads(1);
+  constexpr int kN = 12, kDepth = 4;
+  EngineConfig c = config(/*staleness=*/3, /*workers=*/2);
+  c.registry.deterministic = false;  // the newest finished version: 4, passing over 2 and 3
+  RefreshEngine engine(c);
+  BasisRings rings(kDepth, kN);
+  const auto block = engine.add_block(rings.memory());
+  std::vector<std::vector<float>> factors;
+  for (unsigned seed = 20; seed < 24; ++seed) factors.push_back(random_factor(kN, seed));
+  if (middle_fails) factors[2][5] = NAN;
+  const auto submit = [&](std::int64_t version) {
+    engine.begin_snapshot({block}, version, 1s);
+    std::copy(factors[version - 1].begin(), factors[version - 1].end(), rings.snapshot(version));
+    engine.submit({block}, version, 10 * version, linalg::RootSpec{0.0, 0.0, 1.0});
+  };
+  submit(1);
+  engine.drain(5s);
+  auto changes = engine.activate(1, 1s);
+  ASSERT_EQ(changes.size(), 1u);
+  engine.release(block, 1);
+  for (std::int64_t v = 2; v <= 4; ++v) submit(v);
+  engine.drain(5s);
+  changes = engine.activate(40, 1s);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].version, 4);
+
+  // The chain from direct calls: each version warm-starts from the newest good one before it.
+  const auto basis = [](const std::vector<float>& result) {
+    return std::vector<float>(result.begin(), result.begin() + kN * kN);
+  };
+  const auto v1 = direct_eigenbasis(kN, factors[0], 1.0);
+  const auto v2 = direct_refresh(kN, factors[1], basis(v1), 1.0, 0.0);
+  const auto v3 = middle_fails ? v2 : direct_refresh(kN, factors[2], basis(v2), 1.0, 0.0);
+  const auto v4 = direct_refresh(kN, factors[3], basis(v3), 1.0, 0.0);
+  const auto order = [](const std::vector<float>& result, int j) {
+    return static_cast<int>(result[(kN + 1) * kN + j]);
+  };
+  const auto got = rings.result(4);
+  EXPECT_EQ(std::memcmp(got.data(), v4.data(), (kN + 1) * kN * sizeof(float)), 0);  // basis and estimates
+  bool permuted = false;
+  for (int j = 0; j < kN; ++j) {
+    const int expected = middle_fails ? order(v2, order(v4, j)) : order(v2, order(v3, order(v4, j)));
+    EXPECT_EQ(order(got, j), expected) << "column " << j;
+    permuted |= expected != j;
+  }
+  EXPECT_TRUE(permuted);  // the check would be vacuous with identity orders
+  engine.release(block, 4);
+  EXPECT_EQ(engine.status(block).active_version, 4);
+}
+
+TEST(RefreshEngineEigenbasis, ActivationPassingOverVersionsComposesTheirOrders) { expect_composed_order(false); }
+
+TEST(RefreshEngineEigenbasis, ComposedOrderLeavesOutAFailedVersion) { expect_composed_order(true); }
+
 TEST(RefreshEngineEigenbasis, RejectsBadArguments) {
   constexpr int kN = 4;
   RefreshEngine engine(config(/*staleness=*/1));

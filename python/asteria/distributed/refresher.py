@@ -29,6 +29,7 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
+from asteria.pipeline import cpus
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import Refresher
 
@@ -83,6 +84,7 @@ class DistributedRefresher(Refresher):
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
             deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s,
             worker_nice=config.worker_nice, worker_cpus=self.worker_cpus)
+        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
         self.snapshots: list[torch.Tensor | None] = []
@@ -477,7 +479,8 @@ class DistributedRefresher(Refresher):
             "wait_seconds": registry["wait_seconds"] + engine["snapshot_wait_seconds"] + self._store_wait_seconds,
             "activation_waits": registry["waits"], "snapshot_waits": engine["snapshot_waits"],
             "store_wait_seconds": self._store_wait_seconds, "exchange_seconds": self._exchange_seconds,
-            "workers": pool["workers"], "worker_cpus": self.worker_cpus, "worker_busy_fraction": pool["busy_fraction"],
+            "workers": pool["workers"], "worker_cpus": self.worker_cpus,
+            "torch_threads": torch.get_num_threads(), "worker_busy_fraction": pool["busy_fraction"],
             "shared_store_bytes": sum(d.store.bytes for d in self.domains if d.shared),
         }
         out.update(self._counts)
@@ -494,3 +497,4 @@ class DistributedRefresher(Refresher):
             return
         self._closed = True
         self.engine.close()
+        self.thread_cap.restore()

@@ -15,7 +15,7 @@ from asteria.optim import functional as F
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
-from asteria.optim.validation import (check_arg, check_betas, check_common_hyperparameters, check_nonnegative,
+from asteria.optim.validation import (check_betas, check_common_hyperparameters, check_nonnegative,
                                      check_positive, key_name)
 from asteria.pipeline.factors import FactorSet
 
@@ -63,7 +63,9 @@ class KLShampoo(EigenbasisOptimizer):
         refresh_skip_tol: skip a block's basis refresh when its old basis diagonalizes the factor up to
             this off-diagonal ratio ||Q^T F Q - diag||_F / ||Q^T F Q||_F (0: never; skips are counted
             in ``runtime_stats()["refreshes_skipped"]``).
-        runtime: an ``asteria.RuntimeConfig``; async mode needs ``deterministic=True``.
+        runtime: an ``asteria.RuntimeConfig``. With ``deterministic=False`` (one process) each block
+            takes its newest finished basis; the eigenvalue estimates follow it through the composed
+            column orders of any versions passed over.
     """
 
     def __init__(
@@ -79,10 +81,6 @@ class KLShampoo(EigenbasisOptimizer):
         refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
     ) -> None:
-        check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
-                  or runtime.deterministic, "runtime", runtime,
-                  "KL-Shampoo in async mode needs deterministic=True (the eigenvalue estimates follow the "
-                  "scheduled basis)")
         check_betas(betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol, init_factor=init_factor)

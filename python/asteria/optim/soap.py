@@ -47,8 +47,9 @@ class SOAP(EigenbasisOptimizer):
         refresh_skip_tol: skip a block's basis refresh when its old basis diagonalizes the factor up to
             this off-diagonal ratio ||Q^T F Q - diag||_F / ||Q^T F Q||_F (0: never; skips are counted
             in ``runtime_stats()["refreshes_skipped"]``).
-        runtime: an ``asteria.RuntimeConfig``. Async mode needs ``deterministic=True``: the second
-            moment's reordering is computed against the basis that the schedule says is in use.
+        runtime: an ``asteria.RuntimeConfig``. With ``deterministic=False`` (one process) each block
+            takes its newest finished basis; the second moment follows it through the composed column
+            orders of any versions passed over.
     """
 
     def __init__(
@@ -68,9 +69,6 @@ class SOAP(EigenbasisOptimizer):
         check_betas(betas)
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
-        check_arg(runtime is None or not isinstance(runtime, RuntimeConfig) or runtime.mode == "sync"
-                  or runtime.deterministic, "runtime", runtime,
-                  "SOAP in async mode needs deterministic=True (the second moment follows the scheduled basis)")
         self.precondition_1d = precondition_1d
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol)

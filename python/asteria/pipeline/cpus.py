@@ -8,12 +8,18 @@ thread_siblings_list``), splits the cores among the ranks of this node (torchrun
 ``LOCAL_WORLD_SIZE``), keeps the first cores of each rank's share free, and pins that rank's workers
 (each to the whole rest of the share, so the kernel balances them) there. The training thread itself
 is not pinned: the kernel finds it an idle core among the free ones.
+
+torch's own CPU thread pool would still spread a parallel operator (a batch gather, say) over every
+core, and those of its threads that land on a worker core wait behind the workers for a time slice,
+which stalls the whole operator. ``TorchThreadCap`` caps that pool at the cores left to this rank.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
 
 SYSFS_CPU = Path("/sys/devices/system/cpu")
 
@@ -84,3 +90,37 @@ def local_layout() -> tuple[int, int]:
 def default_worker_cpus() -> list[int]:
     """The automatic plan for this process (see the module's docstring)."""
     return plan_worker_cpus(physical_cores(allowed_cpus()), *local_layout())
+
+
+def training_cores(worker_cpus: list[int], local_rank: int = 0, local_world: int = 1) -> int:
+    """Physical cores of this rank's share of the allowed CPUs that hold none of ``worker_cpus`` (>= 1)."""
+    cores = physical_cores(allowed_cpus())
+    share = max(1, len(cores) // local_world)
+    mine = cores[local_rank * share:(local_rank + 1) * share] if local_world > 1 else cores
+    busy = set(worker_cpus)
+    return max(1, sum(1 for core in mine if not busy.intersection(core)))
+
+
+class TorchThreadCap:
+    """Sets torch's intra-op CPU threads for the life of an optimizer's workers and restores them after.
+
+    ``setting`` is ``RuntimeConfig.torch_threads``: ``"auto"`` caps the threads at the cores left to the
+    training process when the workers are pinned (nothing changes otherwise, or if torch already uses
+    fewer), ``"keep"`` changes nothing, an int sets exactly that many."""
+
+    def __init__(self, setting: int | str, worker_cpus: list[int]) -> None:
+        self.previous: int | None = None
+        self.applied: int | None = None
+        if setting == "keep" or (setting == "auto" and not worker_cpus):
+            return
+        target = training_cores(worker_cpus, *local_layout()) if setting == "auto" else int(setting)
+        current = torch.get_num_threads()
+        if target < current or (setting != "auto" and target != current):
+            self.previous, self.applied = current, target
+            torch.set_num_threads(target)
+
+    def restore(self) -> None:
+        """Puts the previous count back, unless someone has changed it since."""
+        if self.previous is not None and torch.get_num_threads() == self.applied:
+            torch.set_num_threads(self.previous)
+        self.previous = self.applied = None

@@ -20,7 +20,7 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import RefreshBacklogWarning, RefreshError
 from asteria.optim import functional as F
-from asteria.pipeline import streams
+from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 
@@ -190,6 +190,7 @@ class AsyncRefresher(Refresher):
             worker_nice=config.worker_nice,
             worker_cpus=self.worker_cpus,
         )
+        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
         devices = {s.device for s in sets}
         self.side = {device: streams.SideStream(device) for device in devices}
         self.snapshots: list[torch.Tensor] = []
@@ -439,8 +440,12 @@ class AsyncRefresher(Refresher):
             "snapshot_waits": engine["snapshot_waits"],
             "max_wait_seconds": registry["max_wait_seconds"],
             "activations": registry["activations"],
+            # Finished versions never used because a newer one was activated first (mostly
+            # deterministic=False); an eigenbasis' state follows the composed orders of those.
+            "skipped_versions": registry["skipped_versions"],
             "workers": pool["workers"],
             "worker_cpus": self.worker_cpus,
+            "torch_threads": torch.get_num_threads(),
             "worker_busy_fraction": pool["busy_fraction"],
             "jobs_queued": pool["queue_depth"],
             "job_mean_latency_seconds": pool["mean_latency_seconds"],
@@ -456,6 +461,7 @@ class AsyncRefresher(Refresher):
         # The workers may still read snapshots and write results: stop them before buffers go away.
         self.engine.close()
         self._release_copied(block_all=True)
+        self.thread_cap.restore()
 
 
 def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int,

@@ -18,7 +18,8 @@ from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
-OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int}
+OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
+                  "warmup_steps": int}
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
@@ -29,7 +30,10 @@ HELP = {
     "checkpoint_every": "write a checkpoint every N steps into OUT/checkpoints (0: never)",
     "keep_checkpoints": "newest checkpoints kept (0: all)",
     "device": "cpu or cuda (default: cuda when available)",
-    "lr": "learning rate (default: the optimizer's own)",
+    "lr": "peak learning rate (default: the optimizer's own)",
+    "lr_schedule": "after the warm-up: 'cosine' (decay to 10%% of the peak at the last step) or 'constant'",
+    "warmup_steps": "linear learning-rate warm-up steps (default: 10%% of the steps, at most 200)",
+    "grad_clip": "clip the global gradient norm to this before each step (0: no clipping)",
     "workers": "C++ refresh workers per process (default: one per CPU of its share of the host, less 2 cores)",
     "batch_size": "sequences per step and process (the global batch is this x the number of processes)",
     "parallel": "under torchrun with several processes: ddp (replicated model) or fsdp (FSDP2, fully_shard per "

@@ -31,10 +31,14 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
+LR_SCHEDULES = ("cosine", "constant")
+MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed",
-                     "parallel")
+                     "parallel", "lr_schedule", "warmup_steps", "grad_clip")
+# What a checkpoint written before a setting existed was trained with.
+LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0}
 
 
 @dataclass(kw_only=True)
@@ -48,6 +52,9 @@ class RunConfig:
     batch_size: int = 16
     seq_len: int = 64
     lr: float | None = None
+    lr_schedule: str = "cosine"
+    warmup_steps: int | None = None
+    grad_clip: float = 1.0
     weight_decay: float = 0.0
     staleness: int = 5
     precondition_frequency: int = 10
@@ -86,6 +93,12 @@ class RunConfig:
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
+        check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
+        check(self.warmup_steps is None or (is_int(self.warmup_steps) and 0 <= self.warmup_steps < self.steps),
+              "warmup_steps", f"must be None or an int in [0, steps={self.steps})")
+        check(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
+              and math.isfinite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
+              "must be a finite number >= 0 (0: no clipping)")
         check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be a number >= 0")
         check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", "must be an int >= 1")
         check(0.0 < self.val_fraction < 1.0, "val_fraction", "must be in (0, 1)")
@@ -107,7 +120,25 @@ class RunConfig:
 
     @property
     def learning_rate(self) -> float:
+        """The peak learning rate."""
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def warmup(self) -> int:
+        """Linear warm-up steps: ``warmup_steps``, or 10% of the run (at most 200) by default."""
+        return self.warmup_steps if self.warmup_steps is not None else min(200, self.steps // 10)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of ``step`` (1-based): a linear warm-up to the peak, then constant or a cosine
+        decay to ``MIN_LR_RATIO`` of it at the last step. A function of the step alone, so a resumed run
+        continues the same schedule."""
+        peak, warmup = self.learning_rate, self.warmup
+        if step <= warmup:
+            return peak * step / (warmup + 1)
+        if self.lr_schedule == "constant":
+            return peak
+        progress = (step - warmup) / max(1, self.steps - warmup)
+        return peak * (MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
@@ -131,6 +162,7 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     newer than the checkpoint counts as its default)."""
     saved = manifest.config
     defaults = {f.name: f.default for f in fields(RunConfig)}
+    defaults |= LEGACY_SETTINGS
     diffs = [f"{name}={saved.get(name, defaults[name])!r} (this run: {getattr(cfg, name)!r})"
              for name in RESUME_MUST_MATCH if saved.get(name, defaults[name]) != getattr(cfg, name)]
     if diffs:
@@ -272,6 +304,10 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                     loss = next_token_loss(net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
                 loss.backward()
                 checkpoint.fault_point("train-step", step)
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr_at(step)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 gpu_seconds = timer.finish()
@@ -283,8 +319,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                                                               else energy.joules() - joules)
                 step_time = time.perf_counter() - t0
                 wall += step_time
-                record: dict[str, Any] = {"step": step, "loss": loss_value, "step_time": step_time, "wall": wall,
-                                          "rss_bytes": rss_bytes()}
+                record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": cfg.lr_at(step),
+                                          "step_time": step_time, "wall": wall, "rss_bytes": rss_bytes()}
                 if gpu_seconds is not None:
                     record["gpu_step_time"] = gpu_seconds
                     record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
@@ -301,7 +337,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                                           run.evaluate(model, data, cfg.batch_size, cfg.eval_batches))
                 if lead:
                     log.write(json.dumps(record) + "\n")
-                    for key in ("loss", "val_loss", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
+                    for key in ("loss", "val_loss", "lr", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
                         if key in record:
                             writer.add_scalar(key, record[key], step)
                 bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_time:.0f}",

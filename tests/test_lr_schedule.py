@@ -1,0 +1,57 @@
+"""The training CLI's learning-rate schedule (warm-up, cosine or constant) and gradient clipping."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from asteria.train import checkpoint
+from asteria.train.checkpoint import CheckpointError, Manifest
+from asteria.train.loop import MIN_LR_RATIO, RunConfig, check_resumable
+
+
+def test_warmup_then_cosine_to_a_tenth():
+    cfg = RunConfig(steps=110, lr=1.0, warmup_steps=10)
+    assert [cfg.lr_at(s) for s in (1, 5, 10)] == pytest.approx([1 / 11, 5 / 11, 10 / 11])
+    assert cfg.lr_at(11) == pytest.approx(MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi / 100)))
+    assert cfg.lr_at(60) == pytest.approx(MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5)  # half way: the midpoint
+    assert cfg.lr_at(110) == pytest.approx(MIN_LR_RATIO)
+    lrs = [cfg.lr_at(s) for s in range(1, 111)]
+    assert max(lrs) <= 1.0 and all(a > b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_constant_schedule_and_default_warmup():
+    cfg = RunConfig(steps=300, lr=2.0, lr_schedule="constant")
+    assert cfg.warmup == 30
+    assert cfg.lr_at(31) == cfg.lr_at(300) == 2.0
+    assert RunConfig(steps=5000).warmup == 200
+    no_warmup = RunConfig(steps=5, warmup_steps=0, lr_schedule="constant")
+    assert no_warmup.lr_at(1) == no_warmup.learning_rate
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr_schedule": "linear"}, "Invalid lr_schedule='linear'"),
+    ({"warmup_steps": 200, "steps": 200}, "Invalid warmup_steps=200"),
+    ({"warmup_steps": -1}, "Invalid warmup_steps=-1"),
+    ({"grad_clip": float("nan")}, "Invalid grad_clip=nan"),
+    ({"grad_clip": -0.5}, "Invalid grad_clip=-0.5"),
+])
+def test_bad_settings_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**kwargs)
+
+
+def test_a_checkpoint_from_before_the_schedule_resumes_only_as_constant():
+    """A manifest without the new settings was trained with a constant rate and no clipping."""
+    cfg = RunConfig()
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
+    for name in ("lr_schedule", "warmup_steps", "grad_clip"):
+        saved.pop(name)
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    with pytest.raises(CheckpointError, match="lr_schedule='constant'.*grad_clip=0.0"):
+        check_resumable(manifest, cfg, Path("old"))
+    check_resumable(manifest, dataclasses.replace(cfg, lr_schedule="constant", warmup_steps=0, grad_clip=0.0),
+                    Path("old"))
