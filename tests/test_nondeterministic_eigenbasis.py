@@ -13,8 +13,9 @@ from conftest import regression_data, small_mlp, train
 SIZES = (8, 16, 4)
 
 
-def make(cls, model, staleness=3):
-    runtime = asteria.RuntimeConfig(mode="async", staleness=staleness, workers=1, deterministic=False, stagger=False)
+def make(cls, model, staleness=3, workers=1):
+    runtime = asteria.RuntimeConfig(mode="async", staleness=staleness, workers=workers, deterministic=False,
+                                    stagger=False)
     return cls(model.parameters(), lr=0.01, precondition_frequency=2, runtime=runtime)
 
 
@@ -24,18 +25,29 @@ def one_step(model, opt, x, y):
     opt.step()
 
 
+def engine_blocks_of(cls, model) -> list:
+    """The engine blocks the optimizer will have (one per factor block), from a throwaway instance."""
+    with make(cls, model) as probe:
+        return engine_blocks(probe)
+
+
 @pytest.mark.parametrize("cls", [asteria.SOAP, asteria.KLShampoo])
 def test_activation_passing_over_a_version_composes_the_orders(cls):
     torch.manual_seed(0)
     model = small_mlp(sizes=SIZES)
     x, y = regression_data(sizes=SIZES)
-    with make(cls, model) as opt:
+    with make(cls, model, workers=len(engine_blocks_of(cls, model))) as opt:
         refresher, engine = opt._refresher, opt._refresher.engine
-        for block in engine_blocks(opt):  # version 2 finishes only after version 3 is snapshotted
-            engine.inject_fault(block.id, 2, "delay", 0.5)
-        for _ in range(5):  # refreshes at steps 1 (bootstrap), 3 and 5: versions 1, 2, 3
+        blocks = engine_blocks(opt)
+        for block in blocks:  # version 2 starts, then finishes only after version 3 is snapshotted
+            engine.inject_fault(block.id, 2, "pause")
+        for _ in range(3):  # refreshes at steps 1 (bootstrap) and 3: versions 1 and 2
+            one_step(model, opt, x[:32], y[:32])
+        engine.wait_paused(len(blocks), 30.0)  # every version-2 job has started (a latch, no sleep)
+        for _ in range(2):  # step 5 snapshots version 3
             one_step(model, opt, x[:32], y[:32])
         assert [min(fset.versions) for fset in refresher.sets] == [1] * len(refresher.sets)
+        engine.release_pauses()
         engine.drain(30.0)
         # The raw orders, each relative to the version before it, read before activation rewrites them.
         depth = refresher.depth
@@ -84,3 +96,33 @@ def test_nondeterministic_training_keeps_the_bound_and_tracks_sync(cls):
     final, sync_final = sum(losses[-5:]) / 5, sum(sync_losses[-5:]) / 5
     assert final < 0.7 * sum(losses[:5]) / 5
     assert abs(final - sync_final) < 0.1 * sync_final
+
+
+@pytest.mark.parametrize("cls", [asteria.Shampoo, asteria.SOAP])
+def test_jobs_queued_behind_a_newer_version_are_superseded(cls):
+    """One worker held on one block's version 2 while version 3 is snapshotted: the other blocks'
+    version-2 jobs start after that and do not compute; every block still reaches version 3."""
+    torch.manual_seed(0)
+    model = small_mlp(sizes=SIZES)
+    x, y = regression_data(sizes=SIZES)
+    with make(cls, model) as opt:
+        engine, refresher = opt._refresher.engine, opt._refresher
+        blocks = engine_blocks(opt)
+        engine.inject_fault(blocks[0].id, 2, "pause")
+        step = 0
+        while opt.refresh_version(step) < 2:  # up to the snapshot of version 2
+            one_step(model, opt, x[:32], y[:32])
+            step += 1
+        engine.wait_paused(1, 30.0)
+        while opt.refresh_version(step) < 3:
+            one_step(model, opt, x[:32], y[:32])
+            step += 1
+        engine.release_pauses()
+        engine.drain(30.0)
+        opt.prefetch()
+        stats = opt.runtime_stats()
+        assert stats["refreshes_superseded"] == len(blocks) - 1
+        assert stats["refresh_failures"] == 0
+        assert [min(fset.versions) for fset in refresher.sets] == [3] * len(refresher.sets)
+        one_step(model, opt, x[:32], y[:32])
+        assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -80,6 +80,7 @@ nb::dict registry_dict(const coherence::RegistryStats& s) {
   d["max_wait_seconds"] = s.max_wait_seconds;
   d["failures"] = s.failures;
   d["skipped_versions"] = s.skipped_versions;
+  d["superseded_versions"] = s.superseded_versions;
   d["staleness_histogram"] = s.staleness_histogram;
   d["max_staleness_seen"] = s.max_staleness_seen;
   return d;
@@ -221,8 +222,11 @@ void init_runtime(nb::module_& m) {
               fault = runtime::FaultKind::kHang;
             } else if (kind == "delay") {
               fault = runtime::FaultKind::kDelay;
+            } else if (kind == "pause") {
+              fault = runtime::FaultKind::kPause;
             } else {
-              throw InvalidArgument("Invalid kind='" + kind + "': must be 'throw', 'nonfinite', 'hang' or 'delay'");
+              throw InvalidArgument("Invalid kind='" + kind +
+                                    "': must be 'throw', 'nonfinite', 'hang', 'delay' or 'pause'");
             }
             if (version && *version < 1) {
               throw InvalidArgument("Invalid version=" + std::to_string(*version) +
@@ -242,7 +246,7 @@ void init_runtime(nb::module_& m) {
           "version of the block until clear_faults(). kind: 'throw' (the job raises inside its numerics), "
           "'nonfinite' (its result is poisoned with a NaN, which the quality gate rejects), 'hang' (it blocks "
           "until close(), or for `seconds` if given, then fails), 'delay' (it sleeps `seconds` first, cut short by "
-          "close()). A specific version's fault fires once.")
+          "close()), 'pause' (it waits until release_pauses()). A specific version's fault fires once.")
       .def(
           "set_random_delay",
           [](RefreshEngine& e, double max_delay_s, std::uint64_t seed) {
@@ -257,6 +261,12 @@ void init_runtime(nb::module_& m) {
           "max_delay_s"_a, "seed"_a = 0,
           "Test-only: every job without an injected fault first sleeps a pseudo-random time in [0, max_delay_s), "
           "a function of (seed, block, version) only. 0 turns it off.")
+      .def(
+          "wait_paused",
+          [](RefreshEngine& e, int count, double timeout_s) { e.wait_paused(count, seconds_arg(timeout_s, "timeout_s")); },
+          "count"_a, "timeout_s"_a = 30.0, nb::call_guard<nb::gil_scoped_release>(),
+          "Test-only: blocks until at least `count` jobs wait in a 'pause' fault (TimeoutError after timeout_s).")
+      .def("release_pauses", &RefreshEngine::release_pauses, "Test-only: lets every job paused by a 'pause' fault go on.")
       .def("clear_faults", &RefreshEngine::clear_faults,
            "Disarms every injected fault and the random delay.")
       .def(
@@ -283,6 +293,7 @@ void init_runtime(nb::module_& m) {
         d["refreshes_failed"] = s.refreshes_failed;
         d["float64_retries"] = s.float64_retries;
         d["refreshes_skipped"] = s.refreshes_skipped;
+        d["refreshes_superseded"] = s.refreshes_superseded;
         d["snapshot_waits"] = s.snapshot_waits;
         d["snapshot_wait_seconds"] = s.snapshot_wait_seconds;
         d["refresh_seconds"] = s.refresh_seconds;

@@ -17,7 +17,7 @@ from typing import Any
 
 from asteria.optim.base import SecondOrderOptimizer
 
-FAULT_KINDS = ("throw", "nonfinite", "hang", "delay")
+FAULT_KINDS = ("throw", "nonfinite", "hang", "delay", "pause")
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,22 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
   return changes;
 }
 
+void CoherenceRegistry::note_superseded(std::int64_t block, std::int64_t version) {
+  {
+    std::lock_guard lock(mutex_);
+    const std::string where = "[CoherenceRegistry::note_superseded] block " + std::to_string(block) + ": ";
+    if (config_.deterministic) throw InvalidArgument(where + "the deterministic schedule uses every due version");
+    Block& b = blocks_[index(block, "note_superseded")];
+    if (b.running.erase(version) == 0) {
+      throw InvalidArgument(where + "version " + std::to_string(version) + " is not running");
+    }
+    b.status.newest_finished = std::max(b.status.newest_finished, version);
+    if (version > b.status.active_version) b.finished.emplace(version, false);
+    stats_.superseded_versions += 1;
+  }
+  finished_.notify_all();
+}
+
 BlockStatus CoherenceRegistry::status(std::int64_t block) const {
   std::lock_guard lock(mutex_);
   return blocks_[index(block, "status")].status;

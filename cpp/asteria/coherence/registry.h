@@ -45,6 +45,9 @@ struct RegistryStats {
   // Versions that succeeded but were never activated because a newer one was activated first
   // (mostly non-deterministic; under the schedule only when several versions fall due at once).
   std::uint64_t skipped_versions = 0;
+  // Versions whose job found a newer snapshot of its block queued when it started, and so did not
+  // compute (non-deterministic rule only; see RefreshEngine): neither used nor counted as failures.
+  std::uint64_t superseded_versions = 0;
   // staleness_histogram[s]: block-steps that used a version s intervals behind its newest snapshot;
   // the last bin gathers everything >= its index.
   std::vector<std::uint64_t> staleness_histogram;
@@ -75,6 +78,10 @@ class CoherenceRegistry {
   void note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step);
   // The job of `version` ended; `ok` false records `error` as the block's last error.
   void note_finished(std::int64_t block, std::int64_t version, bool ok, const std::string& error = {});
+  // The job of `version` ended without computing because a newer version of the block was already
+  // submitted: the version counts as finished and never becomes active, but not as a failure.
+  // Throws InvalidArgument under the deterministic rule, where every due version must be used.
+  void note_superseded(std::int64_t block, std::int64_t version);
 
   // Decides the versions in use at `step` for every block (see the rule above), waiting up to
   // `timeout` in total for versions the rule requires; throws TimeoutError naming the block, the

@@ -28,6 +28,9 @@ std::int64_t result_elements(int n, RefreshKind kind) {
 
 std::string block_name(std::int64_t id) { return "block " + std::to_string(id); }
 
+// Thrown inside a job that finds a newer version of its block queued (see RefreshEngine::submit).
+struct Superseded {};
+
 std::string job_name(std::int64_t id, std::int64_t version) {
   return block_name(id) + " version " + std::to_string(version);
 }
@@ -49,6 +52,7 @@ const char* to_string(FaultKind kind) noexcept {
     case FaultKind::kNonFinite: return "nonfinite";
     case FaultKind::kHang: return "hang";
     case FaultKind::kDelay: return "delay";
+    case FaultKind::kPause: return "pause";
   }
   return "unknown";
 }
@@ -75,6 +79,10 @@ struct RefreshEngine::Block {
   float* const result_base;         // result buffer 0, in the caller's memory
   const std::int64_t result_stride;  // floats between result buffers
   const int depth;
+
+  // Newest version submitted, any kind: an older job that starts later is superseded
+  // (non-deterministic rule); guarded by mutex_.
+  std::int64_t newest_submitted = 0;
 
   // The version activate() returned last (or the one given to set_basis); guarded by mutex_.
   std::int64_t activated = 0;
@@ -214,6 +222,10 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
     b.snapshots.acquire(version);
     b.snapshots.retire_through(version);
     registry_.note_snapshot(id, version, activation_step);
+    {
+      std::lock_guard lock(mutex_);
+      b.newest_submitted = std::max(b.newest_submitted, version);
+    }
     JobHandle job;
     try {
       job = pool_->submit(activation_step, [this, id, version, spec, skip_tol, previous] {
@@ -262,6 +274,7 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
   const auto started = Clock::now();
   JobOutcome outcome;
   std::string error;
+  bool superseded = false;
   try {
     // Same buffer that submit() pinned: acquiring again only reads its address.
     const auto* input = reinterpret_cast<const float*>(b.snapshots.acquire(version));
@@ -285,6 +298,11 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       throw;
     }
     try {
+      if (!config_.registry.deterministic) {
+        std::lock_guard lock(mutex_);
+        superseded = b.newest_submitted > version;
+      }
+      if (superseded) throw Superseded{};
       // One atomic load when no fault is armed.
       std::optional<Fault> fault;
       if (faults_armed_.load(std::memory_order_acquire)) fault = take_fault(id, version);
@@ -304,11 +322,21 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     }
     b.snapshots.release(version);
     b.results.publish(version);
+  } catch (const Superseded&) {
+    // Nothing computed: the buffers are free again, and the newer version is queued.
   } catch (const std::exception& e) {
     error = e.what();
     if (error.empty()) error = "unknown error";
   } catch (...) {
     error = "unknown non-standard exception";
+  }
+  if (superseded) {
+    {
+      std::lock_guard lock(mutex_);
+      refreshes_superseded_ += 1;
+    }
+    registry_.note_superseded(id, version);
+    return;
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
   {
@@ -442,6 +470,7 @@ EngineStats RefreshEngine::stats() const {
   out.refreshes_failed = refreshes_failed_;
   out.float64_retries = float64_retries_;
   out.refreshes_skipped = refreshes_skipped_;
+  out.refreshes_superseded = refreshes_superseded_;
   out.snapshot_waits = snapshot_waits_;
   out.snapshot_wait_seconds = snapshot_wait_seconds_;
   out.refresh_seconds = refresh_seconds_;
@@ -480,6 +509,7 @@ void RefreshEngine::inject_fault(std::int64_t id, std::int64_t version, FaultKin
       break;
     case FaultKind::kThrow:
     case FaultKind::kNonFinite:
+    case FaultKind::kPause:
       if (duration != std::chrono::nanoseconds::zero()) {
         throw InvalidArgument(where + "Invalid duration=" + std::to_string(duration.count()) + " ns: only kinds 'delay' and 'hang' take a duration, not '" + to_string(kind) + "'");
       }
@@ -556,7 +586,33 @@ void RefreshEngine::apply_fault(const Fault& fault, std::int64_t id, std::int64_
       fault_released_.wait_until(lock, deadline_after(fault.duration), [this] { return closing_; });
       return;
     }
+    case FaultKind::kPause: {
+      std::unique_lock lock(fault_mutex_);
+      const std::uint64_t generation = pause_generation_;
+      paused_ += 1;
+      fault_released_.notify_all();  // wakes wait_paused()
+      fault_released_.wait(lock, [&] { return closing_ || pause_generation_ != generation; });
+      paused_ -= 1;
+      if (closing_) throw CancelledError(where + "paused job ended by close() (fault injection)");
+      return;
+    }
   }
+}
+
+void RefreshEngine::wait_paused(int count, std::chrono::nanoseconds timeout) {
+  std::unique_lock lock(fault_mutex_);
+  if (!fault_released_.wait_until(lock, deadline_after(timeout), [&] { return paused_ >= count; })) {
+    throw TimeoutError("[RefreshEngine::wait_paused] " + std::to_string(paused_) + " jobs paused, not " +
+                       std::to_string(count) + ", after " + format_seconds(std::chrono::duration<double>(timeout).count()));
+  }
+}
+
+void RefreshEngine::release_pauses() {
+  {
+    std::lock_guard lock(fault_mutex_);
+    pause_generation_ += 1;
+  }
+  fault_released_.notify_all();
 }
 
 }  // namespace asteria::runtime

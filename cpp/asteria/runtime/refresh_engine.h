@@ -59,6 +59,8 @@ enum class FaultKind {
   kHang,       // the job blocks until close() (then fails with CancelledError), or for `duration` if > 0
                // (then fails with TimeoutError); the training thread's bounded waits time out meanwhile
   kDelay,      // the job sleeps `duration` before its numerics (cut short by close()), then runs normally
+  kPause,      // the job waits before its numerics until release_pauses() (or close()), then runs normally:
+               // a latch for tests that need a worker held at a known point
 };
 
 const char* to_string(FaultKind kind) noexcept;
@@ -77,6 +79,7 @@ struct EngineStats {
   double snapshot_wait_seconds = 0.0;
   double refresh_seconds = 0.0;  // summed numerics time over jobs
   std::uint64_t faults_triggered = 0;   // jobs that met an injected fault or random delay
+  std::uint64_t refreshes_superseded = 0;  // jobs that did not compute: a newer version was queued
 };
 
 // Thread safety: add_block() must not race with the other calls; everything else is safe to call
@@ -109,6 +112,9 @@ class RefreshEngine {
   // and the block's first job, with none, decomposes fully. The chain needs each block's eigenbasis
   // versions submitted in increasing order with non-decreasing activation steps (so that the pool
   // starts them in that order); anything else throws InvalidArgument before any block is touched.
+  // Under the non-deterministic rule a job that starts when a newer version of its block has been
+  // submitted does not compute (it is superseded: the newer version would be activated first anyway),
+  // so that workers behind schedule catch up instead of computing versions no one will use.
   void submit(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step,
               const linalg::RootSpec& spec, double skip_tol = 0.0);
   // Seeds a kEigenbasis block's chain with the good basis `basis` (n x n, torch layout, copied) of
@@ -150,6 +156,10 @@ class RefreshEngine {
   void set_random_delay(std::chrono::nanoseconds max_delay, std::uint64_t seed);
   // Disarms every fault and the random delay (jobs already sleeping or hanging are not woken).
   void clear_faults();
+  // Blocks until at least `count` jobs wait in a kPause fault (TimeoutError after `timeout`).
+  void wait_paused(int count, std::chrono::nanoseconds timeout);
+  // Lets every job waiting in a kPause fault go on.
+  void release_pauses();
 
   coherence::BlockStatus status(std::int64_t block) const;
   EngineStats stats() const;
@@ -194,6 +204,7 @@ class RefreshEngine {
   std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
   std::uint64_t float64_retries_ = 0;         // guarded by mutex_
   std::uint64_t refreshes_skipped_ = 0;       // guarded by mutex_
+  std::uint64_t refreshes_superseded_ = 0;    // guarded by mutex_
   std::uint64_t snapshot_waits_ = 0;          // guarded by mutex_
   double snapshot_wait_seconds_ = 0.0;        // guarded by mutex_
   double refresh_seconds_ = 0.0;              // guarded by mutex_
@@ -208,6 +219,8 @@ class RefreshEngine {
   std::chrono::nanoseconds max_random_delay_{0};               // guarded by fault_mutex_
   std::uint64_t delay_seed_ = 0;                               // guarded by fault_mutex_
   std::uint64_t faults_triggered_ = 0;                         // guarded by fault_mutex_
+  int paused_ = 0;                                             // guarded by fault_mutex_
+  std::uint64_t pause_generation_ = 0;                         // guarded by fault_mutex_
   bool closing_ = false;                                       // guarded by fault_mutex_; wakes hangs and delays
 };
 

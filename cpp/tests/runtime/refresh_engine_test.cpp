@@ -72,6 +72,61 @@ TEST(RefreshEngine, ComputesRootsAndActivatesOnSchedule) {
   EXPECT_EQ(stats.refreshes_failed, 0u);
 }
 
+// One worker held by a paused job of another block while three versions of `block` queue up.
+EngineStats queue_three_behind_a_paused_job(bool deterministic, std::int64_t* newest_ok, std::int64_t* failures) {
+  constexpr int kDepth = 4, kN = 4;
+  EngineConfig c = config(/*staleness=*/3, /*workers=*/1);
+  c.registry.deterministic = deterministic;
+  RefreshEngine engine(c);
+  Rings held_rings(kDepth, kN), rings(kDepth, kN);
+  const auto held = engine.add_block(held_rings.memory(kDepth));
+  const auto block = engine.add_block(rings.memory(kDepth));
+  const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
+  engine.inject_fault(held, 1, FaultKind::kPause);
+  engine.begin_snapshot({held}, 1, 1s);
+  fill_diagonal(held_rings.snapshot(1, kDepth), kN, 1.0f);
+  engine.submit({held}, 1, 10, spec);
+  engine.wait_paused(1, 5s);  // the only worker now waits inside that job
+  for (std::int64_t version = 1; version <= 3; ++version) {
+    engine.begin_snapshot({block}, version, 1s);
+    fill_diagonal(rings.snapshot(version, kDepth), kN, 16.0f * static_cast<float>(version));
+    engine.submit({block}, version, 10 + version, spec);
+  }
+  engine.release_pauses();
+  engine.drain(5s);
+  *newest_ok = engine.status(block).newest_ok;
+  *failures = engine.status(block).total_failures;
+  const auto changes = engine.activate(100, 1s);
+  for (const auto& change : changes) {
+    if (change.block == block) {
+      EXPECT_EQ(change.version, 3);
+      EXPECT_NEAR(rings.result(3, kDepth)[0], std::pow(48.0f, -0.25f), 1e-6f);
+    }
+    engine.release(change.block, change.version);
+  }
+  return engine.stats();
+}
+
+TEST(RefreshEngine, NonDeterministicJobsBehindANewerVersionAreSuperseded) {
+  std::int64_t newest_ok = 0, failures = -1;
+  const EngineStats stats = queue_three_behind_a_paused_job(/*deterministic=*/false, &newest_ok, &failures);
+  EXPECT_EQ(stats.refreshes_superseded, 2u);  // versions 1 and 2 found version 3 queued
+  EXPECT_EQ(stats.registry.superseded_versions, 2u);
+  EXPECT_EQ(stats.refreshes_ok, 2u);  // the held job and version 3
+  EXPECT_EQ(stats.refreshes_failed, 0u);
+  EXPECT_EQ(newest_ok, 3);
+  EXPECT_EQ(failures, 0);
+}
+
+TEST(RefreshEngine, DeterministicJobsAreNeverSuperseded) {
+  std::int64_t newest_ok = 0, failures = -1;
+  const EngineStats stats = queue_three_behind_a_paused_job(/*deterministic=*/true, &newest_ok, &failures);
+  EXPECT_EQ(stats.refreshes_superseded, 0u);
+  EXPECT_EQ(stats.refreshes_ok, 4u);
+  EXPECT_EQ(newest_ok, 3);
+  EXPECT_EQ(failures, 0);
+}
+
 TEST(RefreshEngine, NonFiniteSnapshotFailsAndKeepsLastGoodThenRaises) {
   constexpr int kDepth = 1, kN = 3;
   RefreshEngine engine(config(/*staleness=*/0, /*workers=*/1, /*max_failures=*/2));
@@ -340,8 +395,10 @@ void expect_composed_order(bool middle_fails) {
   auto changes = engine.activate(1, 1s);
   ASSERT_EQ(changes.size(), 1u);
   engine.release(block, 1);
-  for (std::int64_t v = 2; v <= 4; ++v) submit(v);
-  engine.drain(5s);
+  for (std::int64_t v = 2; v <= 4; ++v) {
+    submit(v);
+    engine.drain(5s);  // each job starts before the next is submitted, so none is superseded
+  }
   changes = engine.activate(40, 1s);
   ASSERT_EQ(changes.size(), 1u);
   EXPECT_EQ(changes[0].version, 4);

@@ -429,6 +429,8 @@ class AsyncRefresher(Refresher):
             "refreshes": engine["refreshes_ok"],
             "refresh_failures": engine["refreshes_failed"],
             "refreshes_skipped": engine["refreshes_skipped"],
+            # deterministic=False: jobs that found a newer version of their block queued and did not compute.
+            "refreshes_superseded": engine["refreshes_superseded"],
             "float64_retries": engine["float64_retries"],
             "refresh_seconds_on_workers": engine["refresh_seconds"],
             "staleness_histogram": registry["staleness_histogram"],
