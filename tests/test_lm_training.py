@@ -1,5 +1,10 @@
 """All three optimizers train a small byte-level transformer LM at least as well as AdamW in the same
-number of steps (sensible learning rates, async mode, the default embedded corpus)."""
+number of steps (sensible learning rates, async mode, the default embedded corpus).
+
+The recipe is a constant learning rate without clipping, as the comparison was set up. Under the CLI's
+default warm-up + cosine schedule the short run favours AdamW more: measured on the 2-core development
+machine, AdamW reaches 2.281 at lr 1e-2 and SOAP 2.288 at its best lr (1e-2), while Shampoo (2.064) and
+KL-Shampoo (2.272, both at 3e-3) stay ahead (see docs/results.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import pytest
 from asteria.train.loop import RunConfig, train
 
 COMMON = dict(steps=120, batch_size=8, seq_len=64, staleness=1, precondition_frequency=10, workers=1,
-              eval_every=60, max_bytes=400_000)
+              eval_every=60, max_bytes=400_000, lr_schedule="constant", warmup_steps=0, grad_clip=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError, Manifest
-from asteria.train.loop import MIN_LR_RATIO, RunConfig, check_resumable
+from asteria.train.loop import MIN_LR_RATIO, RunConfig, check_resumable, clip_gradients
 
 
 def test_warmup_then_cosine_to_a_tenth():
@@ -55,3 +56,29 @@ def test_a_checkpoint_from_before_the_schedule_resumes_only_as_constant():
         check_resumable(manifest, cfg, Path("old"))
     check_resumable(manifest, dataclasses.replace(cfg, lr_schedule="constant", warmup_steps=0, grad_clip=0.0),
                     Path("old"))
+
+
+def model_with_grads(*grads: torch.Tensor) -> torch.nn.Module:
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(g)) for g in grads])
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    return model
+
+
+def test_clipping_scales_to_the_global_norm_and_leaves_small_ones():
+    model = model_with_grads(torch.full((3,), 4.0), torch.full((4,), 3.0))  # norm sqrt(48 + 36)
+    clip_gradients(model, 1.0)
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    assert float(norm) == pytest.approx(1.0, rel=1e-5)
+    assert float(model[0].grad[0] / model[1].grad[0]) == pytest.approx(4.0 / 3.0)
+    small = model_with_grads(torch.full((2,), 0.1))
+    clip_gradients(small, 1.0)
+    assert torch.equal(small[0].grad, torch.full((2,), 0.1))
+
+
+def test_a_non_finite_gradient_is_left_where_it_is():
+    """The optimizer's policy skips the block holding the NaN; clipping must not spread it."""
+    model = model_with_grads(torch.tensor([float("nan"), 1.0]), torch.full((2,), 30.0))
+    clip_gradients(model, 1.0)
+    assert torch.equal(model[1].grad, torch.full((2,), 30.0))
+    assert torch.isnan(model[0].grad[0]) and model[0].grad[1] == 1.0

@@ -130,8 +130,8 @@ class RunConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step`` (1-based): a linear warm-up to the peak, then constant or a cosine
-        decay to ``MIN_LR_RATIO`` of it at the last step. A function of the step alone, so a resumed run
-        continues the same schedule."""
+        decay to ``MIN_LR_RATIO`` of it at the last step. A function of the step (and ``steps``) alone, so a
+        run resumed with the same ``steps`` continues the same schedule."""
         peak, warmup = self.learning_rate, self.warmup
         if step <= warmup:
             return peak * step / (warmup + 1)
@@ -139,6 +139,18 @@ class RunConfig:
             return peak
         progress = (step - warmup) / max(1, self.steps - warmup)
         return peak * (MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> None:
+    """Scales the gradients down to a global norm of ``max_norm``, without a host sync. A non-finite norm
+    leaves them as they are, so that the optimizer's own policy meets the bad gradient where it is (an
+    Asteria optimizer skips only the blocks that hold it) instead of every gradient turning NaN."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    norm = torch.nn.utils.get_total_norm(grads)
+    norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
@@ -305,7 +317,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                 loss.backward()
                 checkpoint.fault_point("train-step", step)
                 if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    clip_gradients(model, cfg.grad_clip)
                 for group in opt.param_groups:
                     group["lr"] = cfg.lr_at(step)
                 opt.step()
