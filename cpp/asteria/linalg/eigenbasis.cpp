@@ -73,7 +73,7 @@ struct Workspace {
   std::vector<T> product;  // T = scale A Q_prev
   std::vector<T> factor;   // T's columns in `order`, then the Q factor
   std::vector<T> gram;     // M = Q_prev^T T (adaptive skip only)
-  std::vector<T> w, tau, work;
+  std::vector<T> w, work;
   std::vector<int> iwork;
   std::vector<double> est;     // diag(M) in Q_prev's order
   std::vector<double> values;  // the result's eigenvalues or estimates, in the result's order
@@ -158,14 +158,13 @@ bool compute_refresh(int n, double scale, double skip_tol, Workspace<T>& ws, Bas
 
   std::stable_sort(ws.order.begin(), ws.order.begin() + n, [&](int x, int y) { return ws.est[x] > ws.est[y]; });
   grow(ws.factor, nn * nn);
-  grow(ws.tau, nn);
   T* p = ws.factor.data();
   for (std::size_t j = 0; j < nn; ++j) {
     const std::size_t source = static_cast<std::size_t>(ws.order[j]);
     ws.values[j] = ws.est[source];
     std::copy(t + source * nn, t + (source + 1) * nn, p + j * nn);
   }
-  qr_q(n, n, p, /* lda = */ n, ws.tau.data(), ws.work);
+  qr_q(n, n, p, /* lda = */ n, ws.work);
   return all_within(p, nn * nn);
 }
 

@@ -48,14 +48,6 @@ void sstedc_(const char* compz, const int* n, float* d, float* e, float* z, cons
              const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
 void dstedc_(const char* compz, const int* n, double* d, double* e, double* z, const int* ldz, double* work,
              const int* lwork, int* iwork, const int* liwork, int* info, std::size_t compz_len);
-void sgeqrf_(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
-             int* info);
-void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,
-             int* info);
-void sorgqr_(const int* m, const int* n, const int* k, float* a, const int* lda, const float* tau, float* work,
-             const int* lwork, int* info);
-void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau, double* work,
-             const int* lwork, int* info);
 }
 
 namespace asteria::linalg {
@@ -160,24 +152,6 @@ void call_stedc(const int* n, float* d, float* e, float* z, const int* ldz, floa
 void call_stedc(const int* n, double* d, double* e, double* z, const int* ldz, double* work, const int* lwork,
                 int* iwork, const int* liwork, int* info) {
   dstedc_("I", n, d, e, z, ldz, work, lwork, iwork, liwork, info, kOptionLen);
-}
-
-void call_geqrf(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
-                int* info) {
-  sgeqrf_(m, n, a, lda, tau, work, lwork, info);
-}
-void call_geqrf(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,
-                int* info) {
-  dgeqrf_(m, n, a, lda, tau, work, lwork, info);
-}
-
-void call_orgqr(const int* m, const int* n, const int* k, float* a, const int* lda, const float* tau, float* work,
-                const int* lwork, int* info) {
-  sorgqr_(m, n, k, a, lda, tau, work, lwork, info);
-}
-void call_orgqr(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau,
-                double* work, const int* lwork, int* info) {
-  dorgqr_(m, n, k, a, lda, tau, work, lwork, info);
 }
 
 // Householder tridiagonalization for eigh: xSYTRD's blocked algorithm for the lower triangle
@@ -638,30 +612,6 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, 
 }
 
 template <typename T>
-void qr_q(int m, int n, T* a, int lda, T* tau, std::vector<T>& work) {
-  require(n >= 0, "qr_q", "n", n, ">= 0");
-  require(m >= n, "qr_q", "m", m, ">= n=" + std::to_string(n));
-  require_leading_dim("qr_q", "lda", lda, m);
-  if (n == 0) return;
-
-  int info = 0;
-  const int query = -1;
-  T geqrf_query = 0;
-  call_geqrf(&m, &n, a, &lda, tau, /* work = */ &geqrf_query, /* lwork = */ &query, &info);
-  check_info<T>("qr_q", "geqrf", info, n);
-  T orgqr_query = 0;
-  call_orgqr(&m, &n, /* k = */ &n, a, &lda, tau, /* work = */ &orgqr_query, /* lwork = */ &query, &info);
-  check_info<T>("qr_q", "orgqr", info, n);
-  grow(work, std::max({queried_size(geqrf_query), queried_size(orgqr_query), static_cast<std::size_t>(n)}));
-
-  const int lwork = static_cast<int>(work.size());
-  call_geqrf(&m, &n, a, &lda, tau, work.data(), &lwork, &info);
-  check_info<T>("qr_q", "geqrf", info, n);
-  call_orgqr(&m, &n, /* k = */ &n, a, &lda, tau, work.data(), &lwork, &info);
-  check_info<T>("qr_q", "orgqr", info, n);
-}
-
-template <typename T>
 void symmetrize_from_lower(int n, T* a, int lda) {
   require(n >= 0, "symmetrize_from_lower", "n", n, ">= 0");
   require_leading_dim("symmetrize_from_lower", "lda", lda, n);
@@ -690,8 +640,6 @@ template void gemm<float>(bool, bool, int, int, int, float, const float*, int, c
                           int);
 template void gemm<double>(bool, bool, int, int, int, double, const double*, int, const double*, int, double,
                            double*, int);
-template void qr_q<float>(int, int, float*, int, float*, std::vector<float>&);
-template void qr_q<double>(int, int, double*, int, double*, std::vector<double>&);
 template void symmetrize_from_lower<float>(int, float*, int);
 template void symmetrize_from_lower<double>(int, double*, int);
 

@@ -35,10 +35,11 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b, int ldb,
           T beta, T* c, int ldc);
 
-// QR factorization in place (xGEQRF) followed by forming Q (xORGQR): `a` (m x n, m >= n) becomes
-// the first n columns of Q. `tau` has n entries.
+// Householder QR of `a` (m x n, m >= n) in place, then Q formed: `a` becomes the first n columns of Q,
+// with xGEQRF's reflectors and signs (blocked wider than LAPACK; see qr.cpp). `work` is grown as needed.
+// Throws NumericalError if the panel factorization reports an error.
 template <typename T>
-void qr_q(int m, int n, T* a, int lda, T* tau, std::vector<T>& work);
+void qr_q(int m, int n, T* a, int lda, std::vector<T>& work);
 
 // Copies the lower triangle of the n x n matrix `a` onto its upper triangle.
 template <typename T>
