@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -120,9 +121,12 @@ def test_workers_behind_the_schedule_warn_once_with_what_to_change():
     with asteria.Shampoo(model.parameters(), precondition_frequency=1, runtime=runtime) as opt:
         train(model, opt, 1)
         testing.set_random_worker_delay(opt, 0.05)
-        with pytest.warns(asteria.RefreshBacklogWarning, match=r"waited \d+ times .* raise precondition_frequency "
-                                                               r"\(now 1\), staleness \(now 1\)") as caught:
+        with pytest.warns(asteria.RefreshBacklogWarning, match=r"waited \d+ times .* Raise precondition_frequency "
+                                                               r"\(now 1; about (\d+) would keep up\), staleness "
+                                                               r"\(now 1\)") as caught:
             train(model, opt, 12)
+        message = str(next(w.message for w in caught if issubclass(w.category, asteria.RefreshBacklogWarning)))
+        assert int(re.search(r"about (\d+) would keep up", message).group(1)) >= 2  # more than the f = 1 that failed
         assert len([w for w in caught if issubclass(w.category, asteria.RefreshBacklogWarning)]) == 1
         assert opt.runtime_stats()["waits"] >= 3
 

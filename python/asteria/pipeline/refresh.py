@@ -8,6 +8,7 @@ registry activates at each step boundary.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -282,9 +283,9 @@ class AsyncRefresher(Refresher):
         seconds = engine["registry"]["wait_seconds"] + engine["snapshot_wait_seconds"]
         now = time.monotonic()
         if self._backlog_base is None:
-            self._backlog_base = (waits, seconds, now)
+            self._backlog_base = (waits, seconds, now, engine["refresh_seconds"], step)
             return
-        base_waits, base_seconds, since = self._backlog_base
+        base_waits, base_seconds, since, base_work, base_step = self._backlog_base
         waited, lost = waits - base_waits, seconds - base_seconds
         # Two or more waits that cost at least 5% of the training time since (and 50 ms) mean the workers
         # are behind; a few scheduling hiccups on a loaded machine do not.
@@ -292,12 +293,22 @@ class AsyncRefresher(Refresher):
             return
         self._backlog_warned = True
         pool = engine["pool"]
+        # The refresh work of one interval (CPU-seconds, the same whatever the interval) against what the
+        # workers have in an interval of training without the waits; the frequency scales the latter.
+        intervals = max((step - base_step) / self.interval, 1e-9)
+        work = (engine["refresh_seconds"] - base_work) / intervals
+        capacity = pool["workers"] * max(now - since - lost, 1e-9) / intervals
+        enough = math.ceil(self.interval * 1.25 * work / capacity)
+        other = " or deterministic=False (workers then skip versions already overtaken)" if (
+            self.config.deterministic) else ""
         warnings.warn(RefreshBacklogWarning(
             f"Asteria: step() waited {waited} times for the CPU refresh workers between the first interval and "
             f"step {step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time); the {pool['workers']} "
             f"workers were busy {pool['busy_fraction']:.0%} of the time. The refresh work of an interval takes "
-            f"longer than the interval: raise precondition_frequency (now {self.interval}), staleness (now "
-            f"{self.config.staleness}) or RuntimeConfig.workers, or train with fewer, larger steps."), stacklevel=5)
+            f"longer than the interval: about {work:.3g} CPU-seconds against {capacity:.3g} worker-seconds of "
+            f"training. Raise precondition_frequency (now {self.interval}; about {enough} would keep up), "
+            f"staleness (now {self.config.staleness}) or RuntimeConfig.workers{other}, or train with fewer, "
+            f"larger steps."), stacklevel=5)
 
     def poll(self, step: int) -> None:
         if self._pending_snapshots:
