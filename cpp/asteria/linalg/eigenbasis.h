@@ -30,7 +30,7 @@ BasisReport eigenbasis(int n, const double* a, double* q, double* values, double
 //   T = (scale A) Q_prev,  est_j = Q_prev[:, j] . T[:, j]  (= diag(Q_prev^T scale A Q_prev)),
 //   order = argsort(est) descending and stable (ties keep the lower index first),
 //   estimates[j] = est[order[j]],  perm[j] = order[j],  q = Q of the QR factorization of T[:, order]
-// (xGEQRF + xORGQR: LAPACK's Householder signs, those of torch.linalg.qr).
+// (Householder reflectors with xGEQRF's signs, those of torch.linalg.qr; see qr_q in lapack.h).
 // Adaptive skip (`skip_tol` > 0): with M = Q_prev^T (scale A) Q_prev and
 // ratio = ||M - diag(M)||_F / ||M||_F (reported; 0 for M = 0), a ratio <= skip_tol keeps the basis:
 // q = q_prev bit for bit, perm = 0..n-1, estimates = diag(M) in Q_prev's order. `skip_tol` = 0
