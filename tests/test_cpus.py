@@ -122,6 +122,18 @@ def test_async_optimizer_caps_torch_threads_until_close(restore_torch_threads):
     assert torch.get_num_threads() == 2
 
 
+def test_the_last_of_several_caps_restores(restore_torch_threads):
+    torch.set_num_threads(3)
+    first, second = cpus.TorchThreadCap(1, []), cpus.TorchThreadCap("auto", cpus.allowed_cpus())
+    assert torch.get_num_threads() == 1
+    first.restore()
+    assert torch.get_num_threads() == 1  # the second optimizer's workers still run
+    second.restore()
+    assert torch.get_num_threads() == 3
+    second.restore()  # idempotent
+    assert torch.get_num_threads() == 3
+
+
 @pytest.mark.parametrize("value", [0, -1, "all", 1.5, True])
 def test_runtime_config_rejects_bad_torch_threads(value):
     with pytest.raises(ValueError, match=f"Invalid torch_threads={value!r}"):

@@ -106,7 +106,10 @@ class TorchThreadCap:
 
     ``setting`` is ``RuntimeConfig.torch_threads``: ``"auto"`` caps the threads at the cores left to the
     training process when the workers are pinned (nothing changes otherwise, or if torch already uses
-    fewer), ``"keep"`` changes nothing, an int sets exactly that many."""
+    fewer), ``"keep"`` changes nothing, an int sets exactly that many. With several optimizers alive the
+    count goes back only when the last of them closes."""
+
+    _live: list[TorchThreadCap] = []  # caps not yet restored, oldest first
 
     def __init__(self, setting: int | str, worker_cpus: list[int]) -> None:
         self.previous: int | None = None
@@ -118,9 +121,19 @@ class TorchThreadCap:
         if target < current or (setting != "auto" and target != current):
             self.previous, self.applied = current, target
             torch.set_num_threads(target)
+        TorchThreadCap._live.append(self)
 
     def restore(self) -> None:
-        """Puts the previous count back, unless someone has changed it since."""
-        if self.previous is not None and torch.get_num_threads() == self.applied:
-            torch.set_num_threads(self.previous)
+        """Puts the previous count back, unless someone has changed it since or another cap is still live
+        (that one then restores it when it closes)."""
+        if self not in TorchThreadCap._live:
+            return
+        TorchThreadCap._live.remove(self)
+        if self.previous is not None:
+            if TorchThreadCap._live:
+                heir = TorchThreadCap._live[0]
+                if heir.previous is None:  # it found the count already capped: it restores ours instead
+                    heir.previous, heir.applied = self.previous, torch.get_num_threads()
+            elif torch.get_num_threads() == self.applied:
+                torch.set_num_threads(self.previous)
         self.previous = self.applied = None
