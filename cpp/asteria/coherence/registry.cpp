@@ -200,6 +200,14 @@ CoherenceRegistry::Plan CoherenceRegistry::plan(const Block& block, std::int64_t
     }
     return Plan{active, 0};
   }
+  if (block.status.newest_ok == 0) {
+    // Nothing usable yet: a version whose activation step has come is waited for, as under the schedule
+    // (the bootstrap refresh, due at its own step with bootstrap_sync), until some version is done.
+    for (const auto& [version, activation_step] : block.due) {
+      if (activation_step > step) break;
+      if (block.running.contains(version)) return Plan{active, version};
+    }
+  }
   const std::int64_t needed = block.status.newest_snapshot - config_.staleness;
   if (block.status.newest_ok < needed) {
     const auto pending = block.running.lower_bound(needed);

@@ -61,6 +61,8 @@ struct RegistryStats {
 // - non-deterministic: the newest version that finished well; if that would leave the block more
 //   than S versions behind its newest snapshot, wait for version (newest_snapshot - S) first (or,
 //   once it has failed, for the next newer version still running; failed versions count as finished).
+//   Until some version has finished well, a version whose activation step has come is waited for,
+//   as under the schedule (so the bootstrap refresh, due at its own step, is used from that step).
 // A block whose versions failed `max_consecutive_failures` times in a row makes activate() throw
 // BlockFailure naming it; nothing else is changed by that call.
 //

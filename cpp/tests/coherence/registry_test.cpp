@@ -277,6 +277,20 @@ TEST(CoherenceRegistryTest, NonDeterministicWaitsToStayWithinTheStalenessBound) 
   EXPECT_EQ(stats.max_staleness_seen, 3);
 }
 
+TEST(CoherenceRegistryTest, NonDeterministicWaitsForTheFirstVersionFromItsActivationStep) {
+  CoherenceRegistry registry(nondeterministic(3));
+  const std::int64_t b = registry.add_block();
+  registry.note_snapshot(b, 1, /*activation_step=*/5);  // the bootstrap refresh, due at step 5
+  EXPECT_EQ(activate(registry, 4), Changes{});          // not due yet: no wait
+  EXPECT_THROW(activate(registry, 5, milliseconds(20)), TimeoutError);
+  registry.note_finished(b, 1, true);
+  EXPECT_EQ(activate(registry, 5), (Changes{{b, 1}}));
+  // Once a version is in use the newest-finished rule applies again: no wait for version 2.
+  registry.note_snapshot(b, 2, 6);
+  EXPECT_EQ(activate(registry, 6), Changes{});
+  EXPECT_EQ(registry.stats().waits, 1u);
+}
+
 TEST(CoherenceRegistryTest, RejectsOutOfOrderSnapshotsAndUnknownVersions) {
   CoherenceRegistry registry(deterministic(1));
   const std::int64_t b = registry.add_block();
