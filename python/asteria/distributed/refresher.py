@@ -25,11 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
-from asteria.pipeline import cpus
+from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import Refresher
 
@@ -79,12 +78,7 @@ class DistributedRefresher(Refresher):
         self.node_units = {id(d): {node: d.units_of_node(node) for node in d.nodes} for d in self.domains}
         self.views = {id(d): torch.from_numpy(d.store.data()) for d in self.domains}
         # ---- the engine, for the blocks this rank owns
-        self.worker_cpus = config.resolved_worker_cpus()
-        self.engine = _core.RefreshEngine(
-            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
-            deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND, slot_timeout_s=config.timeout_s,
-            worker_nice=config.worker_nice, worker_cpus=self.worker_cpus)
-        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
+        self._start_workers(deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND)
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
         self.snapshots: list[torch.Tensor | None] = []
@@ -368,26 +362,22 @@ class DistributedRefresher(Refresher):
             if not refreshed:
                 continue
             n = fset.dim
-            # The node store is pageable shared memory: the values are first gathered into pinned host
-            # memory, so that the copies to the GPU are queued on the stream without the host waiting for
-            # it (the stream orders them before the math that reads the preconditioners).
-            pin = fset.device.type == "cuda"
-            blocks = torch.tensor([u.block for u, _, _ in refreshed], dtype=torch.long, pin_memory=pin)
-            values = torch.empty((len(refreshed), n, n), dtype=torch.float32, pin_memory=pin)
-            torch.stack([self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n)
-                         for u, good, d in refreshed], out=values)
+            # The node store is pageable shared memory: the copies to the GPU go through pinned memory, so
+            # that the host does not wait (the stream orders them before the math that reads them).
+            ids = [u.block for u, _, _ in refreshed]
             if self.tier is not None:
                 self.tier.before_install(fset)
-            on_device = blocks.to(fset.device, non_blocking=pin)
+            on_device = streams.indices_to_device(ids, fset.device)
             target = fset.preconditioners  # on fset's device, or in host memory (host placements)
-            index = on_device if target.device == fset.device else blocks
-            target.index_copy_(0, index, values.to(target.device, non_blocking=pin))
+            index = on_device if target.device == fset.device else streams.indices_to_device(ids, target.device)
+            target.index_copy_(0, index, streams.to_device(
+                [self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n) for u, good, d in refreshed],
+                target.device))
             fset.installed.index_fill_(0, on_device, True)
             if fset.permute is not None:
-                orders = torch.empty((len(refreshed), n), dtype=torch.float32, pin_memory=pin)
-                torch.stack([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
-                             for u, good, d in refreshed], out=orders)
-                fset.permute(on_device, orders.to(fset.device, non_blocking=pin).long())
+                orders = streams.to_device([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
+                                            for u, good, d in refreshed], fset.device)
+                fset.permute(on_device, orders.long())
             self._counts["bytes_to_device"] += len(refreshed) * n * n * 4
 
     def _record_staleness(self) -> None:
@@ -479,8 +469,7 @@ class DistributedRefresher(Refresher):
             "wait_seconds": registry["wait_seconds"] + engine["snapshot_wait_seconds"] + self._store_wait_seconds,
             "activation_waits": registry["waits"], "snapshot_waits": engine["snapshot_waits"],
             "store_wait_seconds": self._store_wait_seconds, "exchange_seconds": self._exchange_seconds,
-            "workers": pool["workers"], "worker_cpus": self.worker_cpus,
-            "torch_threads": torch.get_num_threads(), "worker_busy_fraction": pool["busy_fraction"],
+            **self._worker_stats(pool),
             "shared_store_bytes": sum(d.store.bytes for d in self.domains if d.shared),
         }
         out.update(self._counts)
@@ -496,5 +485,4 @@ class DistributedRefresher(Refresher):
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
-        self.thread_cap.restore()
+        self._stop_workers()

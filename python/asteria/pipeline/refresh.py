@@ -64,6 +64,26 @@ class Refresher(ABC):
     def check_backlog(self, step: int) -> None:
         """Warns (once) when the workers fall behind the schedule; called at refresh steps."""
 
+    def _start_workers(self, deterministic: bool, max_consecutive_failures: int) -> None:
+        """Starts the C++ refresh engine (``self.engine``) on the configured worker CPUs and caps torch's
+        CPU threads meanwhile (``_stop_workers`` undoes both)."""
+        config = self.config
+        self.worker_cpus = config.resolved_worker_cpus()
+        self.engine = _core.RefreshEngine(
+            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
+            deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
+            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus)
+        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
+
+    def _stop_workers(self) -> None:
+        self.engine.close()
+        self.thread_cap.restore()
+
+    def _worker_stats(self, pool: dict[str, Any]) -> dict[str, Any]:
+        """The workers' part of ``stats()``."""
+        return {"workers": pool["workers"], "worker_cpus": self.worker_cpus, "torch_threads": torch.get_num_threads(),
+                "worker_busy_fraction": pool["busy_fraction"]}
+
     @abstractmethod
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` must hold for a resumed run to continue bit for bit."""
@@ -180,18 +200,7 @@ class AsyncRefresher(Refresher):
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
-        self.worker_cpus = config.resolved_worker_cpus()
-        self.engine = _core.RefreshEngine(
-            workers=config.resolved_workers(),
-            blas_threads=config.blas_threads,
-            staleness=config.staleness,
-            deterministic=config.deterministic,
-            max_consecutive_failures=config.max_consecutive_failures,
-            slot_timeout_s=config.timeout_s,
-            worker_nice=config.worker_nice,
-            worker_cpus=self.worker_cpus,
-        )
-        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
+        self._start_workers(config.deterministic, config.max_consecutive_failures)
         devices = {s.device for s in sets}
         self.side = {device: streams.SideStream(device) for device in devices}
         self.snapshots: list[torch.Tensor] = []
@@ -219,7 +228,8 @@ class AsyncRefresher(Refresher):
         # Versions snapshotted but not yet activated: (set index, version, activation step, request).
         self._scheduled: list[tuple[int, int, int, RootRequest]] = []
         self._backlog_warned = False
-        self._backlog_base: tuple[int, float, float] | None = None  # waits, wait seconds, time: the baseline
+        # The baseline: waits, wait seconds, time, refresh CPU-seconds, step.
+        self._backlog_base: tuple[int, float, float, float, int] | None = None
         self._backlog_next_check = 0
 
     def activation_step(self, step: int, version: int) -> int:
@@ -413,14 +423,11 @@ class AsyncRefresher(Refresher):
         if self.tier is not None:
             self.tier.after_install(fset, target)
         with side.staging():
-            if fset.permute is not None:
-                # Both index tensors go through pinned memory: a copy from pageable memory would make
-                # the host wait for the streams, and this runs on the training thread.
-                pin = side.cuda
-                blocks = torch.tensor([block for block, _, _ in items], dtype=torch.long, pin_memory=pin)
-                orders = torch.empty((len(items), n), dtype=torch.float32, pin_memory=pin)
-                torch.stack([results[version % self.depth, block, n + 1] for block, version, _ in items], out=orders)
-                fset.permute(blocks.to(fset.device, non_blocking=pin), orders.to(fset.device, non_blocking=pin).long())
+            if fset.permute is not None:  # runs on the training thread: the copies must not make it wait
+                blocks = streams.indices_to_device([block for block, _, _ in items], fset.device)
+                orders = streams.to_device([results[version % self.depth, block, n + 1] for block, version, _ in items],
+                                           fset.device)
+                fset.permute(blocks, orders.long())
         event = side.record()
         # The main stream waits for the copy only where it uses the preconditioners (``ready()``), so a
         # prefetch issued from a forward hook does not stall the forward pass.
@@ -456,10 +463,7 @@ class AsyncRefresher(Refresher):
             # Finished versions never used because a newer one was activated first (mostly
             # deterministic=False); an eigenbasis' state follows the composed orders of those.
             "skipped_versions": registry["skipped_versions"],
-            "workers": pool["workers"],
-            "worker_cpus": self.worker_cpus,
-            "torch_threads": torch.get_num_threads(),
-            "worker_busy_fraction": pool["busy_fraction"],
+            **self._worker_stats(pool),
             "jobs_queued": pool["queue_depth"],
             "job_mean_latency_seconds": pool["mean_latency_seconds"],
             "job_max_latency_seconds": pool["max_latency_seconds"],
@@ -472,9 +476,8 @@ class AsyncRefresher(Refresher):
 
     def close(self) -> None:
         # The workers may still read snapshots and write results: stop them before buffers go away.
-        self.engine.close()
+        self._stop_workers()
         self._release_copied(block_all=True)
-        self.thread_cap.restore()
 
 
 def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int,

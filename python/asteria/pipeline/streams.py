@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -49,3 +49,19 @@ def done(event: torch.cuda.Event | None) -> bool:
 def wait(event: torch.cuda.Event | None) -> None:
     if event is not None:
         event.synchronize()
+
+
+def to_device(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``torch.stack(rows)`` on ``device``, the copy queued on the current stream without the host
+    waiting: on a GPU the host rows are gathered into pinned memory first (a copy from pageable memory
+    would make the training thread wait for the stream)."""
+    pin = device.type == "cuda"
+    staged = torch.empty((len(rows), *rows[0].shape), dtype=rows[0].dtype, pin_memory=pin)
+    torch.stack(list(rows), out=staged)
+    return staged.to(device, non_blocking=pin)
+
+
+def indices_to_device(indices: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of ``indices`` on ``device``, copied as ``to_device`` does."""
+    pin = device.type == "cuda"
+    return torch.tensor(list(indices), dtype=torch.long, pin_memory=pin).to(device, non_blocking=pin)
