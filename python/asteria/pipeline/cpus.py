@@ -61,14 +61,19 @@ def physical_cores(cpus: list[int], sysfs: Path = SYSFS_CPU) -> list[list[int]]:
     return cores
 
 
+def rank_share(cores: list[list[int]], local_rank: int, local_world: int) -> list[list[int]]:
+    """This rank's contiguous share of ``cores`` when they are split evenly among ``local_world`` ranks."""
+    if local_world < 1 or not 0 <= local_rank < local_world:
+        raise ValueError(f"Invalid local_rank={local_rank!r}: must be in [0, local_world={local_world})")
+    share = len(cores) // local_world
+    return cores[local_rank * share:(local_rank + 1) * share]
+
+
 def plan_worker_cpus(cores: list[list[int]], local_rank: int = 0, local_world: int = 1) -> list[int]:
     """The CPUs of this rank's workers: the rank's share of ``cores`` (contiguous, split evenly) less its
     first cores, kept for the training process (two of a share of 4 or more, one of a share of 2 or 3).
     Empty (do not pin) when the share has a single core or none."""
-    if local_world < 1 or not 0 <= local_rank < local_world:
-        raise ValueError(f"Invalid local_rank={local_rank!r}: must be in [0, local_world={local_world})")
-    share = len(cores) // local_world
-    mine = cores[local_rank * share:(local_rank + 1) * share]
+    mine = rank_share(cores, local_rank, local_world)
     reserve = 2 if len(mine) >= 4 else 1 if len(mine) >= 2 else 0
     if reserve == 0:
         return []
@@ -94,10 +99,8 @@ def default_worker_cpus() -> list[int]:
 
 def training_cores(worker_cpus: list[int], local_rank: int = 0, local_world: int = 1) -> int:
     """Physical cores of this rank's share of the allowed CPUs that hold none of ``worker_cpus`` (>= 1)."""
-    cores = physical_cores(allowed_cpus())
-    share = max(1, len(cores) // local_world)
-    mine = cores[local_rank * share:(local_rank + 1) * share] if local_world > 1 else cores
     busy = set(worker_cpus)
+    mine = rank_share(physical_cores(allowed_cpus()), local_rank, local_world)
     return max(1, sum(1 for core in mine if not busy.intersection(core)))
 
 
