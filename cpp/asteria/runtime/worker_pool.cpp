@@ -138,7 +138,7 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<
   nice_ = nice;
   std::sort(cpus.begin(), cpus.end());
   cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
-  if (!cpus.empty()) (void)cpu_set_of(cpus);  // validates before any thread starts
+  if (!cpus.empty()) cpu_set_ = cpu_set_of(cpus);  // validates before any thread starts
   cpus_ = std::move(cpus);
   stats_.workers = num_workers;
   threads_.reserve(static_cast<std::size_t>(num_workers));
@@ -217,10 +217,7 @@ void WorkerPool::worker_loop(int blas_threads) {
   if (!cpus_.empty()) {
     // Validated by the constructor; should the process's affinity have changed since, the kernel's
     // refusal leaves this worker where it is (best effort, like nice).
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int cpu : cpus_) CPU_SET(cpu, &set);
-    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_), &cpu_set_);
   }
   std::unique_lock lock(mutex_);
   for (;;) {

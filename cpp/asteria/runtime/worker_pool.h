@@ -1,6 +1,8 @@
 // A pool of CPU worker threads running jobs in deadline order.
 #pragma once
 
+#include <sched.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -114,6 +116,7 @@ class WorkerPool {
   std::vector<std::thread> threads_;  // elements guarded by join_mutex_
   int nice_ = 0;
   std::vector<int> cpus_;  // sorted, unique; empty: not pinned
+  cpu_set_t cpu_set_{};    // the same as a CPU set (set by the constructor, read by the workers)
 };
 
 }  // namespace asteria::runtime

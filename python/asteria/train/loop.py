@@ -271,11 +271,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     parameters = parameter_count(model)
     layer_parameters = sum(p.numel() for p in decoder_layers(model).parameters())
     net = run.wrap(model) if run is not None else model  # what the forward pass calls (DDP: the wrapper)
-    if run is None:
-        opt = make_optimizer(cfg, model)
-    else:
-        # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
-        opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size)
+    # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
+    opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size if run is not None else None)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
     hooks = asteria.attach(model, opt) if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
@@ -318,8 +315,9 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                 checkpoint.fault_point("train-step", step)
                 if cfg.grad_clip > 0:
                     clip_gradients(model, cfg.grad_clip)
+                lr = cfg.lr_at(step)
                 for group in opt.param_groups:
-                    group["lr"] = cfg.lr_at(step)
+                    group["lr"] = lr
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 gpu_seconds = timer.finish()
@@ -331,15 +329,15 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                                                               else energy.joules() - joules)
                 step_time = time.perf_counter() - t0
                 wall += step_time
-                record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": cfg.lr_at(step),
+                if run is None and joules is not None:
+                    step_joules = energy.joules() - joules
+                record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
                                           "step_time": step_time, "wall": wall, "rss_bytes": rss_bytes()}
                 if gpu_seconds is not None:
                     record["gpu_step_time"] = gpu_seconds
                     record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
                     record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-                if run is None and joules is not None:
-                    record["energy_joules"] = energy.joules() - joules
-                elif step_joules is not None:
+                if step_joules is not None:
                     record["energy_joules"] = step_joules
                 if hasattr(opt, "staleness"):
                     record["staleness"] = opt.staleness()
