@@ -94,9 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     try:
-        world = os.environ.get("WORLD_SIZE", "1")
         if args.command != "train" and world != "1":
             raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
                              "runs on several processes (bench/scaling.py launches torchrun itself)")
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, FileNotFoundError) as error:
-        where = f" (rank {rank})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        where = f" (rank {rank})" if world != "1" else ""
         print(f"asteria: error{where}: {error}", file=sys.stderr)
         return 2
     return 0
