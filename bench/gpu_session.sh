@@ -5,7 +5,7 @@
 #   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
 #   refresh  the refresh-engine benchmark; profile  bench/profile_step.py (where a step's time goes);
 #   bench    asteria bench on olmo-160m at the issue's small batch (8 x 512);
-#   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products);
+#   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
 #   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
 #            optimizers (more options in $LONG_ARGS, e.g. --no-deterministic);
 #   sweep    asteria sweep over S ($SWEEP_S) for Asteria SOAP (same model and batch, 150 steps; $SWEEP_ARGS);
@@ -31,7 +31,7 @@ GPU_BOUND="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision h
 has bench && $CLI bench --model olmo-160m --steps 60 --batch-size 8 --seq-len 512 --precondition-frequency 10 \
   --staleness 5 --eval-every 60 --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/bench.txt"
 has bench-large && $CLI bench $GPU_BOUND --steps 60 --precondition-frequency 10 --staleness 5 --eval-every 60 \
-  --out "$OUT/bench-large" 2>&1 | quiet | tee "$OUT/bench-large.txt"
+  ${LARGE_ARGS:-} --out "$OUT/bench-large" 2>&1 | quiet | tee "$OUT/bench-large.txt"
 has long && $CLI bench $GPU_BOUND --steps ${LONG_STEPS:-300} --precondition-frequency 10 --staleness 5 --eval-every 100 \
   --configs adamw soap-async shampoo-async kl-shampoo-async ${LONG_ARGS:-} --out "$OUT/long" 2>&1 | quiet \
   | tee "$OUT/long.txt"

@@ -135,6 +135,7 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["train", "--steps", "-3", "--out", "OUT"], "Invalid steps=-3"),
         (["train", "--model", "gpt5", "--out", "OUT"], "Invalid model='gpt5'"),
         (["train", "--lr", "-0.1", "--out", "OUT"], "Invalid lr=-0.1"),
+        (["train", "--max-preconditioner-dim", "0", "--out", "OUT"], "Invalid max_preconditioner_dim=0"),
         (["train", "--seq-len", "100000", "--out", "OUT"], "Invalid seq_len=100000"),
         (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "OUT"],
          "Invalid data='/nonexistent/corpus'"),
@@ -207,3 +208,15 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "soap-sync" in table and "n/a" in table
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
+
+
+def test_max_preconditioner_dim_reaches_the_optimizer():
+    from asteria.train.loop import RunConfig, make_optimizer
+    from asteria.train.model import build_model
+
+    model = build_model("tiny", 256, 64)
+    for dim in (2048, 32):
+        opt = make_optimizer(RunConfig(optimizer="shampoo", mode="sync", max_preconditioner_dim=dim), model)
+        largest = max(max(group.shape) for group in opt._groups)
+        assert opt.max_preconditioner_dim == dim and (largest == 32 if dim == 32 else largest > 32)
+        opt.close()

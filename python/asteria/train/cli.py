@@ -34,6 +34,7 @@ HELP = {
     "lr_schedule": "after the warm-up: 'cosine' (decay to 10%% of the peak at the last step) or 'constant'",
     "warmup_steps": "linear learning-rate warm-up steps (default: 10%% of the steps, at most 200)",
     "grad_clip": "clip the global gradient norm to this before each step (0: no clipping)",
+    "max_preconditioner_dim": "largest factor side; larger dimensions are split into blocks of at most this",
     "workers": "C++ refresh workers per process (default: one per CPU of its share of the host, less 2 cores)",
     "batch_size": "sequences per step and process (the global batch is this x the number of processes)",
     "parallel": "under torchrun with several processes: ddp (replicated model) or fsdp (FSDP2, fully_shard per "

@@ -35,8 +35,8 @@ LR_SCHEDULES = ("cosine", "constant")
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
-                     "staleness", "precondition_frequency", "data", "tokenizer", "max_bytes", "val_fraction", "seed",
-                     "parallel", "lr_schedule", "warmup_steps", "grad_clip")
+                     "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
+                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0}
 
@@ -58,6 +58,7 @@ class RunConfig:
     weight_decay: float = 0.0
     staleness: int = 5
     precondition_frequency: int = 10
+    max_preconditioner_dim: int = 2048
     workers: int | None = None
     placement: str = "auto"
     device: str = "cpu"
@@ -87,7 +88,8 @@ class RunConfig:
         check(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}")
         check(self.mode in ("sync", "async"), "mode", "must be 'sync' or 'async'")
         check(self.placement in asteria.config.PLACEMENTS, "placement", f"must be one of {asteria.config.PLACEMENTS}")
-        for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "eval_every", "eval_batches"):
+        for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "max_preconditioner_dim", "eval_every",
+                     "eval_batches"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
@@ -166,7 +168,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                     local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                precondition_frequency=cfg.precondition_frequency, runtime=runtime)
+                precondition_frequency=cfg.precondition_frequency,
+                max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime)
 
 
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
