@@ -31,4 +31,14 @@ void grow(std::vector<T>& v, std::size_t size) {
   if (v.size() < size) v.resize(size);
 }
 
+// xLARFG: the reflector H = I - tau [1; v] [1; v]^T with H [alpha; x] = [beta; 0]; alpha becomes beta
+// and x becomes v (n counts alpha).
+template <typename T>
+void larfg(int n, T* alpha, T* x, T* tau);
+
+// The upper triangular T (k x k, ldt) of the block reflector H(0) ... H(k-1) = I - V T V^T, V (rows x k,
+// ldv) dense with explicit unit diagonal and zeros above; zeros below T's diagonal (defined in lapack.cpp).
+template <typename T>
+void block_reflector_factor(int rows, int k, const T* v, int ldv, const T* tau, T* t, int ldt);
+
 }  // namespace asteria::linalg::detail

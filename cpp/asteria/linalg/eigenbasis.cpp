@@ -64,13 +64,43 @@ void transpose(int n, const From* src, To* dst) {
   }
 }
 
+// dst (column-major) column j = column order[j] of the row-major src: dst[j * n + r] = src[r * n + order[j]].
+// Tiled like transpose().
+template <typename T>
+void gather_columns(int n, const T* src, const int* order, T* dst) {
+  constexpr int kTile = 64;
+  const std::size_t nn = static_cast<std::size_t>(n);
+  for (int jb = 0; jb < n; jb += kTile) {
+    const int j_end = std::min(jb + kTile, n);
+    for (int rb = 0; rb < n; rb += kTile) {
+      const int r_end = std::min(rb + kTile, n);
+      for (int j = jb; j < j_end; ++j) {
+        const std::size_t source = static_cast<std::size_t>(order[j]);
+        for (int r = rb; r < r_end; ++r) dst[j * nn + r] = src[r * nn + source];
+      }
+    }
+  }
+}
+
+// `x` (count entries) itself when it is already of type T, else a converted copy in `buffer`.
+template <typename T, typename In>
+const T* as_precision(const In* x, std::size_t count, std::vector<T>& buffer) {
+  if constexpr (std::is_same_v<T, In>) {
+    return x;
+  } else {
+    grow(buffer, count);
+    std::transform(x, x + count, buffer.begin(), [](In v) { return static_cast<T>(v); });
+    return buffer.data();
+  }
+}
+
 // Per-thread buffers, grown to the largest n seen and kept (see inverse_root.cpp). Matrices are
 // column-major with leading dimension n.
 template <typename T>
 struct Workspace {
-  std::vector<T> a;        // scale-free copy of A; eigenbasis(): overwritten by the eigenvectors
-  std::vector<T> basis;    // Q_prev
-  std::vector<T> product;  // T = scale A Q_prev
+  std::vector<T> a;        // eigenbasis(): copy of A, overwritten by the eigenvectors; qr_refresh(): A converted
+  std::vector<T> basis;    // qr_refresh(): Q_prev converted (float64 retry only)
+  std::vector<T> product;  // T = scale A Q_prev, row-major
   std::vector<T> factor;   // T's columns in `order`, then the Q factor
   std::vector<T> gram;     // M = Q_prev^T T (adaptive skip only)
   std::vector<T> w, work;
@@ -112,24 +142,30 @@ bool compute_eigenbasis(int n, double scale, Workspace<T>& ws) {
   return all_within(z, nn * nn);
 }
 
-// SOAP's refresh from Q_prev (ws.basis) of A (ws.a): Q in ws.factor, estimates in ws.values and the
-// permutation in ws.order; a skipped refresh leaves ws.factor alone. Returns false when the result is
-// not finite.
+// SOAP's refresh of A from Q_prev, both n x n in torch's row-major layout (a row-major matrix is its
+// transpose to column-major BLAS, so no transposing copy is needed): Q (column-major) in ws.factor,
+// estimates in ws.values and the permutation in ws.order; a skipped refresh leaves ws.factor alone.
+// Returns false when the result is not finite.
 template <typename T>
-bool compute_refresh(int n, double scale, double skip_tol, Workspace<T>& ws, BasisReport& report) {
+bool compute_refresh(int n, const T* a, const T* q_prev, double scale, double skip_tol, Workspace<T>& ws,
+                     BasisReport& report) {
   const std::size_t nn = static_cast<std::size_t>(n);
   grow(ws.product, nn * nn);
   grow(ws.est, nn);
   grow(ws.values, nn);
   grow(ws.order, nn);
-  const T* q_prev = ws.basis.data();
+  // T = scale A Q_prev, kept row-major: as column-major it is T^T = Q_prev^T A^T, the product of the
+  // two inputs as BLAS sees them.
   T* t = ws.product.data();
-  gemm(false, false, n, n, n, /* alpha = */ static_cast<T>(scale), ws.a.data(), /* lda = */ n, q_prev,
-       /* ldb = */ n, /* beta = */ T(0), t, /* ldc = */ n);
-  for (std::size_t j = 0; j < nn; ++j) {
-    double sum = 0;
-    for (std::size_t i = 0; i < nn; ++i) sum += static_cast<double>(q_prev[i + j * nn]) * t[i + j * nn];
-    ws.est[j] = sum;
+  gemm(false, false, n, n, n, /* alpha = */ static_cast<T>(scale), q_prev, /* lda = */ n, a, /* ldb = */ n,
+       /* beta = */ T(0), t, /* ldc = */ n);
+  // est_j = sum_i Q_prev(i, j) T(i, j), row by row (contiguous, vectorized), in double.
+  std::fill(ws.est.begin(), ws.est.begin() + n, 0.0);
+  double* est = ws.est.data();
+  for (std::size_t i = 0; i < nn; ++i) {
+    const T* q_row = q_prev + i * nn;
+    const T* t_row = t + i * nn;
+    for (std::size_t j = 0; j < nn; ++j) est[j] += static_cast<double>(q_row[j]) * static_cast<double>(t_row[j]);
   }
   // A NaN estimate would also break the sort's strict weak order.
   if (!all_within(ws.est.data(), nn)) return false;
@@ -137,8 +173,8 @@ bool compute_refresh(int n, double scale, double skip_tol, Workspace<T>& ws, Bas
 
   if (skip_tol > 0) {
     grow(ws.gram, nn * nn);
-    T* m = ws.gram.data();
-    gemm(true, false, n, n, n, /* alpha = */ T(1), q_prev, /* lda = */ n, t, /* ldb = */ n, /* beta = */ T(0), m,
+    T* m = ws.gram.data();  // M = Q_prev^T T; its diagonal and off-diagonal sums do not depend on layout
+    gemm(false, true, n, n, n, /* alpha = */ T(1), q_prev, /* lda = */ n, t, /* ldb = */ n, /* beta = */ T(0), m,
          /* ldc = */ n);
     double off = 0, diagonal = 0;
     for (std::size_t j = 0; j < nn; ++j) {
@@ -157,15 +193,12 @@ bool compute_refresh(int n, double scale, double skip_tol, Workspace<T>& ws, Bas
   }
 
   std::stable_sort(ws.order.begin(), ws.order.begin() + n, [&](int x, int y) { return ws.est[x] > ws.est[y]; });
+  for (std::size_t j = 0; j < nn; ++j) ws.values[j] = ws.est[static_cast<std::size_t>(ws.order[j])];
+  // T's columns in that order, column-major, for the QR: a transposing gather of the row-major T.
   grow(ws.factor, nn * nn);
-  T* p = ws.factor.data();
-  for (std::size_t j = 0; j < nn; ++j) {
-    const std::size_t source = static_cast<std::size_t>(ws.order[j]);
-    ws.values[j] = ws.est[source];
-    std::copy(t + source * nn, t + (source + 1) * nn, p + j * nn);
-  }
-  qr_q(n, n, p, /* lda = */ n, ws.work);
-  return all_within(p, nn * nn);
+  gather_columns(n, t, ws.order.data(), ws.factor.data());
+  qr_q(n, n, ws.factor.data(), /* lda = */ n, ws.work);
+  return all_within(ws.factor.data(), nn * nn);
 }
 
 // Runs `attempt(ws, report)` in float32 and, if it throws NumericalError or returns a failure
@@ -243,11 +276,10 @@ BasisReport qr_refresh_impl(int n, const Out* a, const Out* q_prev, Out* q, Out*
   const std::size_t nn = static_cast<std::size_t>(n);
   auto attempt = [&](auto& ws, BasisReport& report) -> std::string {
     using T = typename std::decay_t<decltype(ws.a)>::value_type;
-    grow(ws.a, nn * nn);
-    grow(ws.basis, nn * nn);
-    transpose(n, a, ws.a.data());
-    transpose(n, q_prev, ws.basis.data());
-    if (!compute_refresh(n, scale, skip_tol, ws, report)) return non_finite_result(n, scale);
+    // The inputs as they are in the attempt's precision (converted copies for the float64 retry).
+    const T* a_in = as_precision(a, nn * nn, ws.a);
+    const T* q_prev_in = as_precision(q_prev, nn * nn, ws.basis);
+    if (!compute_refresh(n, a_in, q_prev_in, scale, skip_tol, ws, report)) return non_finite_result(n, scale);
     if (!all_within<double, Out>(ws.values.data(), nn) ||
         (!report.skipped && !all_within<T, Out>(ws.factor.data(), nn * nn))) {
       return "result overflows the output type, " + non_finite_result(n, scale);

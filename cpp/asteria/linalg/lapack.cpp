@@ -9,6 +9,7 @@
 
 #include "asteria/common/errors.h"
 #include "asteria/linalg/detail.h"
+#include "asteria/linalg/simd.h"
 
 // The Fortran interface OpenBLAS exports (LP64: 32-bit integers). gfortran passes the length of
 // every CHARACTER argument as a trailing hidden size_t; the LAPACK routines are compiled Fortran,
@@ -54,6 +55,7 @@ namespace asteria::linalg {
 namespace {
 
 using detail::grow;
+using namespace simd;
 
 constexpr std::size_t kOptionLen = 1;  // every option we pass is a single letter
 
@@ -162,135 +164,6 @@ void call_stedc(const int* n, double* d, double* e, double* z, const int* ldz, d
 // 16 us and ssytrd ran 1.55x slower than alone (H200 host). The steps below take no lock.
 
 constexpr int kTridiagonalPanel = 32;  // xSYTRD's block size and crossover
-
-// GCC/Clang vector extensions; the kernels of tridiagonalize() compile them to AVX-512, AVX2 or
-// the baseline (SSE2 on x86-64, NEON on aarch64).
-template <typename T, int N>
-struct VectorOf {
-  typedef T type __attribute__((vector_size(N * sizeof(T))));
-};
-template <typename T, int N>
-using Vector = typename VectorOf<T, N>::type;
-template <typename T>
-constexpr int kWide = 64 / static_cast<int>(sizeof(T));  // lanes of one 64-byte vector
-template <typename T>
-using Wide = Vector<T, kWide<T>>;
-template <typename T>
-using Quad = Vector<T, 4>;
-
-template <typename V, typename T>
-[[gnu::always_inline]] inline void load(V& v, const T* p) {
-  std::memcpy(&v, p, sizeof v);
-}
-template <typename V, typename T>
-[[gnu::always_inline]] inline void store(T* p, const V& v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
-// Adds the upper half of v's lanes onto the lower half.
-template <typename V, typename H, std::size_t... I>
-[[gnu::always_inline]] inline void fold(const V& v, H& half, std::index_sequence<I...>) {
-  half = __builtin_shufflevector(v, v, I...) + __builtin_shufflevector(v, v, (I + sizeof...(I))...);
-}
-template <typename T, int N>
-[[gnu::always_inline]] inline void fold_to_quad(const Vector<T, N>& v, Quad<T>& quad) {
-  if constexpr (N == 4) {
-    quad = v;
-  } else {
-    Vector<T, N / 2> half;
-    fold(v, half, std::make_index_sequence<N / 2>{});
-    fold_to_quad<T, N / 2>(half, quad);
-  }
-}
-template <typename T>
-[[gnu::always_inline]] inline T sum(const Quad<T>& q) {
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-// {sum(a), sum(b), sum(c), sum(d)} by a transposing butterfly: six shuffles and three adds.
-template <typename T>
-[[gnu::always_inline]] inline void sum4(const Quad<T>& a, const Quad<T>& b, const Quad<T>& c, const Quad<T>& d,
-                                        Quad<T>& sums) {
-  const Quad<T> ab = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
-  const Quad<T> cd = __builtin_shufflevector(c, d, 0, 4, 1, 5) + __builtin_shufflevector(c, d, 2, 6, 3, 7);
-  sums = __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
-}
-
-// z += alpha * x + beta * y
-template <typename T>
-[[gnu::always_inline]] inline void axpy2(int n, T alpha, const T* x, T beta, const T* y, T* z) {
-  constexpr int W = kWide<T>;
-  const Wide<T> va = alpha - Wide<T>{}, vb = beta - Wide<T>{};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    Wide<T> xi, yi, zi;
-    load(xi, x + i);
-    load(yi, y + i);
-    load(zi, z + i);
-    zi += va * xi + vb * yi;
-    store(z + i, zi);
-  }
-  for (; i < n; ++i) z[i] += alpha * x[i] + beta * y[i];
-}
-
-// z = alpha * z + beta * x
-template <typename T>
-[[gnu::always_inline]] inline void scale_add(int n, T alpha, T* z, T beta, const T* x) {
-  constexpr int W = kWide<T>;
-  const Wide<T> va = alpha - Wide<T>{}, vb = beta - Wide<T>{};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    Wide<T> xi, zi;
-    load(xi, x + i);
-    load(zi, z + i);
-    zi = va * zi + vb * xi;
-    store(z + i, zi);
-  }
-  for (; i < n; ++i) z[i] = alpha * z[i] + beta * x[i];
-}
-
-// x . y
-template <typename T>
-[[gnu::always_inline]] inline T dot(int n, const T* x, const T* y) {
-  constexpr int W = kWide<T>;
-  Wide<T> s = {};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    Wide<T> xi, yi;
-    load(xi, x + i);
-    load(yi, y + i);
-    s += xi * yi;
-  }
-  Quad<T> q;
-  fold_to_quad<T, W>(s, q);
-  T total = sum<T>(q);
-  for (; i < n; ++i) total += x[i] * y[i];
-  return total;
-}
-
-// (x . v, y . v)
-template <typename T>
-[[gnu::always_inline]] inline void dot2(int n, const T* x, const T* y, const T* v, T& xv, T& yv) {
-  constexpr int W = kWide<T>;
-  Wide<T> sx = {}, sy = {};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    Wide<T> xi, yi, vi;
-    load(xi, x + i);
-    load(yi, y + i);
-    load(vi, v + i);
-    sx += xi * vi;
-    sy += yi * vi;
-  }
-  Quad<T> qx, qy;
-  fold_to_quad<T, W>(sx, qx);
-  fold_to_quad<T, W>(sy, qy);
-  xv = sum<T>(qx);
-  yv = sum<T>(qy);
-  for (; i < n; ++i) {
-    xv += x[i] * v[i];
-    yv += y[i] * v[i];
-  }
-}
 
 // One pass of symv_lower over rows [i, n) of columns c0..c3, V's lanes at a time: y(rows) +=
 // A(rows, cols) x(cols) and s_k += A(rows, k) .* x(rows). Returns the first row left over.
@@ -452,14 +325,18 @@ void tridiagonalize(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   kernel(n, a, lda, d, e, tau, w);
 }
 
-// The upper triangular T (ldt) of the block reflector H(0) ... H(k-1) = I - V T V^T, V (rows x k)
+}  // namespace
+
+namespace detail {
+
+// The upper triangular T (ldt) of the block reflector H(0) ... H(k-1) = I - V T V^T, V (rows x k, ldv)
 // dense with explicit unit diagonal and zeros above: xLARFT('F', 'C')'s recurrence
 // T(0:i, i) = -tau(i) T(0:i, 0:i) V(:, 0:i)^T V(:, i) on S = V^T V from a single gemm (xLARFT makes
 // one gemv and one trmv per column, each taking OpenBLAS's allocation lock).
 template <typename T>
-void block_reflector_factor(int rows, int k, const T* v, const T* tau, T* t, int ldt) {
+void block_reflector_factor(int rows, int k, const T* v, int ldv, const T* tau, T* t, int ldt) {
   const T one = 1, zero = 0;
-  call_gemm("T", "N", &k, &k, &rows, &one, v, /* lda = */ &rows, v, /* ldb = */ &rows, &zero, t, /* ldc = */ &ldt);
+  call_gemm("T", "N", &k, &k, &rows, &one, v, /* lda = */ &ldv, v, /* ldb = */ &ldv, &zero, t, /* ldc = */ &ldt);
   const std::size_t ld = static_cast<std::size_t>(ldt);
   for (int i = 0; i < k; ++i) {
     T* column = t + i * ld;  // holds S(0:i, i) on entry
@@ -477,7 +354,17 @@ void block_reflector_factor(int rows, int k, const T* v, const T* tau, T* t, int
   }
 }
 
-}  // namespace
+template <typename T>
+void larfg(int n, T* alpha, T* x, T* tau) {
+  call_larfg(&n, alpha, x, tau);
+}
+
+template void block_reflector_factor<float>(int, int, const float*, int, const float*, float*, int);
+template void block_reflector_factor<double>(int, int, const double*, int, const double*, double*, int);
+template void larfg<float>(int, float*, float*, float*);
+template void larfg<double>(int, double*, double*, double*);
+
+}  // namespace detail
 
 template <typename T>
 void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork) {
@@ -561,7 +448,7 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
       column[j] = T(1);
       std::copy(reflector + j + 1, reflector + rows, column + j + 1);
     }
-    block_reflector_factor(rows, width, v, tau + first, t, kBlock);
+    detail::block_reflector_factor(rows, width, v, /* ldv = */ rows, tau + first, t, kBlock);
   }
 
   call_stedc(&n, /* d = */ w, e, /* z = */ a, /* ldz = */ &lda, lapack_work, &lwork, iwork.data(), &liwork, &info);

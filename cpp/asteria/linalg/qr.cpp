@@ -1,12 +1,15 @@
-// Householder QR with the Q factor formed explicitly, blocked wider than LAPACK's xGEQRF/xORGQR.
+// Householder QR with the Q factor formed explicitly, blocked wider than LAPACK's xGEQRF/xORGQR and
+// without small BLAS calls.
 //
-// The reference LAPACK behind OpenBLAS factors and forms Q in panels of 32 columns, each panel's
-// reflectors built by level-2 calls; at n = 1024-2048 most of the time then goes to memory-bound
-// work. Here panels are kPanel = 128 wide and factored by xGEQRT3 (recursive, mostly level 3), which
-// also returns each panel's triangular factor T, kept for forming Q. The trailing updates and the
-// backward accumulation of Q go through xLARFB, and each panel's own columns of Q come from one
-// triangular product and one gemm. Same reflectors and signs as xGEQRF + xORGQR (agreement ~1e-6),
-// measured 1.4x faster in float32 on one core at n = 1024 and 2048 (bench note in docs/results.md).
+// Panels are kPanel = 128 columns wide. Each panel is factored here: inner panels of kInner = 32
+// columns column by column with the vector kernels of simd.h (reflectors by xLARFG, as xGEQRF makes
+// them), each inner panel's block reflector then applied to the rest of the panel through gemm. The
+// panel's triangular factor T comes from one gemm (detail::block_reflector_factor). Trailing updates
+// and the backward accumulation of Q are three gemms per panel. So a QR of order n makes about
+// 20 n / kPanel BLAS calls, all of them level 3. LAPACK's recursive xGEQRT3 on the same panels made
+// about 1000 small gemm/trmm calls per panel, and OpenBLAS 0.3.21 takes a process-wide lock to get a
+// scratch buffer in each: 16 workers each factoring its own 1024 block ran 2.7x slower per QR than
+// one alone (H200 host). Same reflectors and signs as xGEQRF + xORGQR.
 #include <algorithm>
 #include <cstddef>
 #include <string>
@@ -15,24 +18,7 @@
 #include "asteria/common/errors.h"
 #include "asteria/linalg/detail.h"
 #include "asteria/linalg/lapack.h"
-
-// The Fortran interface OpenBLAS exports (LP64), with gfortran's hidden CHARACTER lengths.
-extern "C" {
-void sgeqrt3_(const int* m, const int* n, float* a, const int* lda, float* t, const int* ldt, int* info);
-void dgeqrt3_(const int* m, const int* n, double* a, const int* lda, double* t, const int* ldt, int* info);
-void slarfb_(const char* side, const char* trans, const char* direct, const char* storev, const int* m, const int* n,
-             const int* k, const float* v, const int* ldv, const float* t, const int* ldt, float* c, const int* ldc,
-             float* work, const int* ldwork, std::size_t, std::size_t, std::size_t, std::size_t);
-void dlarfb_(const char* side, const char* trans, const char* direct, const char* storev, const int* m, const int* n,
-             const int* k, const double* v, const int* ldv, const double* t, const int* ldt, double* c,
-             const int* ldc, double* work, const int* ldwork, std::size_t, std::size_t, std::size_t, std::size_t);
-void strmm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
-            const float* alpha, const float* a, const int* lda, float* b, const int* ldb, std::size_t, std::size_t,
-            std::size_t, std::size_t);
-void dtrmm_(const char* side, const char* uplo, const char* transa, const char* diag, const int* m, const int* n,
-            const double* alpha, const double* a, const int* lda, double* b, const int* ldb, std::size_t,
-            std::size_t, std::size_t, std::size_t);
-}
+#include "asteria/linalg/simd.h"
 
 namespace asteria::linalg {
 namespace {
@@ -40,37 +26,105 @@ namespace {
 using detail::grow;
 
 constexpr int kPanel = 128;
-constexpr std::size_t kLen = 1;  // every option passed is a single letter
-
-void geqrt3(const int* m, const int* n, float* a, const int* lda, float* t, const int* ldt, int* info) {
-  sgeqrt3_(m, n, a, lda, t, ldt, info);
-}
-void geqrt3(const int* m, const int* n, double* a, const int* lda, double* t, const int* ldt, int* info) {
-  dgeqrt3_(m, n, a, lda, t, ldt, info);
-}
-
-// C (m x n) = H C with H = I - V T V^T (trans "N") or H^T C (trans "T"); V is m x k, forward, columnwise.
-void larfb(const char* trans, int m, int n, int k, const float* v, int ldv, const float* t, int ldt, float* c,
-           int ldc, float* work) {
-  slarfb_("L", trans, "F", "C", &m, &n, &k, v, &ldv, t, &ldt, c, &ldc, work, &n, kLen, kLen, kLen, kLen);
-}
-void larfb(const char* trans, int m, int n, int k, const double* v, int ldv, const double* t, int ldt, double* c,
-           int ldc, double* work) {
-  dlarfb_("L", trans, "F", "C", &m, &n, &k, v, &ldv, t, &ldt, c, &ldc, work, &n, kLen, kLen, kLen, kLen);
-}
-
-// B (k x k) = T B with T upper triangular.
-void trmm_upper(int k, const float* t, int ldt, float* b) {
-  const float one = 1;
-  strmm_("L", "U", "N", "N", &k, &k, &one, t, &ldt, b, &k, kLen, kLen, kLen, kLen);
-}
-void trmm_upper(int k, const double* t, int ldt, double* b) {
-  const double one = 1;
-  dtrmm_("L", "U", "N", "N", &k, &k, &one, t, &ldt, b, &k, kLen, kLen, kLen, kLen);
-}
+constexpr int kInner = 32;
 
 void require(bool ok, const char* what, long long value, const std::string& rule) {
   if (!ok) throw InvalidArgument("[qr_q] Invalid " + std::string(what) + "=" + std::to_string(value) + ": must be " + rule);
+}
+
+// Copies the reflectors of columns [first, first + k) of a panel (stored below the diagonal of `a`,
+// rows x *, lda) into the dense V (rows x *, ldv = rows): zeros above the diagonal, ones on it.
+template <typename T>
+void pack_reflectors(int rows, int first, int k, const T* a, std::size_t lda, T* v) {
+  const std::size_t ldv = static_cast<std::size_t>(rows);
+  for (int j = first; j < first + k; ++j) {
+    T* column = v + static_cast<std::size_t>(j) * ldv;
+    const T* source = a + static_cast<std::size_t>(j) * lda;
+    std::fill(column, column + j, T(0));
+    column[j] = T(1);
+    std::copy(source + j + 1, source + rows, column + j + 1);
+  }
+}
+
+// C (rows x cols) = H^T C (factoring) or H C (forming Q) for H = I - V T V^T, V rows x k (ldv), in three
+// gemms through w and w2 (k x cols each).
+template <typename T>
+void apply_block_reflector(bool transpose, int rows, int cols, int k, const T* v, int ldv, const T* t, int ldt, T* c,
+                           int ldc, T* w, T* w2) {
+  gemm(true, false, k, cols, rows, T(1), v, ldv, c, ldc, T(0), w, k);
+  gemm(transpose, false, k, cols, k, T(1), t, ldt, w, k, T(0), w2, k);
+  gemm(false, false, rows, cols, k, T(-1), v, ldv, w2, k, T(1), c, ldc);
+}
+
+// Factors the panel `a` (rows x jb, lda): reflectors below its diagonal, R on and above it, their
+// scalars in tau, the dense V (rows x jb) in v and the panel's T (jb x jb) in t (ldt). w and w2 hold
+// kInner x jb each.
+template <typename T>
+[[gnu::always_inline]] inline void factor_panel_kernel(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, int ldt,
+                                                       T* w, T* w2) {
+  const std::size_t ld = static_cast<std::size_t>(lda), ldv = static_cast<std::size_t>(rows);
+  const std::size_t tld = static_cast<std::size_t>(ldt);
+  for (int s = 0; s < jb; s += kInner) {
+    const int ib = std::min(kInner, jb - s);
+    for (int j = s; j < s + ib; ++j) {
+      T* column = a + j + j * ld;  // rows - j entries, from the diagonal down
+      const int len = rows - j;
+      detail::larfg(len, column, column + (len > 1 ? 1 : 0), &tau[j]);
+      if (tau[j] == T(0)) continue;  // H(j) = I
+      const T beta = column[0];
+      column[0] = T(1);
+      for (int c = j + 1; c < s + ib; ++c) {  // H(j)^T on the inner panel's later columns
+        T* target = a + j + c * ld;
+        simd::axpy(len, -tau[j] * simd::dot(len, column, target), column, target);
+      }
+      column[0] = beta;
+    }
+    pack_reflectors(rows, s, ib, a, ld, v);
+    const int rest = jb - s - ib;
+    if (rest == 0) break;
+    T* t_inner = t + s + s * tld;
+    const T* v_inner = v + s + s * ldv;
+    detail::block_reflector_factor(rows - s, ib, v_inner, rows, tau + s, t_inner, ldt);
+    apply_block_reflector(true, rows - s, rest, ib, v_inner, rows, t_inner, ldt, a + s + (s + ib) * ld, lda, w, w2);
+  }
+  detail::block_reflector_factor(rows, jb, v, rows, tau, t, ldt);
+}
+
+template <typename T>
+using FactorPanel = void (*)(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, int ldt, T* w, T* w2);
+
+template <typename T>
+void factor_panel_baseline(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, int ldt, T* w, T* w2) {
+  factor_panel_kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
+}
+
+// As for the tridiagonalization (lapack.cpp): a baseline x86-64 build also compiles the kernel for
+// AVX-512 and AVX2 and picks one once by CPU feature.
+#if defined(__x86_64__) && !defined(__AVX2__)
+#define ASTERIA_QR_DISPATCH_BY_CPU 1
+template <typename T>
+[[gnu::target("arch=x86-64-v4")]] void factor_panel_avx512(int rows, int jb, T* a, int lda, T* tau, T* v, T* t,
+                                                           int ldt, T* w, T* w2) {
+  factor_panel_kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
+}
+template <typename T>
+[[gnu::target("arch=x86-64-v3")]] void factor_panel_avx2(int rows, int jb, T* a, int lda, T* tau, T* v, T* t,
+                                                         int ldt, T* w, T* w2) {
+  factor_panel_kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
+}
+#endif
+
+template <typename T>
+void factor_panel(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, int ldt, T* w, T* w2) {
+  static const FactorPanel<T> kernel = []() -> FactorPanel<T> {
+#if defined(ASTERIA_QR_DISPATCH_BY_CPU)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return &factor_panel_avx512<T>;
+    if (__builtin_cpu_supports("x86-64-v3")) return &factor_panel_avx2<T>;
+#endif
+    return &factor_panel_baseline<T>;
+  }();
+  kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
 }
 
 }  // namespace
@@ -81,42 +135,33 @@ void qr_q(int m, int n, T* a, int lda, std::vector<T>& work) {
   require(m >= n, "m", m, ">= n=" + std::to_string(n));
   require(lda >= std::max(1, m), "lda", lda, ">= max(1, " + std::to_string(m) + ")");
   if (n == 0) return;
-  const std::size_t ld = static_cast<std::size_t>(lda);
-  const std::size_t panels = static_cast<std::size_t>((n + kPanel - 1) / kPanel);
-  // T factors (kPanel x kPanel per panel), larfb's workspace (n x kPanel), one panel's reflectors
-  // (m x kPanel) and a kPanel x kPanel product, all in one buffer.
-  const std::size_t t_size = panels * kPanel * kPanel;
-  const std::size_t larfb_size = static_cast<std::size_t>(n) * kPanel;
-  const std::size_t v_size = static_cast<std::size_t>(m) * kPanel;
-  grow(work, t_size + larfb_size + v_size + static_cast<std::size_t>(kPanel) * kPanel);
+  const std::size_t ld = static_cast<std::size_t>(lda), nn = static_cast<std::size_t>(n);
+  const std::size_t panels = (nn + kPanel - 1) / kPanel;
+  // T factors (kPanel x kPanel per panel), tau (n), one panel's dense V (m x kPanel) and two
+  // kPanel x n products, all in one buffer.
+  const std::size_t t_size = panels * kPanel * kPanel, v_size = static_cast<std::size_t>(m) * kPanel;
+  grow(work, t_size + nn + v_size + 2 * kPanel * nn);
   T* t_all = work.data();
-  T* scratch = t_all + t_size;
-  T* v = scratch + larfb_size;
+  T* tau = t_all + t_size;
+  T* v = tau + nn;
   T* w = v + v_size;
+  T* w2 = w + kPanel * nn;
   auto panel_t = [&](int k) { return t_all + static_cast<std::size_t>(k / kPanel) * kPanel * kPanel; };
   auto at = [&](int row, int col) { return a + row + static_cast<std::size_t>(col) * ld; };
 
-  // Factor: each panel by geqrt3, then its reflectors applied (transposed) to the columns right of it.
+  // Factor: each panel, then its block reflector applied (transposed) to the columns right of it.
   for (int k = 0; k < n; k += kPanel) {
     const int jb = std::min(kPanel, n - k), rows = m - k, rest = n - k - jb;
-    int info = 0;
-    geqrt3(&rows, &jb, at(k, k), &lda, panel_t(k), &kPanel, &info);
-    if (info != 0) throw NumericalError("[qr_q] geqrt3 failed, info=" + std::to_string(info));
-    if (rest > 0) larfb("T", rows, rest, jb, at(k, k), lda, panel_t(k), kPanel, at(k, k + jb), lda, scratch);
+    factor_panel(rows, jb, at(k, k), lda, tau + k, v, panel_t(k), kPanel, w, w2);
+    if (rest > 0) apply_block_reflector(true, rows, rest, jb, v, rows, panel_t(k), kPanel, at(k, k + jb), lda, w, w2);
   }
   // Form Q backward, as xORGQR does: the columns right of panel k already hold H_{k+1}... [0; I] (zero in
   // rows k..k+jb), so H_k applies to them; panel k's own columns are H_k [I; 0] = [I; 0] - V (T V1^T).
   for (int k = ((n - 1) / kPanel) * kPanel; k >= 0; k -= kPanel) {
     const int jb = std::min(kPanel, n - k), rows = m - k, rest = n - k - jb;
-    if (rest > 0) larfb("N", rows, rest, jb, at(k, k), lda, panel_t(k), kPanel, at(k, k + jb), lda, scratch);
-    for (int j = 0; j < jb; ++j) {  // V: unit lower trapezoidal, copied out before the panel is overwritten
-      T* column = v + static_cast<std::size_t>(j) * rows;
-      for (int i = 0; i < rows; ++i) column[i] = i < j ? T(0) : i == j ? T(1) : *at(k + i, k + j);
-    }
-    for (int j = 0; j < jb; ++j) {
-      for (int i = 0; i < jb; ++i) w[i + static_cast<std::size_t>(j) * jb] = v[j + static_cast<std::size_t>(i) * rows];
-    }
-    trmm_upper(jb, panel_t(k), kPanel, w);
+    pack_reflectors(rows, 0, jb, at(k, k), ld, v);
+    if (rest > 0) apply_block_reflector(false, rows, rest, jb, v, rows, panel_t(k), kPanel, at(k, k + jb), lda, w, w2);
+    gemm(false, true, jb, jb, jb, T(1), panel_t(k), kPanel, v, rows, T(0), w, jb);  // T V1^T
     gemm(false, false, rows, jb, jb, T(-1), v, rows, w, jb, T(0), at(k, k), lda);
     for (int j = 0; j < jb; ++j) {
       *at(k + j, k + j) += T(1);

@@ -513,51 +513,5 @@ TEST(LapackShim, ErrorsNameTheFunction) {
   EXPECT_THROW(gemm(false, true, 3, 3, 3, 1.0f, a.data(), 2, a.data(), 3, 0.0f, w.data(), 3), InvalidArgument);
 }
 
-// (m, n): one panel, exactly one panel (128), just past it, several, and tall matrices.
-class QrQ : public ::testing::TestWithParam<std::pair<int, int>> {};
-
-// Q^T Q = I, and Q^T A upper triangular (so Q's first j columns span A's first j: the QR's Q, up to
-// column signs) with |R| reproducing A; in float64 against tight bounds, in float32 against loose ones.
-template <typename T>
-void check_qr_q(int m, int n, double tolerance) {
-  std::mt19937 rng(static_cast<unsigned>(m * 1000 + n));
-  std::normal_distribution<double> normal;
-  std::vector<T> a(static_cast<std::size_t>(m) * n), work;
-  for (T& x : a) x = static_cast<T>(normal(rng));
-  std::vector<T> q = a;
-  qr_q(m, n, q.data(), m, work);
-  auto dot = [&](const std::vector<T>& x, int i, const std::vector<T>& y, int j) {
-    double sum = 0;
-    for (int k = 0; k < m; ++k) sum += static_cast<double>(x[k + static_cast<std::size_t>(i) * m]) * y[k + static_cast<std::size_t>(j) * m];
-    return sum;
-  };
-  double orthogonality = 0, below = 0, scale = 0;
-  for (int j = 0; j < n; ++j) {
-    for (int i = 0; i < n; ++i) {
-      orthogonality = std::max(orthogonality, std::abs(dot(q, i, q, j) - (i == j ? 1.0 : 0.0)));
-      const double r = dot(q, i, a, j);  // R = Q^T A
-      if (i > j) below = std::max(below, std::abs(r));
-      scale = std::max(scale, std::abs(r));
-    }
-  }
-  EXPECT_LT(orthogonality, tolerance) << m << " x " << n;
-  EXPECT_LT(below, tolerance * scale) << m << " x " << n;
-}
-
-TEST_P(QrQ, OrthonormalAndTriangularInFloat64) { check_qr_q<double>(GetParam().first, GetParam().second, 1e-12); }
-
-TEST_P(QrQ, OrthonormalAndTriangularInFloat32) { check_qr_q<float>(GetParam().first, GetParam().second, 2e-4); }
-
-INSTANTIATE_TEST_SUITE_P(Shapes, QrQ,
-                         ::testing::Values(std::pair{1, 1}, std::pair{30, 12}, std::pair{128, 128},
-                                           std::pair{130, 130}, std::pair{300, 300}, std::pair{400, 257}));
-
-TEST(LapackShim, QrQRejectsBadShapes) {
-  std::vector<float> a(16), work;
-  EXPECT_THROW(qr_q(2, 3, a.data(), 2, work), InvalidArgument);
-  EXPECT_THROW(qr_q(4, 4, a.data(), 3, work), InvalidArgument);
-  EXPECT_THROW(qr_q(4, -1, a.data(), 4, work), InvalidArgument);
-}
-
 }  // namespace
 }  // namespace asteria::linalg
