@@ -3,7 +3,8 @@
 # (default: build cuda memory bench bench-large ladder refresh):
 #   build    the package;                  cuda     the CUDA tests;
 #   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
-#   refresh  the refresh-engine benchmark; profile  bench/profile_step.py (where a step's time goes);
+#   refresh  the refresh-engine benchmark;
+#   profile  bench/profile_step.py, where a step's time goes ($PROFILE_CONFIGS, $PROFILE_STEPS);
 #   bench    asteria bench on olmo-160m at the issue's small batch (8 x 512);
 #   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
 #   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
@@ -38,7 +39,7 @@ has long && $CLI bench $GPU_BOUND --steps ${LONG_STEPS:-300} --precondition-freq
 has sweep && $CLI sweep $GPU_BOUND --optimizer soap --mode async --steps 150 --eval-every 150 \
   --staleness ${SWEEP_S:-0 1 3 5} ${SWEEP_ARGS:-} --out "$OUT/sweep" 2>&1 | quiet | tee "$OUT/sweep.txt"
 has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \
-  --configs adamw shampoo-sync shampoo-async soap-async --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
+  --steps ${PROFILE_STEPS:-20} --configs ${PROFILE_CONFIGS:-adamw shampoo-sync shampoo-async soap-async} --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
 has ladder && python3 bench/memory.py --ladder --cap-gib 24 --out "$OUT/ladder" 2>&1 | tee "$OUT/ladder.txt"
 has nvme && python3 bench/memory.py --ladder --cap-gib 24 --setups asteria_host_nvme --widths 1536 \
   --host-budget-gib 22 --out "$OUT/nvme" 2>&1 | tee "$OUT/nvme.txt"

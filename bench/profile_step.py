@@ -7,7 +7,8 @@ Run (GPU):  python3 bench/profile_step.py --model olmo-160m --batch-size 8 --seq
 Run (CPU, a quick look):  python3 bench/profile_step.py --model tiny --device cpu --configs shampoo-sync shampoo-async
 
 A config is ``OPTIMIZER-MODE`` with optional ``:f=N`` (precondition frequency, default 10), ``:w=N``
-(workers), ``:s=N`` (staleness, default 5), ``:attach=0`` (no hooks) and ``:tf32=1`` (TF32 matmuls).
+(workers), ``:s=N`` (staleness, default 5), ``:attach=0`` (no hooks), ``:tf32=1`` (TF32 matmuls),
+``:det=0`` (non-deterministic activation) and ``:dim=N`` (max_preconditioner_dim, default 2048).
 Per config it prints, over the steady steps (after f + 1 warm-up steps): median and max of the whole
 step (wall, synchronized each step), of the model part and of ``opt.step()`` (CUDA events), and the
 host time spent inside ``opt.step()`` before it returns (launch and Python overhead); then the
@@ -32,11 +33,12 @@ from asteria.train.model import build_model
 
 def parse(spec: str) -> tuple[str, dict[str, Any]]:
     name, *mods = spec.split(":")
-    options: dict[str, Any] = {"f": 10, "w": None, "s": 5, "attach": 1, "tf32": 0}
+    options: dict[str, Any] = {"f": 10, "w": None, "s": 5, "attach": 1, "tf32": 0, "det": 1, "dim": 2048}
     for mod in mods:
         key, _, value = mod.partition("=")
         if key not in options or not value.isdigit():
-            raise ValueError(f"Invalid config={spec!r}: modifiers are f=N, w=N, s=N, attach=0|1, tf32=0|1")
+            raise ValueError(f"Invalid config={spec!r}: modifiers are f=N, w=N, s=N, attach=0|1, tf32=0|1, det=0|1, "
+                             "dim=N")
         options[key] = int(value)
     return name, options
 
@@ -50,7 +52,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args.model, 256, args.seq_len).to(device)
     cfg = RunConfig(model=args.model, optimizer=optimizer, mode=mode, device=args.device, staleness=o["s"],
                     precondition_frequency=o["f"], workers=o["w"], batch_size=args.batch_size,
-                    seq_len=args.seq_len)
+                    seq_len=args.seq_len, deterministic=bool(o["det"]), max_preconditioner_dim=o["dim"])
     opt = make_optimizer(cfg, model)
     second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
     hooks = asteria.attach(model, opt) if second_order and o["attach"] else None
@@ -80,14 +82,19 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         row = {"wall": wall, "host_opt": host_opt}
+        if second_order:
+            row["activations"] = float(opt.runtime_stats()["activations"])
         if cuda:
             row |= {"gpu_model": e0.elapsed_time(e1) / 1e3, "gpu_opt": e1.elapsed_time(e2) / 1e3}
         return row
 
+    activations = 0.0
     for i in range(warmup + args.steps):
         row = one_step(i)
+        if "activations" in row:  # blocks whose version changed at this step
+            row["activations"], activations = row["activations"] - activations, row["activations"]
         if i >= warmup:
-            rows.append(row)
+            rows.append(row | {"step": float(i + 1)})
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.profile_steps):
@@ -98,19 +105,26 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     if hasattr(opt, "close"):
         opt.close()
     summary = {key: {"median": statistics.median(r[key] for r in rows), "max": max(r[key] for r in rows)}
-               for key in rows[0]}
+               for key in rows[0] if key != "step"}
+    slowest = sorted(rows, key=lambda r: -r["wall"])[:args.top_steps]
     averages = prof.key_averages()
     top_host = averages.table(sort_by="self_cpu_time_total", row_limit=args.top)
     top_device = averages.table(sort_by="self_device_time_total", row_limit=args.top) if cuda else ""
     print(f"\n=== {spec} ===")
     for key, value in summary.items():
-        print(f"  {key:>9}: median {1e3 * value['median']:8.2f} ms   max {1e3 * value['max']:8.2f} ms")
+        if key == "activations":
+            print(f"  {key:>9}: median {value['median']:8.0f}      max {value['max']:8.0f}")
+        else:
+            print(f"  {key:>9}: median {1e3 * value['median']:8.2f} ms   max {1e3 * value['max']:8.2f} ms")
+    print("  slowest steps: " + "; ".join(
+        f"{int(r['step'])}: " + ", ".join(f"{k} {v:.0f}" if k == "activations" else f"{k} {1e3 * v:.1f}"
+                                         for k, v in r.items() if k != "step") for r in slowest))
     if second_order:
         print(f"  waits {stats.get('waits')} ({stats.get('wait_seconds', 0.0):.3f} s), "
               f"worker busy {stats.get('worker_busy_fraction', 0.0):.2f}, workers {stats.get('workers')}")
     print(top_host)
     print(top_device)
-    return {"summary": summary, "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
+    return {"summary": summary, "slowest_steps": slowest, "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
             "top_host": top_host, "top_device": top_device}
 
 
@@ -123,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steady steps timed per config")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--top-steps", type=int, default=6, help="slowest steady steps listed with their parts")
     parser.add_argument("--configs", nargs="+", default=["adamw", "shampoo-sync", "shampoo-async"])
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = parser.parse_args()
