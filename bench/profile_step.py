@@ -124,7 +124,8 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
               f"worker busy {stats.get('worker_busy_fraction', 0.0):.2f}, workers {stats.get('workers')}")
     print(top_host)
     print(top_device)
-    return {"summary": summary, "slowest_steps": slowest, "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
+    return {"summary": summary, "slowest_steps": slowest,
+            "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
             "top_host": top_host, "top_device": top_device}
 
 

@@ -126,3 +126,32 @@ def test_jobs_queued_behind_a_newer_version_are_superseded(cls):
         assert [min(fset.versions) for fset in refresher.sets] == [3] * len(refresher.sets)
         one_step(model, opt, x[:32], y[:32])
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("cls", [asteria.Shampoo, asteria.SOAP])
+def test_versions_finished_after_the_prefetch_are_used_by_that_step(cls):
+    """The hooks' prefetch activates a step before its forward pass; a version that finishes during the
+    forward and backward passes is then activated again by step() itself, not a step later."""
+    torch.manual_seed(0)
+    model = small_mlp(sizes=SIZES)
+    x, y = regression_data(sizes=SIZES)
+    with make(cls, model, workers=len(engine_blocks_of(cls, model))) as opt:
+        engine, refresher = opt._refresher.engine, opt._refresher
+        blocks = engine_blocks(opt)
+        for block in blocks:
+            engine.inject_fault(block.id, 2, "pause")
+        step = 0
+        while opt.refresh_version(step) < 2:  # up to the snapshot of version 2 (its jobs pause)
+            one_step(model, opt, x[:32], y[:32])
+            step += 1
+        engine.wait_paused(len(blocks), 30.0)
+        before = opt.runtime_stats()["staleness_histogram"]
+        opt.prefetch()  # what the forward pre-hook does: version 2 is not finished, 1 stays
+        assert [min(fset.versions) for fset in refresher.sets] == [1] * len(refresher.sets)
+        engine.release_pauses()
+        engine.drain(30.0)  # version 2 finishes "during the backward pass"
+        one_step(model, opt, x[:32], y[:32])
+        assert [min(fset.versions) for fset in refresher.sets] == [2] * len(refresher.sets)
+        after = opt.runtime_stats()["staleness_histogram"]
+        # The step activated twice counts once per block, at the staleness it used (0: its newest snapshot).
+        assert sum(after) - sum(before) == len(blocks) and after[0] - before[0] == len(blocks)

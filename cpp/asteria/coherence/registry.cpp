@@ -138,6 +138,15 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
   record_wait();
 
   std::vector<Activation> changes;
+  const bool again = step == recorded_step_;
+  if (again) {
+    stats_.max_staleness_seen = max_staleness_before_;
+  } else {
+    recorded_step_ = step;
+    max_staleness_before_ = stats_.max_staleness_seen;
+    recorded_bins_.assign(n, kNoBin);
+  }
+  recorded_bins_.resize(n, kNoBin);
   for (std::size_t id = 0; id < n; ++id) {
     Block& b = blocks_[id];
     BlockStatus& status = b.status;
@@ -154,7 +163,9 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
       const std::int64_t staleness = status.newest_snapshot - status.active_version;
       const std::size_t bin =
           static_cast<std::size_t>(std::min<std::int64_t>(staleness, config_.staleness + 1));
+      if (recorded_bins_[id] != kNoBin) stats_.staleness_histogram[recorded_bins_[id]] -= 1;
       stats_.staleness_histogram[bin] += 1;
+      recorded_bins_[id] = bin;
       stats_.max_staleness_seen = std::max(stats_.max_staleness_seen, staleness);
     }
   }

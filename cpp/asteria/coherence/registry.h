@@ -88,7 +88,8 @@ class CoherenceRegistry {
   // Decides the versions in use at `step` for every block (see the rule above), waiting up to
   // `timeout` in total for versions the rule requires; throws TimeoutError naming the block, the
   // version and the time waited. Returns only the blocks whose version changes. Records the
-  // staleness of every block at this step.
+  // staleness of every block at this step; a second call for the same step (the non-deterministic
+  // rule then picks up versions finished since the first) replaces that step's record.
   std::vector<Activation> activate(std::int64_t step, std::chrono::nanoseconds timeout);
 
   BlockStatus status(std::int64_t block) const;
@@ -119,6 +120,12 @@ class CoherenceRegistry {
   std::condition_variable finished_;    // guarded by mutex_
   std::vector<Block> blocks_;           // guarded by mutex_
   RegistryStats stats_;                 // guarded by mutex_
+  // The step last recorded, each block's histogram bin there (kNoBin: none) and the largest
+  // staleness seen before it, so that a repeated activation of a step replaces its record.
+  static constexpr std::size_t kNoBin = static_cast<std::size_t>(-1);
+  std::int64_t recorded_step_ = -1;     // guarded by mutex_
+  std::vector<std::size_t> recorded_bins_;  // guarded by mutex_
+  std::int64_t max_staleness_before_ = 0;   // guarded by mutex_
 };
 
 }  // namespace asteria::coherence

@@ -216,6 +216,36 @@ TEST(CoherenceRegistryTest, StalenessHistogramCountsEveryBlockStep) {
   EXPECT_EQ(stats.max_staleness_seen, 4);
 }
 
+// The non-deterministic rule may activate a step twice (at prefetch, then in step() for versions that
+// finished in between): the second call replaces the step's record instead of adding block-steps.
+TEST(CoherenceRegistryTest, ActivatingAStepAgainReplacesItsStalenessRecord) {
+  CoherenceRegistry registry(nondeterministic(3));
+  const std::int64_t b = registry.add_block();
+  const std::int64_t c = registry.add_block();
+  for (std::int64_t v = 1; v <= 3; ++v) {
+    registry.note_snapshot(b, v, 1000);
+    registry.note_snapshot(c, v, 1000);
+  }
+  registry.note_finished(b, 1, true);
+  registry.note_finished(c, 1, true);
+  EXPECT_EQ(activate(registry, 5), (Changes{{b, 1}, {c, 1}}));  // both 2 behind
+  EXPECT_EQ(registry.stats().max_staleness_seen, 2);
+  registry.note_finished(b, 2, true);
+  registry.note_finished(b, 3, true);
+  EXPECT_EQ(activate(registry, 5), (Changes{{b, 3}}));  // the same step: b is now up to date
+  RegistryStats stats = registry.stats();
+  EXPECT_EQ(stats.staleness_histogram, (std::vector<std::uint64_t>{1, 0, 1, 0, 0}));
+  EXPECT_EQ(stats.max_staleness_seen, 2);  // c's
+  registry.note_finished(c, 2, true);
+  registry.note_finished(c, 3, true);
+  activate(registry, 5);
+  EXPECT_EQ(registry.stats().max_staleness_seen, 0);  // the step's final record: nothing was 2 behind
+  activate(registry, 6);  // a new step adds its own record
+  stats = registry.stats();
+  EXPECT_EQ(histogram_total(stats), 4u);
+  EXPECT_EQ(stats.staleness_histogram[0], 4u);
+}
+
 TEST(CoherenceRegistryTest, NonDeterministicUsesTheNewestGoodVersion) {
   CoherenceRegistry registry(nondeterministic(3));
   const std::int64_t b = registry.add_block();

@@ -193,8 +193,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
 
     def _activate(self, step: int) -> None:
         """Runs the activation of ``step`` unless done already, and lets the current stream wait for
-        the installs (done here or earlier by ``prefetch``) before anything reads them."""
-        if step >= 1 and self._activated_step < step:
+        the installs (done here or earlier by ``prefetch``) before anything reads them. Under
+        ``deterministic=False`` a step that ``prefetch`` activated is activated again here: versions
+        that finished during the forward and backward passes are used at once instead of a step later
+        (the schedule of the deterministic rule would give the same answer twice)."""
+        again = self.runtime.mode == "async" and not self.runtime.deterministic
+        if step >= 1 and (self._activated_step < step or again):
             self._refresher.activate(step)
             self._activated_step = step
         self._refresher.ready()
