@@ -107,6 +107,31 @@ TEST_P(QrQ, EqualsLapackGeqrfOrgqrSignsIncluded) {
   EXPECT_LT(max_difference(q, lapack_q(m, n, a)), 1e-11) << m << " x " << n;
 }
 
+// A leading dimension above m (a block of a larger matrix) gives the same Q, and leaves the padding alone.
+TEST(QrQLeadingDimension, PaddedRowsGiveTheSameQ) {
+  const int m = 300, n = 200, lda = 311;
+  const std::vector<double> a = gaussian<double>(m, n, 17);
+  std::vector<double> q = a, work;
+  qr_q(m, n, q.data(), m, work);
+  std::vector<double> padded(static_cast<std::size_t>(lda) * n, 7.0);
+  for (int j = 0; j < n; ++j) {
+    std::copy(a.begin() + static_cast<std::ptrdiff_t>(j) * m, a.begin() + static_cast<std::ptrdiff_t>(j + 1) * m,
+              padded.begin() + static_cast<std::ptrdiff_t>(j) * lda);
+  }
+  qr_q(m, n, padded.data(), lda, work);
+  double worst = 0;
+  bool padding_kept = true;
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < lda; ++i) {
+      const double got = padded[static_cast<std::size_t>(j) * lda + i];
+      if (i < m) worst = std::max(worst, std::abs(got - q[static_cast<std::size_t>(j) * m + i]));
+      else padding_kept &= got == 7.0;
+    }
+  }
+  EXPECT_LT(worst, 1e-13);
+  EXPECT_TRUE(padding_kept);
+}
+
 // Zero columns give reflectors with tau = 0 (H = I), in inner panels, at panel edges and last: Q is
 // still LAPACK's.
 TEST(QrQRankDeficient, ZeroColumnsMatchLapack) {
