@@ -10,8 +10,9 @@ For blocks of size n (default 1024 and 2048) it measures blocks per second of
                    step and a QR factorization from the previous basis) on blocks that drift a little
                    between refreshes, with the eigenbasis quality (off-diagonal ratio of Q^T A Q)
                    printed beside the exact eigh's;
-and prints the ratios of asteria to the best torch configuration. Each figure is the best of three
-timed rounds after a warm-up.
+and prints the ratios of asteria to the best torch configuration. Each figure is the best of three timed
+rounds after a warm-up; the rounds are interleaved (one of each configuration in turn), and the median of
+the per-round ratios is printed too, so that a drift of the host's speed does not favour one side.
 
     python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 16 --out results/refresh_engine.json
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +33,7 @@ import torch
 from asteria import _core
 
 
-ROUNDS = 3  # each configuration reports its best round
+ROUNDS = 3  # timed rounds per configuration (interleaved); each reports its best
 
 
 def cpu_name() -> str:
@@ -50,54 +52,92 @@ def random_spd(count: int, n: int, seed: int = 0) -> torch.Tensor:
     return (g @ g.mT) / n + 1e-3 * torch.eye(n)
 
 
-def time_torch_serial(blocks: torch.Tensor, cores: int) -> float:
-    torch.set_num_threads(cores)
-    torch.linalg.eigh(blocks[0])  # warm-up
-    start = time.perf_counter()
-    for block in blocks:
-        torch.linalg.eigh(block)
-    return len(blocks) / (time.perf_counter() - start)
+class TorchSerial:
+    """torch.linalg.eigh one block at a time, torch using every core."""
+
+    def __init__(self, blocks: torch.Tensor, cores: int) -> None:
+        self.blocks, self.cores = blocks, cores
+        torch.set_num_threads(cores)
+        torch.linalg.eigh(blocks[0])  # warm-up
+
+    def round(self) -> float:
+        torch.set_num_threads(self.cores)
+        start = time.perf_counter()
+        for block in self.blocks:
+            torch.linalg.eigh(block)
+        return len(self.blocks) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        pass
 
 
-def time_torch_threads(blocks: torch.Tensor, cores: int, with_root: bool) -> float:
-    torch.set_num_threads(1)
+class TorchThreads:
+    """torch.linalg.eigh (and, with ``with_root``, the inverse root) in one Python thread per core."""
 
-    def work(block: torch.Tensor) -> torch.Tensor:
+    def __init__(self, blocks: torch.Tensor, cores: int, with_root: bool) -> None:
+        self.blocks, self.with_root = blocks, with_root
+        self.pool = ThreadPoolExecutor(cores)
+        torch.set_num_threads(1)
+        list(self.pool.map(self.work, blocks[:cores]))  # warm-up
+
+    def work(self, block: torch.Tensor) -> torch.Tensor:
         values, vectors = torch.linalg.eigh(block)
-        if with_root:
+        if self.with_root:
             return (vectors * (values.clamp_min(0) + 1e-12).pow(-0.25)) @ vectors.mT
         return values
 
-    with ThreadPoolExecutor(cores) as pool:
-        list(pool.map(work, blocks[:cores]))  # warm-up
-        rates = []
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            list(pool.map(work, blocks))
-            rates.append(len(blocks) / (time.perf_counter() - start))
-        return max(rates)
-
-
-def time_asteria(blocks: torch.Tensor, cores: int) -> float:
-    count, n = blocks.shape[0], blocks.shape[-1]
-    engine = _core.RefreshEngine(workers=cores, staleness=0)
-    snapshots = torch.empty(1, count, n, n)
-    results = torch.empty(1, count, n, n)
-    ids = [engine.add_block(snapshots[:, b], results[:, b]) for b in range(count)]
-    rates = []
-    for version in range(1, ROUNDS + 2):  # the first round warms up the workers' workspaces
-        engine.begin_snapshot(ids, version, 600.0)
-        snapshots[0].copy_(blocks)
+    def round(self) -> float:
+        torch.set_num_threads(1)
         start = time.perf_counter()
-        engine.submit(ids, version, version, -0.25, 1e-12)
-        changes = engine.activate(version, 3600.0)
-        rates.append(count / (time.perf_counter() - start))
+        list(self.pool.map(self.work, self.blocks))
+        return len(self.blocks) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class AsteriaEngine:
+    """The RefreshEngine, one job per block: full inverse roots, or (``eigenbasis``) SOAP's warm-started
+    refreshes of blocks that drift a little between rounds, after a first full eigendecomposition."""
+
+    def __init__(self, blocks: torch.Tensor, cores: int, eigenbasis: bool = False) -> None:
+        count, n = blocks.shape[0], blocks.shape[-1]
+        self.blocks, self.eigenbasis, self.version = blocks, eigenbasis, 0
+        self.engine = _core.RefreshEngine(workers=cores, staleness=0)
+        self.snapshots = torch.empty(1, count, n, n)
+        self.results = torch.empty(1, count, n + 2 if eigenbasis else n, n)
+        kind = "eigenbasis" if eigenbasis else "root"
+        self.ids = [self.engine.add_block(self.snapshots[:, b], self.results[:, b], kind=kind) for b in range(count)]
+        self.drift = random_spd(count, n, seed=1)
+        self.matrix = blocks
+        self.round()  # warms up the workers' workspaces; for eigenbases, the eigh that starts the chain
+
+    def round(self) -> float:
+        self.version += 1
+        if self.eigenbasis:
+            self.matrix = self.blocks + 0.05 * (self.version - 1) * self.drift
+        self.engine.begin_snapshot(self.ids, self.version, 600.0)
+        self.snapshots[0].copy_(self.matrix)
+        start = time.perf_counter()
+        self.engine.submit(self.ids, self.version, self.version, -0.5 if self.eigenbasis else -0.25, 1e-12)
+        changes = self.engine.activate(self.version, 3600.0)
+        rate = len(self.ids) / (time.perf_counter() - start)
         for block, v in changes:
-            engine.release(block, v)
-    stats = engine.stats()
-    engine.close()
-    assert stats["refreshes_failed"] == 0, stats
-    return max(rates[1:])
+            self.engine.release(block, v)
+        return rate
+
+    def quality(self) -> tuple[float, float]:
+        """Off-diagonal ratios of the last round's bases and of the exact eigenvectors (a sample of blocks)."""
+        n = self.blocks.shape[-1]
+        sample = slice(0, min(len(self.ids), 8))
+        matrix = self.matrix[sample].double()
+        exact = torch.linalg.eigh(matrix)[1]
+        return off_diagonal_ratio(matrix, self.results[0, sample, :n].double()), off_diagonal_ratio(matrix, exact)
+
+    def close(self) -> None:
+        stats = self.engine.stats()
+        self.engine.close()
+        assert stats["refreshes_failed"] == 0, stats
 
 
 def off_diagonal_ratio(matrix: torch.Tensor, basis: torch.Tensor) -> float:
@@ -107,31 +147,34 @@ def off_diagonal_ratio(matrix: torch.Tensor, basis: torch.Tensor) -> float:
     return float((torch.linalg.matrix_norm(off) / torch.linalg.matrix_norm(rotated)).max())
 
 
-def time_asteria_qr(blocks: torch.Tensor, cores: int) -> tuple[float, float, float]:
-    """Blocks/s of warm-started QR refreshes, and the off-diagonal ratios reached by it and by eigh."""
-    count, n = blocks.shape[0], blocks.shape[-1]
-    engine = _core.RefreshEngine(workers=cores, staleness=0)
-    snapshots = torch.empty(1, count, n, n)
-    results = torch.empty(1, count, n + 2, n)
-    ids = [engine.add_block(snapshots[:, b], results[:, b], kind="eigenbasis") for b in range(count)]
-    drift = random_spd(count, n, seed=1)
-    rates, matrix = [], blocks
-    for version in range(1, ROUNDS + 2):  # version 1 is the full eigendecomposition that starts the chain
-        matrix = blocks + 0.05 * (version - 1) * drift
-        engine.begin_snapshot(ids, version, 600.0)
-        snapshots[0].copy_(matrix)
-        start = time.perf_counter()
-        engine.submit(ids, version, version, -0.5, 1e-12)
-        changes = engine.activate(version, 3600.0)
-        if version > 1:
-            rates.append(count / (time.perf_counter() - start))
-        for block, v in changes:
-            engine.release(block, v)
-    engine.close()
-    sample = slice(0, min(count, 8))
-    qr_quality = off_diagonal_ratio(matrix[sample].double(), results[0, sample, :n].double())
-    exact = torch.linalg.eigh(matrix[sample].double())[1]
-    return max(rates), qr_quality, off_diagonal_ratio(matrix[sample].double(), exact)
+def measure(blocks: torch.Tensor, cores: int, rounds: int) -> dict[str, float]:
+    """Every configuration's best round, with the rounds interleaved (one round of each in turn), so that
+    a drift of the host's speed reaches all of them alike; plus the median over rounds of the paired
+    ratios (asteria's round against the best torch eigh of the same pass)."""
+    contenders = {
+        "torch-serial": TorchSerial(blocks, cores),
+        "torch-threads": TorchThreads(blocks, cores, with_root=False),
+        "torch-root": TorchThreads(blocks, cores, with_root=True),
+        "asteria": AsteriaEngine(blocks, cores),
+        "asteria-qr": AsteriaEngine(blocks, cores, eigenbasis=True),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    try:
+        for _ in range(rounds):
+            for name, contender in contenders.items():
+                rates[name].append(contender.round())
+        qr_offdiag, eigh_offdiag = contenders["asteria-qr"].quality()
+    finally:
+        for contender in contenders.values():
+            contender.close()
+    row = {name: max(values) for name, values in rates.items()}
+    best_eigh = [max(s, t) for s, t in zip(rates["torch-serial"], rates["torch-threads"])]
+    for name in ("asteria", "asteria-qr"):
+        row[f"{name}/best-torch-eigh"] = row[name] / max(row["torch-serial"], row["torch-threads"])
+        row[f"{name}/best-torch-eigh paired median"] = statistics.median(
+            a / b for a, b in zip(rates[name], best_eigh))
+    row["asteria/torch-root"] = row["asteria"] / row["torch-root"]
+    return row | {"qr-offdiag": qr_offdiag, "eigh-offdiag": eigh_offdiag, "rounds": rates}
 
 
 def main() -> None:
@@ -139,6 +182,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--blocks", type=int, nargs="+", default=None, help="blocks per size (default 4 x cores)")
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per configuration, interleaved")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = args.blocks or [4 * args.cores] * len(args.sizes)
@@ -147,16 +191,7 @@ def main() -> None:
     rows = []
     for n, count in zip(args.sizes, counts):
         blocks = random_spd(count, n)
-        row = {"n": n, "blocks": count}
-        row["torch-serial"] = time_torch_serial(blocks, args.cores)
-        row["torch-threads"] = time_torch_threads(blocks, args.cores, with_root=False)
-        row["torch-root"] = time_torch_threads(blocks, args.cores, with_root=True)
-        row["asteria"] = time_asteria(blocks, args.cores)
-        row["asteria-qr"], row["qr-offdiag"], row["eigh-offdiag"] = time_asteria_qr(blocks, args.cores)
-        best = max(row["torch-serial"], row["torch-threads"])
-        row["asteria/best-torch-eigh"] = row["asteria"] / best
-        row["asteria/torch-root"] = row["asteria"] / row["torch-root"]
-        row["asteria-qr/best-torch-eigh"] = row["asteria-qr"] / best
+        row = {"n": n, "blocks": count} | measure(blocks, args.cores, args.rounds)
         rows.append(row)
     header = f"{'n':>5} {'blocks':>6} {'torch-serial':>13} {'torch-threads':>14} {'torch-root':>11} {'asteria':>8} " \
              f"{'vs best eigh':>13} {'vs torch-root':>14} {'asteria-qr':>11} {'qr vs eigh':>11} " \
@@ -167,6 +202,10 @@ def main() -> None:
               f"{r['torch-root']:>11.2f} {r['asteria']:>8.2f} {r['asteria/best-torch-eigh']:>12.2f}x "
               f"{r['asteria/torch-root']:>13.2f}x {r['asteria-qr']:>11.2f} {r['asteria-qr/best-torch-eigh']:>10.2f}x "
               f"{r['qr-offdiag']:>11.2e} {r['eigh-offdiag']:>13.2e}")
+    for r in rows:
+        print(f"n={r['n']}: median over {args.rounds} interleaved rounds of the per-round ratio to the best torch "
+              f"eigh: asteria {r['asteria/best-torch-eigh paired median']:.2f}x, "
+              f"asteria-qr {r['asteria-qr/best-torch-eigh paired median']:.2f}x")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
