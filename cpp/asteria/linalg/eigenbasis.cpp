@@ -47,27 +47,11 @@ void require_finite_input(const char* routine, const char* name, int n, const In
                        ", " + std::to_string(k % nn) + ")=" + format(x[k]) + " (n=" + std::to_string(n) + ")");
 }
 
-// dst[r * n + c] = src[c * n + r], converting: turns torch's row-major layout into LAPACK's
-// column-major one and back. Tiled so that the strided side stays in cache.
+// dst[j * n + r] = src[r * n + order[j]] (order: the identity when null), converting: turns torch's
+// row-major layout into LAPACK's column-major one and back, optionally gathering columns. Tiled so that
+// the strided side stays in cache.
 template <typename From, typename To>
-void transpose(int n, const From* src, To* dst) {
-  constexpr int kTile = 64;
-  const std::size_t nn = static_cast<std::size_t>(n);
-  for (int rb = 0; rb < n; rb += kTile) {
-    const int r_end = std::min(rb + kTile, n);
-    for (int cb = 0; cb < n; cb += kTile) {
-      const int c_end = std::min(cb + kTile, n);
-      for (int r = rb; r < r_end; ++r) {
-        for (int c = cb; c < c_end; ++c) dst[r * nn + c] = static_cast<To>(src[c * nn + r]);
-      }
-    }
-  }
-}
-
-// dst (column-major) column j = column order[j] of the row-major src: dst[j * n + r] = src[r * n + order[j]].
-// Tiled like transpose().
-template <typename T>
-void gather_columns(int n, const T* src, const int* order, T* dst) {
+void transpose(int n, const From* src, To* dst, const int* order = nullptr) {
   constexpr int kTile = 64;
   const std::size_t nn = static_cast<std::size_t>(n);
   for (int jb = 0; jb < n; jb += kTile) {
@@ -75,8 +59,8 @@ void gather_columns(int n, const T* src, const int* order, T* dst) {
     for (int rb = 0; rb < n; rb += kTile) {
       const int r_end = std::min(rb + kTile, n);
       for (int j = jb; j < j_end; ++j) {
-        const std::size_t source = static_cast<std::size_t>(order[j]);
-        for (int r = rb; r < r_end; ++r) dst[j * nn + r] = src[r * nn + source];
+        const std::size_t source = static_cast<std::size_t>(order != nullptr ? order[j] : j);
+        for (int r = rb; r < r_end; ++r) dst[j * nn + r] = static_cast<To>(src[r * nn + source]);
       }
     }
   }
@@ -196,7 +180,7 @@ bool compute_refresh(int n, const T* a, const T* q_prev, double scale, double sk
   for (std::size_t j = 0; j < nn; ++j) ws.values[j] = ws.est[static_cast<std::size_t>(ws.order[j])];
   // T's columns in that order, column-major, for the QR: a transposing gather of the row-major T.
   grow(ws.factor, nn * nn);
-  gather_columns(n, t, ws.order.data(), ws.factor.data());
+  transpose(n, t, ws.factor.data(), ws.order.data());
   qr_q(n, n, ws.factor.data(), /* lda = */ n, ws.work);
   return all_within(ws.factor.data(), nn * nn);
 }

@@ -37,7 +37,7 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, 
 
 // Householder QR of `a` (m x n, m >= n) in place, then Q formed: `a` becomes the first n columns of Q,
 // with xGEQRF's reflectors and signs (blocked wider than LAPACK; see qr.cpp). `work` is grown as needed.
-// Throws NumericalError if the panel factorization reports an error.
+// Throws InvalidArgument for a bad shape or leading dimension.
 template <typename T>
 void qr_q(int m, int n, T* a, int lda, std::vector<T>& work);
 

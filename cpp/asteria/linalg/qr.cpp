@@ -76,7 +76,7 @@ template <typename T>
       column[0] = T(1);
       for (int c = j + 1; c < s + ib; ++c) {  // H(j)^T on the inner panel's later columns
         T* target = a + j + c * ld;
-        simd::axpy(len, -tau[j] * simd::dot(len, column, target), column, target);
+        simd::scale_add(len, T(1), target, -tau[j] * simd::dot(len, column, target), column);
       }
       column[0] = beta;
     }

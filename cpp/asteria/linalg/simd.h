@@ -137,20 +137,4 @@ template <typename T>
   }
 }
 
-// z += alpha * x
-template <typename T>
-[[gnu::always_inline]] inline void axpy(int n, T alpha, const T* x, T* z) {
-  constexpr int W = kWide<T>;
-  const Wide<T> va = alpha - Wide<T>{};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    Wide<T> xi, zi;
-    load(xi, x + i);
-    load(zi, z + i);
-    zi += va * xi;
-    store(z + i, zi);
-  }
-  for (; i < n; ++i) z[i] += alpha * x[i];
-}
-
 }  // namespace asteria::linalg::simd

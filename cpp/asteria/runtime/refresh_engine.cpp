@@ -331,11 +331,7 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     error = "unknown non-standard exception";
   }
   if (superseded) {
-    {
-      std::lock_guard lock(mutex_);
-      refreshes_superseded_ += 1;
-    }
-    registry_.note_superseded(id, version);
+    registry_.note_superseded(id, version);  // counted there (EngineStats reads it)
     return;
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
@@ -470,7 +466,7 @@ EngineStats RefreshEngine::stats() const {
   out.refreshes_failed = refreshes_failed_;
   out.float64_retries = float64_retries_;
   out.refreshes_skipped = refreshes_skipped_;
-  out.refreshes_superseded = refreshes_superseded_;
+  out.refreshes_superseded = out.registry.superseded_versions;
   out.snapshot_waits = snapshot_waits_;
   out.snapshot_wait_seconds = snapshot_wait_seconds_;
   out.refresh_seconds = refresh_seconds_;

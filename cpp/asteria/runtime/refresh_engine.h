@@ -80,6 +80,7 @@ struct EngineStats {
   double refresh_seconds = 0.0;  // summed numerics time over jobs
   std::uint64_t faults_triggered = 0;   // jobs that met an injected fault or random delay
   std::uint64_t refreshes_superseded = 0;  // jobs that did not compute: a newer version was queued
+                                           // (the registry's superseded_versions)
 };
 
 // Thread safety: add_block() must not race with the other calls; everything else is safe to call
@@ -204,7 +205,6 @@ class RefreshEngine {
   std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
   std::uint64_t float64_retries_ = 0;         // guarded by mutex_
   std::uint64_t refreshes_skipped_ = 0;       // guarded by mutex_
-  std::uint64_t refreshes_superseded_ = 0;    // guarded by mutex_
   std::uint64_t snapshot_waits_ = 0;          // guarded by mutex_
   double snapshot_wait_seconds_ = 0.0;        // guarded by mutex_
   double refresh_seconds_ = 0.0;              // guarded by mutex_
