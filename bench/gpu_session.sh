@@ -9,7 +9,8 @@
 #   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
 #   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
 #            optimizers (more options in $LONG_ARGS, e.g. --no-deterministic);
-#   sweep    asteria sweep over S ($SWEEP_S) for Asteria SOAP (same model and batch, 150 steps; $SWEEP_ARGS);
+#   sweep    asteria sweep over S ($SWEEP_S) for each of $SWEEP_OPTIMIZERS (default: soap), Asteria mode, same
+#            model and batch, 150 steps ($SWEEP_ARGS);
 #   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine).
 # Logs and JSON land in $OUT (default: runs/gpu-session). Set CUDA_VISIBLE_DEVICES (and taskset) outside
 # to run two sessions side by side on a 2-GPU machine.
@@ -36,8 +37,12 @@ has bench-large && $CLI bench $GPU_BOUND --steps 60 --precondition-frequency 10 
 has long && $CLI bench $GPU_BOUND --steps ${LONG_STEPS:-300} --precondition-frequency 10 --staleness 5 --eval-every 100 \
   --configs adamw soap-async shampoo-async kl-shampoo-async ${LONG_ARGS:-} --out "$OUT/long" 2>&1 | quiet \
   | tee "$OUT/long.txt"
-has sweep && $CLI sweep $GPU_BOUND --optimizer soap --mode async --steps 150 --eval-every 150 \
-  --staleness ${SWEEP_S:-0 1 3 5} ${SWEEP_ARGS:-} --out "$OUT/sweep" 2>&1 | quiet | tee "$OUT/sweep.txt"
+if has sweep; then
+  for opt in ${SWEEP_OPTIMIZERS:-soap}; do
+    $CLI sweep $GPU_BOUND --optimizer $opt --mode async --steps 150 --eval-every 150 --staleness ${SWEEP_S:-0 1 3 5} \
+      ${SWEEP_ARGS:-} --out "$OUT/sweep-$opt" 2>&1 | quiet | tee "$OUT/sweep-$opt.txt"
+  done
+fi
 has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \
   --steps ${PROFILE_STEPS:-20} --configs ${PROFILE_CONFIGS:-adamw shampoo-sync shampoo-async soap-async} --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
 has ladder && python3 bench/memory.py --ladder --cap-gib 24 --out "$OUT/ladder" 2>&1 | tee "$OUT/ladder.txt"

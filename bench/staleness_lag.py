@@ -24,7 +24,7 @@ from asteria.train.model import build_model
 OPTIMIZERS = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}
 
 
-def parse_run(spec: str) -> tuple[asteria.RuntimeConfig, float]:
+def parse_run(spec: str, sync_refreshes: int = 2) -> tuple[asteria.RuntimeConfig, float]:
     kind, *rest = spec.split(":")
     try:
         if kind == "sync" and not rest:
@@ -32,7 +32,7 @@ def parse_run(spec: str) -> tuple[asteria.RuntimeConfig, float]:
         if kind in ("nd", "det") and 1 <= len(rest) <= (2 if kind == "nd" else 1):
             delay = float(rest[1]) if len(rest) == 2 else 0.0
             runtime = asteria.RuntimeConfig(mode="async", staleness=int(rest[0]), deterministic=kind == "det",
-                                            workers=2 if delay else 1)
+                                            workers=2 if delay else 1, sync_refreshes=sync_refreshes)
             return runtime, delay
     except ValueError:
         pass
@@ -40,7 +40,7 @@ def parse_run(spec: str) -> tuple[asteria.RuntimeConfig, float]:
 
 
 def train(args: argparse.Namespace, spec: str) -> str:
-    runtime, delay = parse_run(spec)
+    runtime, delay = parse_run(spec, args.sync_refreshes)
     tokens = torch.tensor(list(b"".join(default_corpus(400_000))[:300_000]), dtype=torch.long)
     seq, batch = 64, 16
     starts = torch.randint(0, len(tokens) - seq - 1, (args.steps, batch), generator=torch.Generator().manual_seed(1))
@@ -69,11 +69,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--frequency", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--sync-refreshes", type=int, default=2,
+                        help="versions per set used at their own step (RuntimeConfig.sync_refreshes)")
     parser.add_argument("--runs", nargs="+", default=["sync", "nd:3", "nd:3:0.25", "det:1", "det:3"])
     args = parser.parse_args()
     for spec in args.runs:
         parse_run(spec)  # every spec checked before the first run starts
-    print(f"{args.optimizer}, tiny preset, {args.steps} steps, f={args.frequency}, lr={args.lr}")
+    print(f"{args.optimizer}, tiny preset, {args.steps} steps, f={args.frequency}, lr={args.lr}, "
+          f"sync_refreshes={args.sync_refreshes}")
     for spec in args.runs:
         print(train(args, spec), flush=True)
 

@@ -136,6 +136,7 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["train", "--model", "gpt5", "--out", "OUT"], "Invalid model='gpt5'"),
         (["train", "--lr", "-0.1", "--out", "OUT"], "Invalid lr=-0.1"),
         (["train", "--max-preconditioner-dim", "0", "--out", "OUT"], "Invalid max_preconditioner_dim=0"),
+        (["train", "--sync-refreshes", "-1", "--out", "OUT"], "Invalid sync_refreshes=-1"),
         (["train", "--seq-len", "100000", "--out", "OUT"], "Invalid seq_len=100000"),
         (["train", "--data", "/nonexistent/corpus", "--steps", "1", "--out", "OUT"],
          "Invalid data='/nonexistent/corpus'"),
@@ -189,7 +190,7 @@ def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, mess
 
 
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
-    assert main(["bench", "--out", str(tmp_path), "--steps", "6", "--eval-every", "6",
+    assert main(["bench", "--out", str(tmp_path), "--steps", "9", "--eval-every", "9",
                  "--configs", "adamw", "soap-sync", "kl-shampoo-async", *TINY]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async"]
@@ -200,10 +201,11 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert adamw["energy_joules_per_step"] is None and adamw["gpu_median_step_seconds"] is None  # CPU: n/a
     steps = records(tmp_path / "soap-sync")
     kl_times = [r["step_time"] for r in records(tmp_path / "kl-shampoo-async")]
-    assert kl["warmup_steps"] == 4  # f + 1: allocation, compilation and the bootstrap refresh
-    assert kl["max_step_seconds"] == max(kl_times[4:]) and kl["warmup_max_step_seconds"] == max(kl_times[:4])
-    assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(5, 7), key=lambda s: -kl_times[s - 1])
-    assert len(steps) == 6
+    # 2 f + 1: allocation, compilation and the two sync refreshes (the bootstrap and the first after it)
+    assert kl["warmup_steps"] == 7
+    assert kl["max_step_seconds"] == max(kl_times[7:]) and kl["warmup_max_step_seconds"] == max(kl_times[:7])
+    assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(8, 10), key=lambda s: -kl_times[s - 1])
+    assert len(steps) == 9
     table = capsys.readouterr().out
     assert "soap-sync" in table and "n/a" in table
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
@@ -220,3 +222,27 @@ def test_max_preconditioner_dim_reaches_the_optimizer():
         largest = max(max(group.shape) for group in opt._groups)
         assert opt.max_preconditioner_dim == dim and (largest == 32 if dim == 32 else largest > 32)
         opt.close()
+
+
+def test_sync_refreshes_reaches_the_optimizer():
+    from asteria.train.loop import RunConfig, make_optimizer
+    from asteria.train.model import build_model
+
+    opt = make_optimizer(RunConfig(optimizer="soap", sync_refreshes=3), build_model("tiny", 256, 64))
+    assert opt.runtime.sync_refreshes == 3
+    opt.close()
+
+
+def test_deterministic_kernels_hold_while_training_and_are_restored(tmp_path):
+    from asteria.train.loop import deterministic_kernels
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(True):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert main(["train", "--out", str(tmp_path), "--steps", "2", "--eval-every", "2", "--deterministic-kernels",
+                 *BASE]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["config"]["deterministic_kernels"] is True
+    assert not torch.are_deterministic_algorithms_enabled()

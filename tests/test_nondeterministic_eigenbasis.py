@@ -3,6 +3,9 @@ kept in eigen-coordinates must then follow the composed column orders of the ver
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -13,9 +16,11 @@ from conftest import regression_data, small_mlp, train
 SIZES = (8, 16, 4)
 
 
-def make(cls, model, staleness=3, workers=1):
+def make(cls, model, staleness=3, workers=1, sync_refreshes=1):
+    """The optimizer under test; by default only the bootstrap is a sync version, so that version 2 follows
+    the newest-finished rule (most tests here pause it)."""
     runtime = asteria.RuntimeConfig(mode="async", staleness=staleness, workers=workers, deterministic=False,
-                                    stagger=False)
+                                    stagger=False, sync_refreshes=sync_refreshes, timeout_s=60.0)
     return cls(model.parameters(), lr=0.01, precondition_frequency=2, runtime=runtime)
 
 
@@ -155,3 +160,40 @@ def test_versions_finished_after_the_prefetch_are_used_by_that_step(cls):
         after = opt.runtime_stats()["staleness_histogram"]
         # The step activated twice counts once per block, at the staleness it used (0: its newest snapshot).
         assert sum(after) - sum(before) == len(blocks) and after[0] - before[0] == len(blocks)
+
+
+@pytest.mark.parametrize("cls", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
+def test_sync_refreshes_are_waited_for_at_their_own_step(cls):
+    """With sync_refreshes=2 the first refresh after the bootstrap is used at once, as at staleness 0, even
+    when its jobs are slow; with sync_refreshes=1 a step passes it over (the tests above)."""
+    torch.manual_seed(0)
+    model = small_mlp(sizes=SIZES)
+    x, y = regression_data(sizes=SIZES)
+    with make(cls, model, workers=len(engine_blocks_of(cls, model)), sync_refreshes=2) as opt:
+        engine, refresher = opt._refresher.engine, opt._refresher
+        blocks = engine_blocks(opt)
+        for block in blocks:
+            engine.inject_fault(block.id, 2, "pause")
+        step = 0
+        while opt.refresh_version(step) < 1:  # up to the bootstrap
+            one_step(model, opt, x[:32], y[:32])
+            step += 1
+        waits = engine.stats()["registry"]["waits"]
+
+        def release_once_activation_waits() -> None:
+            engine.wait_paused(len(blocks), 30.0)  # a latch on the jobs, no sleep
+            deadline = time.monotonic() + 30.0
+            # The registry counts a wait when it starts blocking: then the jobs may go on.
+            while engine.stats()["registry"]["waits"] == waits and time.monotonic() < deadline:
+                time.sleep(0)  # a yield
+            engine.release_pauses()
+
+        releaser = threading.Thread(target=release_once_activation_waits)
+        releaser.start()
+        while opt.refresh_version(step) < 2:  # up to the snapshot of version 2
+            one_step(model, opt, x[:32], y[:32])
+            step += 1
+        opt.prefetch()  # the next step's activation (Shampoo's step used its root already): must wait
+        releaser.join()
+        assert [min(fset.versions) for fset in refresher.sets] == [2] * len(refresher.sets)
+        assert engine.stats()["registry"]["waits"] == waits + 1

@@ -105,7 +105,8 @@ void init_runtime(nb::module_& m) {
       .def(
           "__init__",
           [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
-             int max_consecutive_failures, double slot_timeout_s, int worker_nice, std::vector<int> worker_cpus) {
+             int max_consecutive_failures, double slot_timeout_s, int worker_nice, std::vector<int> worker_cpus,
+             int sync_versions) {
             runtime::EngineConfig config;
             config.workers = workers;
             config.worker_nice = worker_nice;
@@ -114,12 +115,13 @@ void init_runtime(nb::module_& m) {
             config.registry.staleness = staleness;
             config.registry.deterministic = deterministic;
             config.registry.max_consecutive_failures = max_consecutive_failures;
+            config.registry.sync_versions = sync_versions;
             config.slot_timeout = seconds_arg(slot_timeout_s, "slot_timeout_s");
             new (self) RefreshEngine(config);
           },
           "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
           "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10,
-          "worker_cpus"_a = std::vector<int>{})
+          "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1)
       .def(
           "add_block",
           [](RefreshEngine& e, Ring snapshots, Ring results, const std::string& kind) {

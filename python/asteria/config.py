@@ -90,8 +90,12 @@ class RuntimeConfig:
             their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
             the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
             (the native baseline refreshes everything together). Deterministic either way.
-        bootstrap_sync: the first refresh is waited for at its own step (lag 0), so that training does
-            not run S intervals on the grafting direction alone.
+        sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
+            eigendecomposition, then the first refreshes after it) are waited for at their own step
+            (lag 0) under either rule, so that training does not run S intervals on the grafting
+            direction alone, nor on a basis taken from a handful of gradients: a late basis costs most
+            while the factors are young (SOAP's loss, measured in ``docs/results.md``). Later versions
+            follow the rule of ``deterministic``. 0: none.
         timeout_s: the longest any wait (barrier, buffer) may take before a ``TimeoutError``.
         max_consecutive_failures: refreshes of one block that may fail in a row (the last good
             preconditioner stays in use meanwhile) before ``step()`` raises ``RefreshError``.
@@ -112,7 +116,7 @@ class RuntimeConfig:
     worker_nice: int = 10
     deterministic: bool = True
     stagger: bool | None = None
-    bootstrap_sync: bool = True
+    sync_refreshes: int = 2
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
     nonfinite_grad_policy: Literal["skip", "raise"] = "skip"
@@ -141,7 +145,8 @@ class RuntimeConfig:
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")
-        _check(isinstance(self.bootstrap_sync, bool), "bootstrap_sync", self.bootstrap_sync, "must be a bool")
+        _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
+               "must be an int >= 0")
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                and math.isfinite(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")

@@ -31,6 +31,10 @@ CoherenceRegistry::CoherenceRegistry(RegistryConfig config) : config_(config) {
     throw InvalidArgument("[CoherenceRegistry] max_consecutive_failures=" +
                           std::to_string(config_.max_consecutive_failures) + " must be >= 1");
   }
+  if (config_.sync_versions < 0) {
+    throw InvalidArgument("[CoherenceRegistry] sync_versions=" + std::to_string(config_.sync_versions) +
+                          " must be >= 0");
+  }
   // Bins 0..S, then one for everything beyond the budget.
   stats_.staleness_histogram.assign(static_cast<std::size_t>(config_.staleness) + 2, 0);
 }
@@ -211,12 +215,14 @@ CoherenceRegistry::Plan CoherenceRegistry::plan(const Block& block, std::int64_t
     }
     return Plan{active, 0};
   }
-  if (block.status.newest_ok == 0) {
-    // Nothing usable yet: a version whose activation step has come is waited for, as under the schedule
-    // (the bootstrap refresh, due at its own step with bootstrap_sync), until some version is done.
-    for (const auto& [version, activation_step] : block.due) {
-      if (activation_step > step) break;
-      if (block.running.contains(version)) return Plan{active, version};
+  // Nothing usable yet, or one of the first sync_versions versions and none newer done: a version whose
+  // activation step has come is waited for, as under the schedule (the first refreshes are due at their
+  // own step).
+  const std::int64_t ok = block.status.newest_ok;
+  for (const auto& [version, activation_step] : block.due) {
+    if (activation_step > step) break;
+    if (version > ok && (ok == 0 || version <= config_.sync_versions) && block.running.contains(version)) {
+      return Plan{active, version};
     }
   }
   const std::int64_t needed = block.status.newest_snapshot - config_.staleness;

@@ -18,6 +18,10 @@ struct RegistryConfig {
   int staleness = 5;                  // S >= 0: most refresh intervals a block may lag its newest snapshot
   bool deterministic = true;          // activation by schedule only, never by worker timing
   int max_consecutive_failures = 3;   // >= 1: failures in a row before activate() raises BlockFailure
+  // >= 0: a block's versions 1..sync_versions are waited for from their activation step under the
+  // non-deterministic rule too (the schedule makes them due at their own snapshot step: the bootstrap
+  // and the first refreshes, when a late basis costs the most).
+  int sync_versions = 1;
 };
 
 // A version chosen for use at a step.
@@ -61,8 +65,9 @@ struct RegistryStats {
 // - non-deterministic: the newest version that finished well; if that would leave the block more
 //   than S versions behind its newest snapshot, wait for version (newest_snapshot - S) first (or,
 //   once it has failed, for the next newer version still running; failed versions count as finished).
-//   Until some version has finished well, a version whose activation step has come is waited for,
-//   as under the schedule (so the bootstrap refresh, due at its own step, is used from that step).
+//   Until some version has finished well, and for versions <= sync_versions newer than any that has,
+//   a version whose activation step has come is waited for, as under the schedule (so the first
+//   refreshes, due at their own step, are used from that step).
 // A block whose versions failed `max_consecutive_failures` times in a row makes activate() throw
 // BlockFailure naming it; nothing else is changed by that call.
 //

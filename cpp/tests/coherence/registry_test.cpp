@@ -25,8 +25,9 @@ RegistryConfig deterministic(int staleness, int max_consecutive_failures = 3) {
                         .max_consecutive_failures = max_consecutive_failures};
 }
 
-RegistryConfig nondeterministic(int staleness) {
-  return RegistryConfig{.staleness = staleness, .deterministic = false, .max_consecutive_failures = 3};
+RegistryConfig nondeterministic(int staleness, int sync_versions = 1) {
+  return RegistryConfig{.staleness = staleness, .deterministic = false, .max_consecutive_failures = 3,
+                        .sync_versions = sync_versions};
 }
 
 Changes activate(CoherenceRegistry& registry, std::int64_t step,
@@ -321,6 +322,25 @@ TEST(CoherenceRegistryTest, NonDeterministicWaitsForTheFirstVersionFromItsActiva
   EXPECT_EQ(registry.stats().waits, 1u);
 }
 
+TEST(CoherenceRegistryTest, NonDeterministicWaitsForEverySyncVersionAtItsActivationStep) {
+  CoherenceRegistry registry(nondeterministic(3, /*sync_versions=*/2));
+  const std::int64_t b = registry.add_block();
+  registry.note_snapshot(b, 1, 1);
+  registry.note_finished(b, 1, true);
+  EXPECT_EQ(activate(registry, 1), (Changes{{b, 1}}));
+  // Version 2 is a sync version: due at its own step 11, it is waited for although version 1 is usable.
+  registry.note_snapshot(b, 2, 11);
+  EXPECT_EQ(activate(registry, 10), Changes{});
+  EXPECT_THROW(activate(registry, 11, milliseconds(20)), TimeoutError);
+  registry.note_finished(b, 2, true);
+  EXPECT_EQ(activate(registry, 11), (Changes{{b, 2}}));
+  // Version 3 is past sync_versions: the newest-finished rule applies, and its due step means nothing.
+  registry.note_snapshot(b, 3, 21);
+  EXPECT_EQ(activate(registry, 21), Changes{});
+  EXPECT_EQ(registry.status(b).active_version, 2);
+  EXPECT_EQ(registry.stats().waits, 1u);
+}
+
 TEST(CoherenceRegistryTest, RejectsOutOfOrderSnapshotsAndUnknownVersions) {
   CoherenceRegistry registry(deterministic(1));
   const std::int64_t b = registry.add_block();
@@ -366,6 +386,12 @@ TEST(CoherenceRegistryTest, RejectsInvalidConfigAndNumbersBlocksInOrder) {
     FAIL() << "max_consecutive_failures=0 accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_PRED_FORMAT2(IsSubstring, "max_consecutive_failures=0 must be >= 1", e.what());
+  }
+  try {
+    CoherenceRegistry registry(nondeterministic(1, -1));
+    FAIL() << "sync_versions=-1 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "sync_versions=-1 must be >= 0", e.what());
   }
 
   CoherenceRegistry registry(nondeterministic(0));

@@ -106,7 +106,6 @@ class DistributedRefresher(Refresher):
             self.ids.append(ids)
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._errors: dict[tuple[int, int], str] = {}
-        self._bootstrap_pending = config.bootstrap_sync
         self._newest_version = 0
         self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
@@ -122,7 +121,7 @@ class DistributedRefresher(Refresher):
 
     # ---- schedule ----------------------------------------------------------------------------
     def activation_step(self, step: int, version: int) -> int:
-        return step if self._bootstrap_pending else step + self.config.staleness * self.interval
+        return step if version <= self.config.sync_refreshes else step + self.config.staleness * self.interval
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         # Every set is refreshed together (the schedule is not staggered on several ranks: see
@@ -134,7 +133,6 @@ class DistributedRefresher(Refresher):
         version = versions.pop()
         requests = [request for _, _, request in sorted(items, key=lambda item: item[0])]
         due = self.activation_step(step, version)
-        self._bootstrap_pending = False
         self._scheduled.append((version, due, list(requests)))
         for index, (fset, request) in enumerate(zip(self.sets, requests)):
             if not self.owned[index]:
@@ -405,7 +403,7 @@ class DistributedRefresher(Refresher):
             scheduled.append({"version": version, "due": due,
                               "requests": [(r.scale, r.eps, r.skip_tol) for r in requests], "snapshots": snapshots})
         return {"distributed": self.identity(), "newest_version": self._newest_version,
-                "bootstrap_pending": self._bootstrap_pending, "scheduled": scheduled,
+                "scheduled": scheduled,
                 "consecutive_failures": [c.copy() for c in self._consecutive]}
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -423,7 +421,6 @@ class DistributedRefresher(Refresher):
                                  f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
                                  "each rank's own state_dict")
         self._newest_version = state["newest_version"]
-        self._bootstrap_pending = state["bootstrap_pending"]
         self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
         scheduled = state["scheduled"]
         first = scheduled[0]["version"] if scheduled else self._newest_version + 1

@@ -72,7 +72,8 @@ class Refresher(ABC):
         self.engine = _core.RefreshEngine(
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
             deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
-            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus)
+            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
+            sync_versions=config.sync_refreshes)
         self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
 
     def _stop_workers(self) -> None:
@@ -234,8 +235,8 @@ class AsyncRefresher(Refresher):
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
-        S intervals later, except the first version under ``bootstrap_sync`` (used at once)."""
-        if version == 1 and self.config.bootstrap_sync:
+        S intervals later, except the first ``sync_refreshes`` versions (used at once)."""
+        if version <= self.config.sync_refreshes:
             return step
         return step + self.config.staleness * self.interval
 
@@ -282,10 +283,10 @@ class AsyncRefresher(Refresher):
     def check_backlog(self, step: int) -> None:
         if self._backlog_warned or self.config.staleness == 0:
             return  # at S = 0 every activation waits for its refresh by design
-        # Each set's first version is waited for at its own step by design (bootstrap_sync, staggered over
-        # the first interval): count from the first refresh after all of them. Then look once per interval
-        # (staggered sets refresh on every step; the engine's counters need not be read that often).
-        if min(self._newest_versions) < 2 or step < self._backlog_next_check:
+        # Each set's first versions are waited for at their own step by design (sync_refreshes, staggered
+        # over the first intervals): count from the first refresh after all of them. Then look once per
+        # interval (staggered sets refresh on every step; the engine's counters need not be read that often).
+        if min(self._newest_versions) <= self.config.sync_refreshes or step < self._backlog_next_check:
             return
         self._backlog_next_check = step + self.interval
         engine = self.engine.stats()

@@ -39,8 +39,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
     """Median, p99 and max of the steady steps: those after the first ``warmup`` (the first step
-    allocates and compiles; a second-order run's first refresh, the bootstrap that every later version
-    warm-starts from, comes by step f + 1). The warm-up's own max is kept beside them."""
+    allocates and compiles; a second-order run's first ``sync_refreshes`` versions, used at their own
+    step and waited for by design, come by step ``sync_refreshes`` x f + 1, staggered). The warm-up's
+    own max is kept beside them."""
     steady = values[warmup:] or values
     median = statistics.median(steady)
     return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
@@ -63,7 +64,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
-    warmup = base.precondition_frequency + 1
+    warmup = base.precondition_frequency * max(1, base.sync_refreshes) + 1
     ref_median = _profile([r["step_time"] for r in reference.records], warmup)["median"] if reference else None
     rows = {}
     for label, run in runs.items():

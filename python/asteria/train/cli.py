@@ -23,6 +23,10 @@ OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "l
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
+    "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
+                      "step, waited for if need be; later ones follow the staleness rule",
+    "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
+                             "config differ only by the activation timing of --no-deterministic",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
     "model": "model preset (OLMo-2 architecture, random init)",
     "data": "a text file or a folder of them (default: the Python standard library's sources)",

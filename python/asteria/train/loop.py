@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,9 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
-                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip")
+                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes")
 # What a checkpoint written before a setting existed was trained with.
-LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0}
+LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1}
 
 
 @dataclass(kw_only=True)
@@ -57,6 +58,7 @@ class RunConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     staleness: int = 5
+    sync_refreshes: int = 2
     precondition_frequency: int = 10
     max_preconditioner_dim: int = 2048
     workers: int | None = None
@@ -75,6 +77,7 @@ class RunConfig:
     local_world_size: int | None = None
     matmul_precision: str = "highest"
     deterministic: bool = True
+    deterministic_kernels: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -91,7 +94,7 @@ class RunConfig:
         for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "max_preconditioner_dim", "eval_every",
                      "eval_batches"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
-        for name in ("staleness", "checkpoint_every", "keep_checkpoints", "seed"):
+        for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
@@ -113,6 +116,7 @@ class RunConfig:
               "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.deterministic, bool), "deterministic", "must be True or False")
+        check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
@@ -164,7 +168,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
-                                    workers=cfg.workers, memory=memory,
+                                    sync_refreshes=cfg.sync_refreshes, workers=cfg.workers, memory=memory,
                                     local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -245,17 +249,36 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     if not resume and checkpoint.published(out / "checkpoints"):
         raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
                          f"continue it, or choose another --out")
-    if not layout.distributed:
-        return _train(cfg, out, progress, resume, None)
-    run = DistributedRun(layout, cfg.device, cfg.parallel)
+    with deterministic_kernels(cfg.deterministic_kernels):
+        if not layout.distributed:
+            return _train(cfg, out, progress, resume, None)
+        run = DistributedRun(layout, cfg.device, cfg.parallel)
+        try:
+            summary = _train(cfg, out, progress, resume, run)
+        except BaseException:
+            if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
+                run.shutdown()
+            raise
+        run.shutdown()
+        return summary
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """With ``enabled``, torch's deterministic kernels (``torch.use_deterministic_algorithms``, warning
+    where an operator has none, and cuBLAS's fixed workspace) while the block runs, so that two runs of
+    one configuration differ only by what the training itself leaves to chance (the non-deterministic
+    activation rule's timing); the previous setting is restored after."""
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when a cuBLAS handle is made
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        summary = _train(cfg, out, progress, resume, run)
-    except BaseException:
-        if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
-            run.shutdown()
-        raise
-    run.shutdown()
-    return summary
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None) -> dict[str, Any]:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Two batches of bench/gpu_session.sh side by side on a 2-GPU machine: the package is built once, then
+# batch A runs on GPU 0 and the first half of this process's CPUs, batch B on GPU 1 and the second half
+# (each batch's refresh workers then default to its half). Each batch is a line of shell that sets and
+# exports that batch's variables (STAGES, LONG_ARGS, SWEEP_ARGS, ...: see gpu_session.sh).
+# Usage: OUT=runs/pair bash bench/gpu_pair.sh 'export STAGES="long"' 'export STAGES="sweep"'
+# Logs and results land in $OUT/a and $OUT/b.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-pair}
+mkdir -p "$OUT/a" "$OUT/b"
+python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
+read -r FIRST SECOND < <(python3 -c "import os; c = sorted(os.sched_getaffinity(0)); h = len(c) // 2
+print(','.join(map(str, c[:h])), ','.join(map(str, c[h:])))")
+( eval "$1"; export OUT="$OUT/a" CUDA_VISIBLE_DEVICES=0; exec taskset -c "$FIRST" bash bench/gpu_session.sh ) \
+  > "$OUT/a/session.log" 2>&1 &
+( eval "$2"; export OUT="$OUT/b" CUDA_VISIBLE_DEVICES=1; exec taskset -c "$SECOND" bash bench/gpu_session.sh ) \
+  > "$OUT/b/session.log" 2>&1 &
+wait
