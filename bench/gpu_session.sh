@@ -21,7 +21,7 @@ STAGES=${STAGES:-"build cuda memory bench bench-large ladder refresh"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-quiet() { grep -v "it/s\|s/it\|USDT"; }
+quiet() { tr '\r' '\n' | grep -av "it/s\|s/it\|USDT"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|Thread" | tee -a "$OUT/device.txt"
 has build && python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2

@@ -190,7 +190,7 @@ def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, mess
 
 
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
-    assert main(["bench", "--out", str(tmp_path), "--steps", "9", "--eval-every", "9",
+    assert main(["bench", "--out", str(tmp_path), "--steps", "11", "--eval-every", "11",
                  "--configs", "adamw", "soap-sync", "kl-shampoo-async", *TINY]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async"]
@@ -201,11 +201,12 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert adamw["energy_joules_per_step"] is None and adamw["gpu_median_step_seconds"] is None  # CPU: n/a
     steps = records(tmp_path / "soap-sync")
     kl_times = [r["step_time"] for r in records(tmp_path / "kl-shampoo-async")]
-    # 2 f + 1: allocation, compilation and the two sync refreshes (the bootstrap and the first after it)
-    assert kl["warmup_steps"] == 7
-    assert kl["max_step_seconds"] == max(kl_times[7:]) and kl["warmup_max_step_seconds"] == max(kl_times[:7])
-    assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(8, 10), key=lambda s: -kl_times[s - 1])
-    assert len(steps) == 9
+    # 3 f: allocation, compilation and the two sync refreshes (the bootstrap, at step f at the latest, and
+    # the first refresh after it)
+    assert kl["warmup_steps"] == 9
+    assert kl["max_step_seconds"] == max(kl_times[9:]) and kl["warmup_max_step_seconds"] == max(kl_times[:9])
+    assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(10, 12), key=lambda s: -kl_times[s - 1])
+    assert len(steps) == 11
     table = capsys.readouterr().out
     assert "soap-sync" in table and "n/a" in table
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):

@@ -40,8 +40,8 @@ def _percentile(values: list[float], q: float) -> float:
 def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
     """Median, p99 and max of the steady steps: those after the first ``warmup`` (the first step
     allocates and compiles; a second-order run's first ``sync_refreshes`` versions, used at their own
-    step and waited for by design, come by step ``sync_refreshes`` x f + 1, staggered). The warm-up's
-    own max is kept beside them."""
+    step and waited for by design, come by step start + ``sync_refreshes`` x f - 1, staggered, where
+    start <= f is the optimizer's first refresh). The warm-up's own max is kept beside them."""
     steady = values[warmup:] or values
     median = statistics.median(steady)
     return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
@@ -64,7 +64,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
-    warmup = base.precondition_frequency * max(1, base.sync_refreshes) + 1
+    warmup = base.precondition_frequency * (max(1, base.sync_refreshes) + 1)
     ref_median = _profile([r["step_time"] for r in reference.records], warmup)["median"] if reference else None
     rows = {}
     for label, run in runs.items():
@@ -155,7 +155,7 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
                      f"{r['waits'] if r['waits'] is not None else '-':>6}")
     lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
-                 "(allocation, compilation, the bootstrap refresh); slowest steady steps (step: ms):")
+                 "(allocation, compilation, the sync refreshes); slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
         lines.append(f"  {label:<18} warm-up max {1e3 * r['warmup_max_step_seconds']:.0f} ms | {slowest}")
