@@ -4,12 +4,14 @@ same model and batch.
 
 Run (GPU):  python3 bench/profile_step.py --model olmo-160m --batch-size 8 --seq-len 512 \
                 --configs adamw shampoo-sync shampoo-async shampoo-async:f=100000 shampoo-async:w=1
-Run (CPU, a quick look):  python3 bench/profile_step.py --model tiny --device cpu --configs shampoo-sync shampoo-async
+Run (CPU, a quick look):  python3 bench/profile_step.py --model tiny --seq-len 64 --device cpu \
+                              --configs shampoo-sync shampoo-async
 
 A config is ``OPTIMIZER-MODE`` with optional ``:f=N`` (precondition frequency, default 10), ``:w=N``
 (workers), ``:s=N`` (staleness, default 5), ``:attach=0`` (no hooks), ``:tf32=1`` (TF32 matmuls),
 ``:det=0`` (non-deterministic activation) and ``:dim=N`` (max_preconditioner_dim, default 2048).
-Per config it prints, over the steady steps (after f + 1 warm-up steps): median and max of the whole
+Per config it prints, over the steady steps (after (sync_refreshes + 1) x f warm-up steps, f capped at
+10 there): median and max of the whole
 step (wall, synchronized each step), of the model part and of ``opt.step()`` (CUDA events), and the
 host time spent inside ``opt.step()`` before it returns (launch and Python overhead); then the
 profiler's top operators over a few steps. Writes ``--out/profile.json``.
@@ -57,7 +59,9 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
     hooks = asteria.attach(model, opt) if second_order and o["attach"] else None
     cuda = device.type == "cuda"
-    warmup = min(o["f"], 10) + 1
+    # The first step compiles; the bootstrap (at step f at the latest) and the other sync refreshes wait by
+    # design: the steady steps start after (sync_refreshes + 1) x f, as in ``asteria bench``.
+    warmup = min(o["f"], 10) * (max(1, cfg.sync_refreshes) + 1)
     batches = [torch.randint(0, 256, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
     rows: list[dict[str, float]] = []
 
