@@ -5,6 +5,7 @@ steps) with the staleness the registry saw. CPU, a few minutes on 2 cores.
 
 Run:  python3 bench/staleness_lag.py --optimizer soap --steps 150 \
           --runs sync nd:0 nd:3 nd:3:0.08 nd:3:0.25 nd:3:0.6 det:1 det:3
+      python3 bench/staleness_lag.py --optimizer shampoo --runs sync det:0 --seeds 1 2 3   # sync vs async, no lag
 
 A run is ``sync``, ``nd:S[:DELAY]`` (deterministic=False, staleness S, workers sleeping up to DELAY
 seconds per job) or ``det:S`` (the deterministic rule: every version used exactly S intervals late).
@@ -39,12 +40,13 @@ def parse_run(spec: str, sync_refreshes: int = 2) -> tuple[asteria.RuntimeConfig
     raise ValueError(f"Invalid run={spec!r}: must be 'sync', 'nd:S[:DELAY]' or 'det:S'")
 
 
-def train(args: argparse.Namespace, spec: str) -> str:
+def train(args: argparse.Namespace, spec: str, seed: int = 0) -> str:
     runtime, delay = parse_run(spec, args.sync_refreshes)
     tokens = torch.tensor(list(b"".join(default_corpus(400_000))[:300_000]), dtype=torch.long)
     seq, batch = 64, 16
-    starts = torch.randint(0, len(tokens) - seq - 1, (args.steps, batch), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
+    starts = torch.randint(0, len(tokens) - seq - 1, (args.steps, batch),
+                           generator=torch.Generator().manual_seed(seed + 1))
+    torch.manual_seed(seed)
     model = build_model("tiny", 256, seq)
     opt = OPTIMIZERS[args.optimizer](model.named_parameters(), lr=args.lr, precondition_frequency=args.frequency,
                                      runtime=runtime)
@@ -59,7 +61,7 @@ def train(args: argparse.Namespace, spec: str) -> str:
         losses.append(loss.item())
     stats = opt.runtime_stats() if runtime.mode == "async" else {}
     opt.close()
-    return (f"{spec:14s} final loss {sum(losses[-10:]) / 10:.4f}   max staleness seen "
+    return (f"{spec:14s} seed {seed}  final loss {sum(losses[-10:]) / 10:.4f}   max staleness seen "
             f"{stats.get('max_staleness_seen', 0)}, superseded {stats.get('refreshes_superseded', 0)}")
 
 
@@ -71,14 +73,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sync-refreshes", type=int, default=2,
                         help="versions per set used at their own step (RuntimeConfig.sync_refreshes)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="model seed s (batches drawn with seed s + 1); every run is repeated per seed")
     parser.add_argument("--runs", nargs="+", default=["sync", "nd:3", "nd:3:0.25", "det:1", "det:3"])
     args = parser.parse_args()
     for spec in args.runs:
         parse_run(spec)  # every spec checked before the first run starts
     print(f"{args.optimizer}, tiny preset, {args.steps} steps, f={args.frequency}, lr={args.lr}, "
           f"sync_refreshes={args.sync_refreshes}")
-    for spec in args.runs:
-        print(train(args, spec), flush=True)
+    for seed in args.seeds:
+        for spec in args.runs:
+            print(train(args, spec, seed), flush=True)
 
 
 if __name__ == "__main__":
