@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import asteria
+from asteria.train.bench import warmup_steps
 from asteria.train.loop import RunConfig, make_optimizer
 from asteria.train.model import build_model
 
@@ -59,9 +60,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
     hooks = asteria.attach(model, opt) if second_order and o["attach"] else None
     cuda = device.type == "cuda"
-    # The first step compiles; the bootstrap (at step f at the latest) and the other sync refreshes wait by
-    # design: the steady steps start after (sync_refreshes + 1) x f, as in ``asteria bench``.
-    warmup = min(o["f"], 10) * (max(1, cfg.sync_refreshes) + 1)
+    warmup = warmup_steps(min(o["f"], 10), cfg.sync_refreshes)  # as in ``asteria bench``
     batches = [torch.randint(0, 256, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
     rows: list[dict[str, float]] = []
 

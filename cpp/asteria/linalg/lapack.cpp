@@ -288,10 +288,8 @@ template <typename T>
 }
 
 // Reduces the lower triangle of `a` to tridiagonal form d, e with reflectors (a, tau) as
-// xSYTRD('L') does; `w` is n x kTridiagonalPanel scratch. A build for baseline x86-64 also
-// compiles the kernel for AVX-512 and AVX2 and picks one once by CPU feature (not through
-// target_clones: its ifunc resolver runs before ThreadSanitizer is initialized and crashes the
-// sanitizer build); a build with -march at AVX2 or above uses its own target only.
+// xSYTRD('L') does; `w` is n x kTridiagonalPanel scratch. Compiled per vector instruction set and
+// picked by CPU feature as simd.h describes.
 template <typename T>
 using TridiagonalizeKernel = void (*)(int n, T* a, int lda, T* d, T* e, T* tau, T* w);
 
@@ -300,8 +298,7 @@ void tridiagonalize_baseline(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   tridiagonalize_lower(n, a, lda, d, e, tau, w);
 }
 
-#if defined(__x86_64__) && !defined(__AVX2__)
-#define ASTERIA_DISPATCH_BY_CPU 1
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
 template <typename T>
 [[gnu::target("arch=x86-64-v4")]] void tridiagonalize_avx512(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   tridiagonalize_lower(n, a, lda, d, e, tau, w);
@@ -314,14 +311,13 @@ template <typename T>
 
 template <typename T>
 void tridiagonalize(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
-  static const TridiagonalizeKernel<T> kernel = []() -> TridiagonalizeKernel<T> {
-#if defined(ASTERIA_DISPATCH_BY_CPU)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return &tridiagonalize_avx512<T>;
-    if (__builtin_cpu_supports("x86-64-v3")) return &tridiagonalize_avx2<T>;
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
+  static const TridiagonalizeKernel<T> kernel =
+      widest_supported<TridiagonalizeKernel<T>>(&tridiagonalize_avx512<T>, &tridiagonalize_avx2<T>,
+                                                &tridiagonalize_baseline<T>);
+#else
+  static const TridiagonalizeKernel<T> kernel = &tridiagonalize_baseline<T>;
 #endif
-    return &tridiagonalize_baseline<T>;
-  }();
   kernel(n, a, lda, d, e, tau, w);
 }
 

@@ -99,10 +99,8 @@ void factor_panel_baseline(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, 
   factor_panel_kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
 }
 
-// As for the tridiagonalization (lapack.cpp): a baseline x86-64 build also compiles the kernel for
-// AVX-512 and AVX2 and picks one once by CPU feature.
-#if defined(__x86_64__) && !defined(__AVX2__)
-#define ASTERIA_QR_DISPATCH_BY_CPU 1
+// Compiled per vector instruction set and picked by CPU feature as simd.h describes.
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
 template <typename T>
 [[gnu::target("arch=x86-64-v4")]] void factor_panel_avx512(int rows, int jb, T* a, int lda, T* tau, T* v, T* t,
                                                            int ldt, T* w, T* w2) {
@@ -117,14 +115,12 @@ template <typename T>
 
 template <typename T>
 void factor_panel(int rows, int jb, T* a, int lda, T* tau, T* v, T* t, int ldt, T* w, T* w2) {
-  static const FactorPanel<T> kernel = []() -> FactorPanel<T> {
-#if defined(ASTERIA_QR_DISPATCH_BY_CPU)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return &factor_panel_avx512<T>;
-    if (__builtin_cpu_supports("x86-64-v3")) return &factor_panel_avx2<T>;
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
+  static const FactorPanel<T> kernel = simd::widest_supported<FactorPanel<T>>(
+      &factor_panel_avx512<T>, &factor_panel_avx2<T>, &factor_panel_baseline<T>);
+#else
+  static const FactorPanel<T> kernel = &factor_panel_baseline<T>;
 #endif
-    return &factor_panel_baseline<T>;
-  }();
   kernel(rows, jb, a, lda, tau, v, t, ldt, w, w2);
 }
 

@@ -137,4 +137,20 @@ template <typename T>
   }
 }
 
+// A build for baseline x86-64 also compiles the kernels that use these for AVX-512 and AVX2
+// ([[gnu::target]] instantiations) and picks one once by CPU feature, not through target_clones (its
+// ifunc resolver runs before ThreadSanitizer is initialized and crashes the sanitizer build). A build
+// with -march at AVX2 or above uses its own target only.
+#if defined(__x86_64__) && !defined(__AVX2__)
+#define ASTERIA_SIMD_DISPATCH_BY_CPU 1
+// The kernel for the widest vector instruction set this CPU runs.
+template <typename Kernel>
+Kernel widest_supported(Kernel avx512, Kernel avx2, Kernel baseline) {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return avx512;
+  if (__builtin_cpu_supports("x86-64-v3")) return avx2;
+  return baseline;
+}
+#endif
+
 }  // namespace asteria::linalg::simd

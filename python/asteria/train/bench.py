@@ -37,6 +37,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def warmup_steps(precondition_frequency: int, sync_refreshes: int) -> int:
+    """Steps before the steady state: the first refresh comes by step f, and it and the other sync
+    refreshes (``RuntimeConfig.sync_refreshes``) are waited for by design over the intervals after it."""
+    return precondition_frequency * (max(1, sync_refreshes) + 1)
+
+
 def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
     """Median, p99 and max of the steady steps: those after the first ``warmup`` (the first step
     allocates and compiles; a second-order run's first ``sync_refreshes`` versions, used at their own
@@ -64,7 +70,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
-    warmup = base.precondition_frequency * (max(1, base.sync_refreshes) + 1)
+    warmup = warmup_steps(base.precondition_frequency, base.sync_refreshes)
     ref_median = _profile([r["step_time"] for r in reference.records], warmup)["median"] if reference else None
     rows = {}
     for label, run in runs.items():
