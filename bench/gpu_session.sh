@@ -4,7 +4,7 @@
 #   build    the package;                  cuda     the CUDA tests;
 #   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
 #   refresh  the refresh-engine benchmark;
-#   profile  bench/profile_step.py, where a step's time goes ($PROFILE_CONFIGS, $PROFILE_STEPS);
+#   profile  bench/profile_step.py, where a step's time goes ($PROFILE_CONFIGS, $PROFILE_STEPS, $PROFILE_ARGS);
 #   bench    asteria bench on olmo-160m at the issue's small batch (8 x 512);
 #   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
 #   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
@@ -44,7 +44,7 @@ if has sweep; then
   done
 fi
 has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \
-  --steps ${PROFILE_STEPS:-20} --configs ${PROFILE_CONFIGS:-adamw shampoo-sync shampoo-async soap-async} --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
+  --steps ${PROFILE_STEPS:-20} --configs ${PROFILE_CONFIGS:-adamw shampoo-sync shampoo-async soap-async} ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | quiet | tee "$OUT/profile.txt"
 has ladder && python3 bench/memory.py --ladder --cap-gib 24 --out "$OUT/ladder" 2>&1 | tee "$OUT/ladder.txt"
 has nvme && python3 bench/memory.py --ladder --cap-gib 24 --setups asteria_host_nvme --widths 1536 \
   --host-budget-gib 22 --out "$OUT/nvme" 2>&1 | tee "$OUT/nvme.txt"

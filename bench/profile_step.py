@@ -14,7 +14,10 @@ Per config it prints, over the steady steps (after (sync_refreshes + 1) x f warm
 10 there): median and max of the whole
 step (wall, synchronized each step), of the model part and of ``opt.step()`` (CUDA events), and the
 host time spent inside ``opt.step()`` before it returns (launch and Python overhead); then the
-profiler's top operators over a few steps. Writes ``--out/profile.json``.
+profiler's top operators over a few steps. With ``--trace-steps N`` it then traces N consecutive steps,
+saves the Chrome trace (``--out/trace-CONFIG.json.gz``) and prints, for a typical and the slowest of
+them, each stream's GPU time, the copies, the main stream's idle gaps and slow CUDA runtime calls.
+Writes ``--out/profile.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 import asteria
+import trace_steps
 from asteria.train.bench import warmup_steps
 from asteria.train.loop import RunConfig, make_optimizer
 from asteria.train.model import build_model
@@ -67,6 +71,10 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     def one_step(i: int) -> dict[str, float]:
         if cuda:
             torch.cuda.synchronize()
+        with torch.profiler.record_function(f"step {i + 1}"):
+            return timed_step(i)
+
+    def timed_step(i: int) -> dict[str, float]:
         t0 = time.perf_counter()
         if cuda:
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -99,6 +107,16 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         if i >= warmup:
             rows.append(row | {"step": float(i + 1)})
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    traced = ""
+    if args.trace_steps:  # consecutive steady steps, read step by step (bench/trace_steps.py)
+        first = warmup + args.steps
+        with torch.profiler.profile(activities=activities) as window:
+            for i in range(first, first + args.trace_steps):
+                one_step(i)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"trace-{spec.replace(':', '_').replace('=', '')}.json.gz"
+        window.export_chrome_trace(str(path))
+        traced = trace_steps.report(trace_steps.steps(trace_steps.load(path)), args.top_steps // 2)
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.profile_steps):
             one_step(i)
@@ -125,6 +143,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     if second_order:
         print(f"  waits {stats.get('waits')} ({stats.get('wait_seconds', 0.0):.3f} s), "
               f"worker busy {stats.get('worker_busy_fraction', 0.0):.2f}, workers {stats.get('workers')}")
+    print(traced)
     print(top_host)
     print(top_device)
     return {"summary": summary, "slowest_steps": slowest,
@@ -142,6 +161,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--top-steps", type=int, default=6, help="slowest steady steps listed with their parts")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="then trace this many consecutive steps and read them step by step (trace_steps.py)")
     parser.add_argument("--configs", nargs="+", default=["adamw", "shampoo-sync", "shampoo-async"])
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = parser.parse_args()

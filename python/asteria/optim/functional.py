@@ -33,6 +33,23 @@ def mode_matrix(x: Tensor, mode: int) -> Tensor:
     return x.movedim(mode + 1, 1).reshape(x.shape[0], x.shape[mode + 1], -1)
 
 
+def gram_operands(x: Tensor, mode: int) -> tuple[Tensor, Tensor]:
+    """Two operands whose batched product is the mode-``mode`` Gram matrix X_(mode) X_(mode)^T of
+    (B, d_0, ..., d_k). For the first and the last mode they are views of a contiguous ``x`` (the last
+    mode as (B, rest, d_k) transposed), so no unfolded copy is made; the other modes unfold."""
+    if 0 < mode == x.dim() - 2:
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])
+        return flat.mT, flat
+    unfolded = mode_matrix(x, mode)
+    return unfolded, unfolded.mT
+
+
+def mode_mean(x: Tensor, mode: int) -> Tensor:
+    """(B, d_mode): the mean of (B, d_0, ..., d_k) over every dimension but the batch and ``mode``."""
+    others = [d for d in range(1, x.dim()) if d != mode + 1]
+    return x.mean(dim=others) if others else x
+
+
 def masked_ema_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
     """state <- beta * state + (1 - beta) * update for kept blocks; others unchanged.
 
@@ -46,12 +63,17 @@ def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float, keep: Ten
     """Kronecker factor EMA, one factor per mode: F_i <- beta2 F_i + (1 - beta2) G_(i) G_(i)^T."""
     decay = batch_view(torch.where(keep, beta2, 1.0).to(grad.dtype), factors[0]) if factors else None
     for mode, factor in enumerate(factors):
-        unfolded = mode_matrix(grad, mode)
-        factor.mul_(decay).baddbmm_(unfolded, unfolded.mT, alpha=1.0 - beta2)
+        factor.mul_(decay).baddbmm_(*gram_operands(grad, mode), alpha=1.0 - beta2)
 
 
 def apply_mode(x: Tensor, matrix: Tensor, mode: int) -> Tensor:
-    """Mode-``mode`` product of (B, d_0, ..., d_k) with (B, d_mode, d_mode): contracts that dimension."""
+    """Mode-``mode`` product of (B, d_0, ..., d_k) with (B, d_mode, d_mode): contracts that dimension.
+    The first and the last mode multiply a contiguous ``x`` in place of its unfolding (from the left, or
+    by the transpose from the right), so neither the input nor the result is copied to move a dimension."""
+    if mode == 0:
+        return torch.bmm(matrix, x.reshape(x.shape[0], x.shape[1], -1)).view(x.shape)
+    if mode == x.dim() - 2:
+        return torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), matrix.mT).view(x.shape)
     moved = x.movedim(mode + 1, 1)
     shape = moved.shape
     product = torch.bmm(matrix, moved.reshape(shape[0], shape[1], -1)).view(shape)

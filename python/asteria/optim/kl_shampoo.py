@@ -169,8 +169,8 @@ class KLShampoo(EigenbasisOptimizer):
                 half = projected * self._inv_sqrt_outer(group, skip=mode)
             else:
                 half = grads
-            unfolded = F.mode_matrix(half, mode)
-            updates.append(unfolded @ unfolded.mT * (group.shape[mode] / numel))
+            left, right = F.gram_operands(half, mode)
+            updates.append(left @ right * (group.shape[mode] / numel))
         if rotate:
             # The last mode's projection has every mode but the last rotated already, in project()'s
             # order: one more mode product gives project(grads, bases), bit for bit, a matmul saved.
@@ -178,7 +178,7 @@ class KLShampoo(EigenbasisOptimizer):
             estimates = []
             for mode in range(group.order):
                 weighted = (rotated * self._inv_sqrt_outer(group, skip=mode)) ** 2
-                estimates.append(F.mode_matrix(weighted, mode).mean(dim=-1))
+                estimates.append(F.mode_mean(weighted, mode))
             for mode, estimate in enumerate(estimates):
                 inv_sqrt = group.state[inv_sqrt_key(mode)]
                 d = (1.0 / inv_sqrt.square()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

@@ -413,21 +413,26 @@ class AsyncRefresher(Refresher):
         n = fset.dim
         whole = len(items) == fset.batch and len(versions) == 1  # the usual case: one copy for the whole set
         target = fset.preconditioners if self.tier is None else self.tier.install_target(fset, full=whole)
+        # Everything here runs on the training thread: no copy may come from pageable memory (torch copies
+        # those synchronously), and no small host value may be written into a device tensor.
+        orders = None  # the new column orders, on the device
         with side.staging():
-            if whole:
-                target.copy_(results[next(iter(versions)) % self.depth, :, :n], non_blocking=side.cuda)
+            blocks = streams.indices_to_device([block for block, _, _ in items], fset.device)
+            if whole:  # an eigenbasis result's two extra rows make the slab strided: never copy it as such
+                orders = streams.copy_leading_rows_(target, results[next(iter(versions)) % self.depth],
+                                                    n + 1 if fset.permute is not None else None)
                 fset.installed.fill_(True)
             else:
                 for block, version, _ in items:
                     target[block].copy_(results[version % self.depth, block, :n], non_blocking=side.cuda)
-                    fset.installed[block] = True
+                fset.installed.index_fill_(0, blocks, True)
         if self.tier is not None:
             self.tier.after_install(fset, target)
         with side.staging():
-            if fset.permute is not None:  # runs on the training thread: the copies must not make it wait
-                blocks = streams.indices_to_device([block for block, _, _ in items], fset.device)
-                orders = streams.to_device([results[version % self.depth, block, n + 1] for block, version, _ in items],
-                                           fset.device)
+            if fset.permute is not None:
+                if orders is None or orders.device != fset.device:
+                    orders = streams.to_device([results[version % self.depth, block, n + 1]
+                                                for block, version, _ in items], fset.device)
                 fset.permute(blocks, orders.long())
         event = side.record()
         # The main stream waits for the copy only where it uses the preconditioners (``ready()``), so a

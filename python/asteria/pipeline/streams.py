@@ -61,6 +61,31 @@ def to_device(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return staged.to(device, non_blocking=pin)
 
 
+STAGING_CHUNK_BYTES = 64 << 20  # device staging of ``copy_leading_rows_``, per chunk
+
+
+def copy_leading_rows_(target: torch.Tensor, slab: torch.Tensor, extra_row: int | None = None) -> torch.Tensor | None:
+    """``target.copy_(slab[:, :n])`` for a (B, rows, n) host ``slab`` with ``rows >= n``, queued on the
+    current stream; also returns ``slab[:, extra_row]`` on ``target``'s device when asked and ``target`` is
+    on a GPU (None otherwise). On a GPU the slab crosses whole, in chunks of contiguous blocks, and the
+    leading rows are picked on the device: torch would gather a strided host source into pageable memory
+    on the training thread and copy that synchronously (measured: 113 MB took 15 ms of copy and 40 ms of
+    idle main stream on an H200)."""
+    n = target.shape[1]
+    if not target.is_cuda or (slab.shape[1] == n and extra_row is None):
+        target.copy_(slab[:, :n], non_blocking=target.is_cuda)
+        return None
+    extra = None if extra_row is None else torch.empty((slab.shape[0], slab.shape[2]), dtype=slab.dtype,
+                                                       device=target.device)
+    chunk = max(1, STAGING_CHUNK_BYTES // (slab[0].numel() * slab.element_size()))
+    for lo in range(0, slab.shape[0], chunk):
+        staged = slab[lo:lo + chunk].to(target.device, non_blocking=True)
+        target[lo:lo + chunk].copy_(staged[:, :n])
+        if extra is not None:
+            extra[lo:lo + chunk].copy_(staged[:, extra_row])
+    return extra
+
+
 def indices_to_device(indices: Sequence[int], device: torch.device) -> torch.Tensor:
     """A long tensor of ``indices`` on ``device``, copied as ``to_device`` does."""
     pin = device.type == "cuda"
