@@ -110,7 +110,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     traced = ""
     if args.trace_steps:  # consecutive steady steps, read step by step (bench/trace_steps.py)
         first = warmup + args.steps
-        with torch.profiler.profile(activities=activities) as window:
+        with torch.profiler.profile(activities=activities, with_stack=args.trace_stack) as window:
             for i in range(first, first + args.trace_steps):
                 one_step(i)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="then trace this many consecutive steps and read them step by step (trace_steps.py)")
     parser.add_argument("--configs", nargs="+", default=["adamw", "shampoo-sync", "shampoo-async"])
+    parser.add_argument("--trace-stack", action="store_true",
+                        help="record Python stacks in the trace (names the Python code that launched a kernel)")
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

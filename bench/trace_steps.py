@@ -35,12 +35,28 @@ def busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def launched(kernel: dict[str, Any], before: dict[str, Any], launches: dict[int, dict[str, Any]],
+             ops: list[dict[str, Any]]) -> str:
+    """When and from where the host launched ``kernel`` (the one after a gap): launched after the gap began
+    means the host was late (host-bound); long before means the stream waited on something."""
+    launch = launches.get(kernel.get("args", {}).get("correlation"))
+    if launch is None:
+        return "launch: ?"
+    gap_start = before["ts"] + before["dur"]
+    # The innermost enclosing ranges: Python frames (with --trace-stack), operators and annotations.
+    inside = [e["name"][:50] for e in ops if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]][-4:]
+    return f"launched {(launch['ts'] - gap_start) / 1e3:+.2f} ms from the gap's start in {' > '.join(inside)}"
+
+
 def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary per ``step N`` range, GPU work assigned by time (each profiled step is synchronized)."""
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step ")),
                     key=lambda e: e["ts"])
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")),
+                 key=lambda e: e["ts"])
     out = []
     for r in ranges:
         lo, hi = r["ts"], r["ts"] + r["dur"]
@@ -65,7 +81,7 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if gap > 300:
                     others = [e["name"][:50] for e in mine if e.get("args", {}).get("stream") != main
                               and e["ts"] < b["ts"] and e["ts"] + e["dur"] > a["ts"] + a["dur"]]
-                    gaps.append((gap, a["name"][:60], b["name"][:60], others[:4]))
+                    gaps.append((gap, a["name"][:60], b["name"][:60], others[:4] + [launched(b, a, launches, ops)]))
         slow_calls = sorted(((e["dur"], e["name"]) for e in runtime if lo <= e["ts"] < hi and e["dur"] > 500),
                             reverse=True)
         out.append({

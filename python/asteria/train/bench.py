@@ -94,6 +94,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "gpu_max_over_median": gpu["max_over_median"] if gpu else None,
             "peak_gpu_bytes": s["peak_gpu_bytes"],
             "energy_joules_per_step": s["energy_joules_per_step"],
+            "energy_device": s.get("energy_device"),
             "max_staleness_seen": stats.get("max_staleness_seen", 0 if stats else None),
             "staleness_histogram": stats.get("staleness_histogram"),
             "waits": stats.get("waits"),
@@ -147,7 +148,8 @@ def _plot_energy(runs: dict[str, Run], path: Path) -> None:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    lines = [f"device: {results['device']}",
+    meters = sorted({r["energy_device"] for r in results["runs"].values() if r.get("energy_device")})
+    lines = [f"device: {results['device']}" + (f"; energy read from NVML GPU {', '.join(meters)}" if meters else ""),
              f"{'config':<18} {'loss':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
              f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'peak GB':>8} {'stale':>5} {'waits':>6}"]
     for label, r in results["runs"].items():

@@ -390,6 +390,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         if hooks is not None:
             hooks.remove()
     summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameters, resumed_from)
+    summary["energy_device"] = energy.nvml_device  # the GPU whose counter was read (its PCI bus id)
     summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
                               if run is not None else None)
     if hasattr(opt, "close"):

@@ -3,14 +3,18 @@ counter) and peak GPU memory. Each meter reads nothing, and says so, where its s
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
 class EnergyMeter:
-    """Joules used by the training GPU so far, from NVML's total-energy counter (nvidia-ml-py)."""
+    """Joules used by the training GPU so far, from NVML's total-energy counter (nvidia-ml-py).
+    ``nvml_device`` names the GPU it reads (its PCI bus id), None where energy is not reported."""
 
     def __init__(self, device: torch.device) -> None:
         self.handle = None
+        self.nvml_device: str | None = None
         if device.type != "cuda":
             return
         try:
@@ -18,12 +22,11 @@ class EnergyMeter:
 
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            bus_id = getattr(torch.cuda.get_device_properties(index), "pci_bus_id", None)
-            # The PCI bus id names the same GPU for CUDA and NVML even when CUDA_VISIBLE_DEVICES reorders.
-            self.handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus_id) if bus_id
-                           else pynvml.nvmlDeviceGetHandleByIndex(index))
+            self.handle = nvml_handle(pynvml, index)
             self._read = pynvml.nvmlDeviceGetTotalEnergyConsumption
             self._read(self.handle)
+            bus = pynvml.nvmlDeviceGetPciInfo(self.handle).busId
+            self.nvml_device = bus.decode() if isinstance(bus, bytes) else str(bus)
         except Exception:  # no NVML, no permission, or a GPU without the counter: energy is not reported
             self.handle = None
 
@@ -33,6 +36,28 @@ class EnergyMeter:
 
     def joules(self) -> float | None:
         return self._read(self.handle) / 1000.0 if self.handle is not None else None
+
+
+def nvml_handle(pynvml, index: int):  # noqa: ANN001, ANN201 (pynvml has no type hints)
+    """NVML's handle of CUDA device ``index`` of this process. NVML numbers every GPU of the machine while
+    CUDA numbers the visible ones (``CUDA_VISIBLE_DEVICES=1`` makes physical GPU 1 CUDA's device 0), so the
+    GPU is matched by its UUID, then by its PCI address; the index is the last resort."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except pynvml.NVMLError:
+            pass
+    if all(hasattr(props, key) for key in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        address = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        try:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(address)
+        except pynvml.NVMLError:
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = int(visible[index]) if index < len(visible) and visible[index].strip().isdigit() else index
+    return pynvml.nvmlDeviceGetHandleByIndex(physical)
 
 
 class StepTimer:
