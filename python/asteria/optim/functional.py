@@ -51,12 +51,22 @@ def mode_mean(x: Tensor, mode: int) -> Tensor:
 
 
 def masked_ema_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
-    """state <- beta * state + (1 - beta) * update for kept blocks; others unchanged.
+    """state <- beta * state + (1 - beta) * update for kept blocks; others unchanged. One pass over
+    ``state`` (a lerp towards ``update`` by 1 - beta, by 0 where not kept).
+
+    ``update`` must be finite in blocks that are not kept (the caller zeroes bad gradients).
+    """
+    weight = torch.where(keep, 1.0 - beta, 0.0).to(state.dtype)
+    return state.lerp_(update, batch_view(weight, state))
+
+
+def masked_ema_square_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
+    """state <- beta * state + (1 - beta) * update^2 for kept blocks, without forming update^2.
 
     ``update`` must be zero in blocks that are not kept (the caller zeroes bad gradients).
     """
     decay = torch.where(keep, beta, 1.0).to(state.dtype)
-    return state.mul_(batch_view(decay, state)).add_(update, alpha=1.0 - beta)
+    return state.mul_(batch_view(decay, state)).addcmul_(update, update, value=1.0 - beta)
 
 
 def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float, keep: Tensor) -> None:

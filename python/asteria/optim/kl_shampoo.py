@@ -122,14 +122,15 @@ class KLShampoo(EigenbasisOptimizer):
         F.masked_ema_(group.state[EXP_AVG], grads, beta1, keep)
         if group.order < 2:
             s = step - 1
-            F.masked_ema_(group.state[ADAM_EXP_AVG_SQ], grads * grads, hyper["betas"][1], keep)
+            F.masked_ema_square_(group.state[ADAM_EXP_AVG_SQ], grads, hyper["betas"][1], keep)
             self._directions[id(group)] = F.adam_direction(group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
                                                            1.0 - beta1**s, 1.0 - hyper["betas"][1] ** s, hyper["eps"])
             return
         bases = self._preconditioners(group)
-        scale = self._inv_sqrt_outer(group)
-        scale = scale / (1.0 + hyper["eps"] * scale)
-        self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) * scale, bases, back=True)
+        # s / (1 + eps s) with s = prod_a d_a^(-1/2), as 1 / (1/s + eps): one fused pass makes the denominator.
+        sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)])
+        rotated = F.project(group.state[EXP_AVG], bases) / sqrt_d.add_(hyper["eps"])
+        self._directions[id(group)] = F.project(rotated, bases, back=True)
         self._update_factors(group, grads, keep, beta, rotate=True)
 
     def _init_from_gradient(self, group: ShapeGroup, grads: Tensor, keep: Tensor) -> None:
@@ -145,15 +146,34 @@ class KLShampoo(EigenbasisOptimizer):
 
     def _inv_sqrt_outer(self, group: ShapeGroup, skip: int | None = None) -> Tensor:
         """(B, n_0, ..., n_k): the outer product of every mode's d^(-1/2) (mode ``skip`` left out)."""
+        return self._outer(group, [None if mode == skip else group.state[inv_sqrt_key(mode)]
+                                   for mode in range(group.order)])
+
+    @staticmethod
+    def _outer(group: ShapeGroup, vectors: list[Tensor | None]) -> Tensor:
+        """The outer product of per-mode (B, n_mode) vectors (None: that mode left out), broadcastable
+        against (B, n_0, ..., n_k)."""
         out = None
-        for mode in range(group.order):
-            if mode == skip:
+        for mode, vector in enumerate(vectors):
+            if vector is None:
                 continue
             shape = [group.batch] + [1] * group.order
             shape[mode + 1] = group.shape[mode]
-            term = group.state[inv_sqrt_key(mode)].view(shape)
-            out = term if out is None else out * term
+            out = vector.view(shape) if out is None else out * vector.view(shape)
         return out
+
+    def _estimates(self, group: ShapeGroup, rotated: Tensor) -> list[Tensor]:
+        """Per mode a, the mean over the other modes of (rotated ⊙ ⊗_{b != a} d_b^(-1/2))^2: the eigenvalue
+        estimates in the current bases. For matrices this is two batched matrix-vector products of the
+        squared rotated gradient with the other side's 1/d (no weighted copies of the block)."""
+        if group.order == 2:
+            squared = rotated.square()
+            inv_d = [group.state[inv_sqrt_key(mode)].square() for mode in range(2)]
+            rows, cols = group.shape
+            return [torch.bmm(squared, inv_d[1].unsqueeze(-1)).squeeze(-1) / cols,
+                    torch.bmm(inv_d[0].unsqueeze(1), squared).squeeze(1) / rows]
+        return [F.mode_mean((rotated * self._inv_sqrt_outer(group, skip=mode)) ** 2, mode)
+                for mode in range(group.order)]
 
     def _update_factors(self, group: ShapeGroup, grads: Tensor, keep: Tensor, beta: float, rotate: bool) -> None:
         """The KL factor update (each factor through the other modes' inverse) and, after the first
@@ -161,7 +181,9 @@ class KLShampoo(EigenbasisOptimizer):
         bases = self._preconditioners(group)
         numel = math.prod(group.shape)
         last = group.order - 1
-        updates = []
+        # The factors' EMA is fused into the product: blocks that are not kept have zero gradients (so a zero
+        # product) and a decay of 1. Nothing below reads the factors, so they may change here.
+        decay = F.batch_view(torch.where(keep, beta, 1.0).to(grads.dtype), group.state[factor_key(0)])
         for mode in range(group.order):
             if rotate:
                 others = [None if b == mode else bases[b] for b in range(group.order)]
@@ -169,16 +191,13 @@ class KLShampoo(EigenbasisOptimizer):
                 half = projected * self._inv_sqrt_outer(group, skip=mode)
             else:
                 half = grads
-            left, right = F.gram_operands(half, mode)
-            updates.append(left @ right * (group.shape[mode] / numel))
+            group.state[factor_key(mode)].mul_(decay).baddbmm_(
+                *F.gram_operands(half, mode), alpha=(1.0 - beta) * group.shape[mode] / numel)
         if rotate:
             # The last mode's projection has every mode but the last rotated already, in project()'s
             # order: one more mode product gives project(grads, bases), bit for bit, a matmul saved.
             rotated = F.project(projected, [None] * last + [bases[last]])
-            estimates = []
-            for mode in range(group.order):
-                weighted = (rotated * self._inv_sqrt_outer(group, skip=mode)) ** 2
-                estimates.append(F.mode_mean(weighted, mode))
+            estimates = self._estimates(group, rotated)
             for mode, estimate in enumerate(estimates):
                 inv_sqrt = group.state[inv_sqrt_key(mode)]
                 d = (1.0 / inv_sqrt.square()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -186,6 +205,4 @@ class KLShampoo(EigenbasisOptimizer):
                 new = (1.0 / d.sqrt()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
                 new.clamp_(max=float(max(10, min(group.shape[mode], 4000))))
                 inv_sqrt.copy_(torch.where(F.batch_view(keep, new), new, inv_sqrt))
-        for mode, update in enumerate(updates):
-            F.masked_ema_(group.state[factor_key(mode)], update * F.batch_view(keep, update), beta, keep)
 

@@ -95,7 +95,7 @@ class Shampoo(SecondOrderOptimizer):
         beta1, beta2 = hyper["betas"]
         F.update_factors_([group.state[factor_key(m)] for m in range(group.order)], grads, beta2, keep)
         F.masked_ema_(group.state[MOMENTUM], grads, beta1, keep)
-        F.masked_ema_(group.state[GRAFTING_SECOND_MOMENT], grads * grads, hyper["grafting_beta2"], keep)
+        F.masked_ema_square_(group.state[GRAFTING_SECOND_MOMENT], grads, hyper["grafting_beta2"], keep)
 
     def _direction(self, group: ShapeGroup, step: int) -> Tensor:
         hyper = self.param_groups[group.group_index]

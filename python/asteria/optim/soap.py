@@ -112,7 +112,7 @@ class SOAP(EigenbasisOptimizer):
         bases = self._bases(group)
         F.masked_ema_(group.state[EXP_AVG], grads, debiased(beta1, s), keep)
         rotated = F.project(grads, bases)
-        F.masked_ema_(group.state[EXP_AVG_SQ], rotated * rotated, debiased(beta2, s), keep)
+        F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, debiased(beta2, s), keep)
         denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(hyper["eps"])
         self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
         F.update_factors_(factors, grads, debiased(hyper["shampoo_beta"], s), keep)

@@ -1,0 +1,69 @@
+"""The batched per-step math (``asteria.optim.functional``) against formulas written here, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from asteria.optim import functional as F
+from asteria.optim.kl_shampoo import inv_sqrt_key
+from asteria.pipeline import streams
+
+
+def test_masked_emas_update_kept_blocks_and_leave_the_others_bit_for_bit():
+    torch.manual_seed(0)
+    state = torch.randn(4, 3, 5, dtype=torch.float64)
+    update = torch.randn(4, 3, 5, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, False])
+    update[~keep] = 0.0  # as the optimizers hand them over
+    beta = 0.9
+    ema = F.masked_ema_(state.clone(), update, beta, keep)
+    square = F.masked_ema_square_(state.clone(), update, beta, keep)
+    torch.testing.assert_close(ema[keep], beta * state[keep] + (1 - beta) * update[keep])
+    torch.testing.assert_close(square[keep], beta * state[keep] + (1 - beta) * update[keep] ** 2)
+    assert torch.equal(ema[~keep], state[~keep]) and torch.equal(square[~keep], state[~keep])
+
+
+@pytest.mark.parametrize("shape", [(6,), (6, 4), (3, 4, 5)])
+def test_mode_products_grams_and_means_match_the_unfolding(shape):
+    torch.manual_seed(1)
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    letters = "ijk"[:len(shape)]
+    for mode, dim in enumerate(shape):
+        matrix = torch.randn(2, dim, dim, dtype=torch.float64)
+        # Contract dimension ``mode`` of x with the matrix's columns: (M x_(mode)), folded back.
+        out = letters.replace(letters[mode], "z")
+        expected = torch.einsum(f"bz{letters[mode]},b{letters}->b{out}", matrix, x)
+        torch.testing.assert_close(F.apply_mode(x, matrix, mode), expected)
+        unfolded = x.movedim(mode + 1, 1).reshape(2, dim, -1)
+        left, right = F.gram_operands(x, mode)
+        torch.testing.assert_close(left @ right, unfolded @ unfolded.mT)
+        torch.testing.assert_close(F.mode_mean(x, mode), unfolded.mean(dim=-1))
+
+
+def test_copy_leading_rows_on_the_cpu_copies_the_basis_rows():
+    slab = torch.randn(3, 6, 4)
+    target = torch.zeros(3, 4, 4)
+    assert streams.copy_leading_rows_(target, slab, extra_row=5) is None  # the CPU path asks for no extra row
+    assert torch.equal(target, slab[:, :4])
+
+
+def test_kl_shampoo_matrix_estimates_match_the_general_formula():
+    """The matrix path (two batched matrix-vector products) gives the mean over the other mode of
+    (rotated ⊙ d_other^(-1/2))^2, as the general path (and the reference) define it."""
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(6, 5, bias=False)
+    opt = asteria.KLShampoo(layer.parameters(), runtime=asteria.RuntimeConfig(mode="sync"))
+    with opt:
+        for _ in range(3):
+            opt.zero_grad()
+            layer(torch.randn(8, 6)).square().sum().backward()
+            opt.step()
+        group = opt._groups[0]
+        rotated = torch.randn(group.batch, *group.shape)
+        fast = opt._estimates(group, rotated)
+        general = [F.mode_mean((rotated * opt._inv_sqrt_outer(group, skip=mode)) ** 2, mode) for mode in range(2)]
+        assert group.state[inv_sqrt_key(0)].shape == (group.batch, group.shape[0])
+        for a, b in zip(fast, general):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
