@@ -406,6 +406,7 @@ class AsyncRefresher(Refresher):
             self._scheduled.append((index, version, due, request))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
+        items = sorted(items)  # by block: a whole set's column orders come in block order
         fset = self.sets[index]
         side = self.side[fset.device]
         results = self.results[index]
