@@ -82,6 +82,18 @@ def test_report_table_target_and_energy(tmp_path):
     assert (tmp_path / "r2" / "loss.png").stat().st_size > 1000
 
 
+def test_report_steady_max_over_median_skips_the_warm_up(tmp_path):
+    """Steps up to (sync_refreshes + 1) x f of the run's own config are the warm-up, as in asteria bench."""
+    from asteria.train.report import Run, steady_max_over_median
+
+    times = [5.0, 0.1, 0.1, 0.9, 0.1, 0.2, 0.1, 0.3]  # f = 2, sync_refreshes = 1: steps 1-4 are the warm-up
+    records = [{"step": i + 1, "step_time": t, "loss": 1.0, "wall": float(i)} for i, t in enumerate(times)]
+    run = Run(tmp_path, {"config": {"precondition_frequency": 2, "sync_refreshes": 1}}, records)
+    assert steady_max_over_median(run) == pytest.approx(0.3 / 0.15)
+    run.summary["config"]["sync_refreshes"] = 3  # warm-up of 8 steps: nothing steady
+    assert steady_max_over_median(run) is None
+
+
 def test_sweep_over_staleness(tmp_path, capsys):
     assert main(["sweep", "--out", str(tmp_path), "--staleness", "2", "0", "--steps", "7", "--eval-every", "7",
                  "--optimizer", "soap", "--mode", "async", *BASE]) == 0

@@ -17,6 +17,7 @@ from typing import Any
 
 from asteria.train.loop import DEFAULT_LR, RunConfig, train
 from asteria.train.report import Run, load_run, plt, write_report
+from asteria.train.report import steady_warmup as warmup_steps
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")
@@ -35,12 +36,6 @@ def parse_config(label: str) -> tuple[str, str]:
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def warmup_steps(precondition_frequency: int, sync_refreshes: int) -> int:
-    """Steps before the steady state: the first refresh comes by step f, and it and the other sync
-    refreshes (``RuntimeConfig.sync_refreshes``) are waited for by design over the intervals after it."""
-    return precondition_frequency * (max(1, sync_refreshes) + 1)
 
 
 def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
