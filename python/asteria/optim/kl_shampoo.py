@@ -127,7 +127,8 @@ class KLShampoo(EigenbasisOptimizer):
                                                            1.0 - beta1**s, 1.0 - hyper["betas"][1] ** s, hyper["eps"])
             return
         bases = self._preconditioners(group)
-        # s / (1 + eps s) with s = prod_a d_a^(-1/2), as 1 / (1/s + eps): one fused pass makes the denominator.
+        # Times s / (1 + eps s) with s = prod_a d_a^(-1/2), as a division by 1/s + eps = prod_a d_a^(1/2) + eps:
+        # three passes over the block instead of five.
         sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)])
         rotated = F.project(group.state[EXP_AVG], bases) / sqrt_d.add_(hyper["eps"])
         self._directions[id(group)] = F.project(rotated, bases, back=True)
