@@ -4,7 +4,7 @@
 # (each batch's refresh workers then default to its half). Each batch is a line of shell that sets and
 # exports that batch's variables (STAGES, LONG_ARGS, SWEEP_ARGS, ...: see gpu_session.sh).
 # Usage: OUT=runs/pair bash bench/gpu_pair.sh 'export STAGES="long"' 'export STAGES="sweep"'
-# Logs and results land in $OUT/a and $OUT/b.
+# Logs and results land in $OUT/a and $OUT/b (with PACK=1: in $OUT/results.tgz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-pair}
@@ -17,3 +17,10 @@ print(','.join(map(str, c[:h])), ','.join(map(str, c[h:])))")
 ( eval "$2"; export OUT="$OUT/b" CUDA_VISIBLE_DEVICES=1; exec taskset -c "$SECOND" bash bench/gpu_session.sh ) \
   > "$OUT/b/session.log" 2>&1 &
 wait
+# PACK=1: one archive instead of many files (the device tool returns a limited number of files); the
+# TensorBoard logs and per-step metrics stay behind, the traces travel beside the archive.
+if [[ "${PACK:-0}" == 1 ]]; then
+  find "$OUT/a" "$OUT/b" -name tensorboard -prune -exec rm -rf {} + ; find "$OUT/a" "$OUT/b" -name metrics.jsonl -delete
+  find "$OUT/a" "$OUT/b" -name 'trace-*.json.gz' -exec mv {} "$OUT/" \;
+  tar czf "$OUT/results.tgz" -C "$OUT" a b && rm -rf "$OUT/a" "$OUT/b"
+fi
