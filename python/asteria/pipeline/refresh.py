@@ -416,9 +416,10 @@ class AsyncRefresher(Refresher):
         target = fset.preconditioners if self.tier is None else self.tier.install_target(fset, full=whole)
         # Everything here runs on the training thread: no copy may come from pageable memory (torch copies
         # those synchronously), and no small host value may be written into a device tensor.
-        orders = None  # the new column orders, on the device
+        orders = None  # the new column orders, on the device (None: not picked by the copy)
         with side.staging():
-            blocks = streams.indices_to_device([block for block, _, _ in items], fset.device)
+            blocks = (streams.indices_to_device([block for block, _, _ in items], fset.device)
+                      if not whole or fset.permute is not None else None)
             if whole:  # an eigenbasis result's two extra rows make the slab strided: never copy it as such
                 orders = streams.copy_leading_rows_(target, results[next(iter(versions)) % self.depth],
                                                     n + 1 if fset.permute is not None else None)
@@ -431,7 +432,7 @@ class AsyncRefresher(Refresher):
             self.tier.after_install(fset, target)
         with side.staging():
             if fset.permute is not None:
-                if orders is None or orders.device != fset.device:
+                if orders is None:  # per-block installs, or a whole set installed into host memory
                     orders = streams.to_device([results[version % self.depth, block, n + 1]
                                                 for block, version, _ in items], fset.device)
                 fset.permute(blocks, orders.long())
