@@ -69,11 +69,17 @@ def masked_ema_square_(state: Tensor, update: Tensor, beta: float, keep: Tensor)
     return state.mul_(batch_view(decay, state)).addcmul_(update, update, value=1.0 - beta)
 
 
+def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float, keep: Tensor, weight: float = 1.0) -> Tensor:
+    """factor <- beta factor + (1 - beta) weight X_(mode) X_(mode)^T for kept blocks, the EMA fused into the
+    batched product. ``x`` must be zero in blocks that are not kept (their decay is 1)."""
+    decay = batch_view(torch.where(keep, beta, 1.0).to(factor.dtype), factor)
+    return factor.mul_(decay).baddbmm_(*gram_operands(x, mode), alpha=(1.0 - beta) * weight)
+
+
 def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float, keep: Tensor) -> None:
     """Kronecker factor EMA, one factor per mode: F_i <- beta2 F_i + (1 - beta2) G_(i) G_(i)^T."""
-    decay = batch_view(torch.where(keep, beta2, 1.0).to(grad.dtype), factors[0]) if factors else None
     for mode, factor in enumerate(factors):
-        factor.mul_(decay).baddbmm_(*gram_operands(grad, mode), alpha=1.0 - beta2)
+        gram_ema_(factor, grad, mode, beta2, keep)
 
 
 def apply_mode(x: Tensor, matrix: Tensor, mode: int) -> Tensor:

@@ -182,9 +182,7 @@ class KLShampoo(EigenbasisOptimizer):
         bases = self._preconditioners(group)
         numel = math.prod(group.shape)
         last = group.order - 1
-        # The factors' EMA is fused into the product: blocks that are not kept have zero gradients (so a zero
-        # product) and a decay of 1. Nothing below reads the factors, so they may change here.
-        decay = F.batch_view(torch.where(keep, beta, 1.0).to(grads.dtype), group.state[factor_key(0)])
+        # Nothing below reads the factors, so each may take its update as soon as it is computed.
         for mode in range(group.order):
             if rotate:
                 others = [None if b == mode else bases[b] for b in range(group.order)]
@@ -192,8 +190,7 @@ class KLShampoo(EigenbasisOptimizer):
                 half = projected * self._inv_sqrt_outer(group, skip=mode)
             else:
                 half = grads
-            group.state[factor_key(mode)].mul_(decay).baddbmm_(
-                *F.gram_operands(half, mode), alpha=(1.0 - beta) * group.shape[mode] / numel)
+            F.gram_ema_(group.state[factor_key(mode)], half, mode, beta, keep, weight=group.shape[mode] / numel)
         if rotate:
             # The last mode's projection has every mode but the last rotated already, in project()'s
             # order: one more mode product gives project(grads, bases), bit for bit, a matmul saved.
