@@ -11,7 +11,9 @@
 #            optimizers (more options in $LONG_ARGS, e.g. --no-deterministic);
 #   sweep    asteria sweep over S ($SWEEP_S) for each of $SWEEP_OPTIMIZERS (default: soap), Asteria mode, same
 #            model and batch, 150 steps ($SWEEP_ARGS);
-#   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine).
+#   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine);
+#   opt      bench/opt_step.py: one opt.step() alone, its device time per operator ($OPT_ARGS);
+#   extra    the shell line in $EXTRA_CMD (e.g. a second bench with another seed; $OUT is this batch's).
 # Logs and JSON land in $OUT (default: runs/gpu-session). Set CUDA_VISIBLE_DEVICES (and taskset) outside
 # to run two sessions side by side on a 2-GPU machine.
 set -uo pipefail
@@ -52,4 +54,7 @@ has refresh && python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 32 
   2>&1 | tee "$OUT/refresh_engine.txt"
 has scaling && python3 bench/scaling.py --out "$OUT/scaling" --nprocs 1 2 --parallel ddp fsdp --model olmo-160m \
   --steps ${SCALING_STEPS:-40} --batch-size 8 --seq-len 512 ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling.txt"
+has opt && python3 bench/opt_step.py --model olmo-160m --max-preconditioner-dim 1024 --tf32 ${OPT_ARGS:-} \
+  --out "$OUT/opt_step.json" 2>&1 | grep -v USDT | tee "$OUT/opt_step.txt"
+has extra && eval "${EXTRA_CMD:-}" 2>&1 | quiet | tee "$OUT/extra.txt"
 exit 0

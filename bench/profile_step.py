@@ -17,13 +17,18 @@ host time spent inside ``opt.step()`` before it returns (launch and Python overh
 profiler's top operators over a few steps. With ``--trace-steps N`` it then traces N consecutive steps,
 saves the Chrome trace (``--out/trace-CONFIG.json.gz``) and prints, for a typical and the slowest of
 them, each stream's GPU time, the copies, the main stream's idle gaps and slow CUDA runtime calls.
-Writes ``--out/profile.json``.
+With ``--cprofile N`` it runs N more steps with ``opt.step()`` under cProfile and prints the Python
+functions that take the training thread's time there (kernel launches included). Writes
+``--out/profile.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -120,6 +125,29 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.profile_steps):
             one_step(i)
+    host_profile = ""
+    if args.cprofile:  # where the training thread's time inside opt.step() goes, by Python function
+        profiler = cProfile.Profile()
+        step_method = opt.step
+
+        def profiled_step(*a: Any, **k: Any) -> Any:
+            profiler.enable()
+            try:
+                return step_method(*a, **k)
+            finally:
+                profiler.disable()
+
+        opt.step = profiled_step  # type: ignore[method-assign]
+        for i in range(args.cprofile):
+            one_step(i)
+        opt.step = step_method  # type: ignore[method-assign]
+        text = io.StringIO()
+        stats_view = pstats.Stats(profiler, stream=text)
+        text.write(f"opt.step() under cProfile, {args.cprofile} steps, by own time:\n")
+        stats_view.sort_stats("tottime").print_stats(args.top)
+        text.write("by cumulative time:\n")
+        stats_view.sort_stats("cumulative").print_stats(args.top)
+        host_profile = text.getvalue()
     if hooks is not None:
         hooks.remove()
     stats = opt.runtime_stats() if second_order else {}
@@ -144,11 +172,12 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"  waits {stats.get('waits')} ({stats.get('wait_seconds', 0.0):.3f} s), "
               f"worker busy {stats.get('worker_busy_fraction', 0.0):.2f}, workers {stats.get('workers')}")
     print(traced)
+    print(host_profile)
     print(top_host)
     print(top_device)
     return {"summary": summary, "slowest_steps": slowest,
             "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
-            "top_host": top_host, "top_device": top_device}
+            "top_host": top_host, "top_device": top_device, "host_profile": host_profile}
 
 
 def main() -> None:
@@ -163,6 +192,8 @@ def main() -> None:
     parser.add_argument("--top-steps", type=int, default=6, help="slowest steady steps listed with their parts")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="then trace this many consecutive steps and read them step by step (trace_steps.py)")
+    parser.add_argument("--cprofile", type=int, default=0,
+                        help="then run this many steps with opt.step() under cProfile and print its top functions")
     parser.add_argument("--configs", nargs="+", default=["adamw", "shampoo-sync", "shampoo-async"])
     parser.add_argument("--trace-stack", action="store_true",
                         help="record Python stacks in the trace (names the Python code that launched a kernel)")

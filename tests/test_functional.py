@@ -25,6 +25,17 @@ def test_masked_emas_update_kept_blocks_and_leave_the_others_bit_for_bit():
     assert torch.equal(ema[~keep], state[~keep]) and torch.equal(square[~keep], state[~keep])
 
 
+def test_decoupled_update_steps_kept_blocks_and_leaves_the_others_bit_for_bit():
+    torch.manual_seed(3)
+    weights = torch.randn(4, 3, 5, dtype=torch.float64)
+    direction = torch.randn(4, 3, 5, dtype=torch.float64)
+    keep = torch.tensor([True, False, False, True])
+    lr, weight_decay = 0.05, 0.1
+    updated = F.decoupled_update_(weights.clone(), direction, lr, weight_decay, keep)
+    torch.testing.assert_close(updated[keep], weights[keep] * (1 - lr * weight_decay) - lr * direction[keep])
+    assert torch.equal(updated[~keep], weights[~keep])
+
+
 @pytest.mark.parametrize("shape", [(6,), (6, 4), (3, 4, 5)])
 def test_mode_products_grams_and_means_match_the_unfolding(shape):
     torch.manual_seed(1)

@@ -244,7 +244,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         streak.copy_(torch.where(bad, streak + 1, torch.where(has_grad, 0, streak)))
         group.state[NONFINITE_TOTAL] += bad
         keep = has_grad & finite
-        return torch.where(F.batch_view(keep, grads), grads, 0.0), keep
+        return grads.masked_fill_(F.batch_view(~keep, grads), 0.0), keep  # ``grads`` is a stacked copy
 
     def _check_nonfinite_streaks(self) -> None:
         """Raises when some block skipped too many steps in a row. Read at refresh steps only, and on a GPU
@@ -282,9 +282,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         direction = self._direction(group, step)
         if direction is None:
             return
-        weights = group.gather_params()
-        updated = weights * (1.0 - hyper["lr"] * hyper["weight_decay"]) - hyper["lr"] * direction
-        group.scatter_params_(torch.where(F.batch_view(keep, weights), updated, weights))
+        weights = group.gather_params()  # a stacked copy: updated in place, then written back
+        group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _layout(self) -> list[list]:

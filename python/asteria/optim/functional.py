@@ -69,6 +69,17 @@ def masked_ema_square_(state: Tensor, update: Tensor, beta: float, keep: Tensor)
     return state.mul_(batch_view(decay, state)).addcmul_(update, update, value=1.0 - beta)
 
 
+def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_decay: float, keep: Tensor) -> Tensor:
+    """weights <- weights (1 - lr weight_decay) - lr direction in kept blocks, others unchanged bit for bit;
+    two passes over the block (a per-block decay, then a per-block step through ``addcmul_``).
+
+    ``direction`` must be finite in blocks that are not kept (0 times NaN is NaN).
+    """
+    decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype)
+    step = torch.where(keep, -lr, 0.0).to(weights.dtype)
+    return weights.mul_(batch_view(decay, weights)).addcmul_(direction, batch_view(step, weights))
+
+
 def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float, keep: Tensor, weight: float = 1.0) -> Tensor:
     """factor <- beta factor + (1 - beta) weight X_(mode) X_(mode)^T for kept blocks, the EMA fused into the
     batched product. ``x`` must be zero in blocks that are not kept (their decay is 1)."""

@@ -129,8 +129,9 @@ class KLShampoo(EigenbasisOptimizer):
         bases = self._preconditioners(group)
         # Times s / (1 + eps s) with s = prod_a d_a^(-1/2), as a division by 1/s + eps = prod_a d_a^(1/2) + eps:
         # three passes over the block instead of five.
-        sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)])
-        rotated = F.project(group.state[EXP_AVG], bases) / sqrt_d.add_(hyper["eps"])
+        sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)],
+                             plus=hyper["eps"])
+        rotated = F.project(group.state[EXP_AVG], bases).div_(sqrt_d)
         self._directions[id(group)] = F.project(rotated, bases, back=True)
         self._update_factors(group, grads, keep, beta, rotate=True)
 
@@ -151,17 +152,21 @@ class KLShampoo(EigenbasisOptimizer):
                                    for mode in range(group.order)])
 
     @staticmethod
-    def _outer(group: ShapeGroup, vectors: list[Tensor | None]) -> Tensor:
+    def _outer(group: ShapeGroup, vectors: list[Tensor | None], plus: float | None = None) -> Tensor:
         """The outer product of per-mode (B, n_mode) vectors (None: that mode left out), broadcastable
-        against (B, n_0, ..., n_k)."""
-        out = None
+        against (B, n_0, ..., n_k); with ``plus``, that constant added (fused into the last product)."""
+        views = []
         for mode, vector in enumerate(vectors):
-            if vector is None:
-                continue
-            shape = [group.batch] + [1] * group.order
-            shape[mode + 1] = group.shape[mode]
-            out = vector.view(shape) if out is None else out * vector.view(shape)
-        return out
+            if vector is not None:
+                shape = [group.batch] + [1] * group.order
+                shape[mode + 1] = group.shape[mode]
+                views.append(vector.view(shape))
+        out = views[0]
+        for index, view in enumerate(views[1:], start=2):
+            if plus is not None and index == len(views):
+                return torch.addcmul(out.new_tensor(plus), out, view)
+            out = out * view
+        return out if plus is None else out + plus
 
     def _estimates(self, group: ShapeGroup, rotated: Tensor) -> list[Tensor]:
         """Per mode a, the mean over the other modes of (rotated ⊙ ⊗_{b != a} d_b^(-1/2))^2: the eigenvalue
@@ -198,9 +203,8 @@ class KLShampoo(EigenbasisOptimizer):
             estimates = self._estimates(group, rotated)
             for mode, estimate in enumerate(estimates):
                 inv_sqrt = group.state[inv_sqrt_key(mode)]
-                d = (1.0 / inv_sqrt.square()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-                d = torch.lerp(d, estimate, 1.0 - beta)
-                new = (1.0 / d.sqrt()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                d = inv_sqrt.pow(-2).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).lerp_(estimate, 1.0 - beta)
+                new = d.rsqrt_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
                 new.clamp_(max=float(max(10, min(group.shape[mode], 4000))))
-                inv_sqrt.copy_(torch.where(F.batch_view(keep, new), new, inv_sqrt))
+                torch.where(F.batch_view(keep, new), new, inv_sqrt, out=inv_sqrt)
 
