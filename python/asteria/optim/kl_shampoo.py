@@ -164,7 +164,9 @@ class KLShampoo(EigenbasisOptimizer):
         out = views[0]
         for index, view in enumerate(views[1:], start=2):
             if plus is not None and index == len(views):
-                return torch.addcmul(out.new_tensor(plus), out, view)
+                # The constant as a device scalar filled on the stream (new_tensor would copy it from the host
+                # and make the training thread wait for the GPU).
+                return torch.addcmul(torch.full((), plus, dtype=out.dtype, device=out.device), out, view)
             out = out * view
         return out if plus is None else out + plus
 
