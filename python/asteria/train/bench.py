@@ -145,16 +145,19 @@ def _plot_energy(runs: dict[str, Run], path: Path) -> None:
 def format_table(results: dict[str, Any]) -> str:
     meters = sorted({r["energy_device"] for r in results["runs"].values() if r.get("energy_device")})
     lines = [f"device: {results['device']}" + (f"; energy read from NVML GPU {', '.join(meters)}" if meters else ""),
-             f"{'config':<18} {'loss':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
-             f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'peak GB':>8} {'stale':>5} {'waits':>6}"]
+             f"{'config':<18} {'loss':>7} {'val':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
+             f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'J vs adamw':>10} {'peak GB':>8} {'stale':>5} "
+             f"{'waits':>6}"]
     for label, r in results["runs"].items():
         energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "n/a"
         peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "n/a"
         gpu = f"{1e3 * r['gpu_median_step_seconds']:.1f}" if r["gpu_median_step_seconds"] else "n/a"
         vs = f"{r['median_step_vs_adamw']:.2f}x" if "median_step_vs_adamw" in r else "n/a"
-        lines.append(f"{label:<18} {r['final_loss']:>7.4f} {1e3 * r['median_step_seconds']:>10.1f} "
+        energy_vs = f"{r['energy_vs_adamw']:.3f}x" if "energy_vs_adamw" in r else "n/a"
+        val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "n/a"
+        lines.append(f"{label:<18} {r['final_loss']:>7.4f} {val:>7} {1e3 * r['median_step_seconds']:>10.1f} "
                      f"{1e3 * r['p99_step_seconds']:>8.1f} {1e3 * r['max_step_seconds']:>8.1f} "
-                     f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {peak:>8} "
+                     f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {energy_vs:>10} {peak:>8} "
                      f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
                      f"{r['waits'] if r['waits'] is not None else '-':>6}")
     lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
