@@ -160,6 +160,9 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["sweep", "--optimizer", "adamw", "--out", "OUT"], "Invalid optimizer='adamw'"),
         (["sweep", "--staleness", "1", "-2", "--out", "OUT"], "Invalid staleness=-2"),
         (["bench", "--configs", "lion-async", "--out", "OUT"], "Invalid config='lion-async'"),
+        (["bench", "--seeds", "1", "1", "--out", "OUT"], "Invalid seeds=[1, 1]: must be distinct integers >= 0"),
+        (["bench", "--seeds", "-1", "--out", "OUT"], "Invalid seeds=[-1]"),
+        (["bench", "--seed", "0", "--seeds", "1", "--out", "OUT"], "Invalid seed=0 beside seeds=[1]"),
         (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
         (["train", "--matmul-precision", "medium", "--out", "OUT"],
          "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),
@@ -223,6 +226,43 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "soap-sync" in table and "n/a" in table
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
+
+
+def test_bench_over_seeds_pairs_asteria_with_native(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path), "--steps", "7", "--eval-every", "7", "--seeds", "3", "5",
+                 "--configs", "shampoo-sync", "shampoo-async", *TINY]) == 0
+    per_seed = {seed: json.loads((tmp_path / f"seed{seed}" / "results.json").read_text()) for seed in (3, 5)}
+    assert [per_seed[s]["config"]["seed"] for s in (3, 5)] == [3, 5]
+    gathered = json.loads((tmp_path / "seeds.json").read_text())
+    assert gathered["seeds"] == [3, 5]
+    native = [per_seed[s]["runs"]["shampoo-sync"]["final_val_loss"] for s in (3, 5)]
+    asteria = [per_seed[s]["runs"]["shampoo-async"]["final_val_loss"] for s in (3, 5)]
+    deltas = [a / n - 1 for a, n in zip(asteria, native)]
+    pair = gathered["pairs"]["shampoo-async"]["final_val_loss"]
+    assert pair["per_seed"] == {"3": pytest.approx(deltas[0]), "5": pytest.approx(deltas[1])}
+    assert pair["stats"]["mean"] == pytest.approx(sum(deltas) / 2)
+    assert pair["stats"]["sd"] == pytest.approx(abs(deltas[0] - deltas[1]) / math.sqrt(2))
+    assert pair["asteria_behind"] == sum(d > 0 for d in deltas)
+    stats = gathered["configs"]["shampoo-sync"]["final_val_loss_stats"]
+    assert stats["min"] == min(native) and stats["max"] == max(native) and stats["n"] == 2
+    table = capsys.readouterr().out
+    assert "shampoo-async vs shampoo-sync" in table and "seeds with Asteria behind" in table
+
+
+def test_stagger_reaches_the_optimizer():
+    from asteria.train.cli import _run_config, build_parser
+    from asteria.train.loop import make_optimizer
+    from asteria.train.model import build_model
+
+    model = build_model("tiny", 256, 64)
+    for flags, mode, staggered in ((["--stagger"], "sync", True), (["--no-stagger"], "async", False),
+                                   ([], "async", True), ([], "sync", False)):
+        args = build_parser().parse_args(["train", "--out", "OUT", "--optimizer", "soap", "--mode", mode, *flags])
+        opt = make_optimizer(_run_config(args), model)
+        try:
+            assert any(phase != 0 for phase in opt.schedule.phases) == staggered, (flags, mode)
+        finally:
+            opt.close()
 
 
 def test_max_preconditioner_dim_reaches_the_optimizer():

@@ -128,7 +128,7 @@ class KLShampoo(EigenbasisOptimizer):
             return
         bases = self._preconditioners(group)
         # Times s / (1 + eps s) with s = prod_a d_a^(-1/2), as a division by 1/s + eps = prod_a d_a^(1/2) + eps:
-        # three passes over the block instead of five.
+        # two passes over the block (the damped outer product in one addcmul, then the division in place).
         sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)],
                              plus=hyper["eps"])
         rotated = F.project(group.state[EXP_AVG], bases).div_(sqrt_d)
@@ -162,13 +162,15 @@ class KLShampoo(EigenbasisOptimizer):
                 shape[mode + 1] = group.shape[mode]
                 views.append(vector.view(shape))
         out = views[0]
-        for index, view in enumerate(views[1:], start=2):
-            if plus is not None and index == len(views):
-                # The constant as a device scalar filled on the stream (new_tensor would copy it from the host
-                # and make the training thread wait for the GPU).
-                return torch.addcmul(torch.full((), plus, dtype=out.dtype, device=out.device), out, view)
+        for view in views[1:-1]:
             out = out * view
-        return out if plus is None else out + plus
+        if len(views) == 1:
+            return out if plus is None else out + plus
+        if plus is None:
+            return out * views[-1]
+        # The constant as a device scalar filled on the stream: a tensor made from the host value would be
+        # copied synchronously and make the training thread wait for the GPU.
+        return torch.addcmul(torch.full((), plus, dtype=out.dtype, device=out.device), out, views[-1])
 
     def _estimates(self, group: ShapeGroup, rotated: Tensor) -> list[Tensor]:
         """Per mode a, the mean over the other modes of (rotated ⊙ ⊗_{b != a} d_b^(-1/2))^2: the eigenvalue

@@ -14,17 +14,21 @@ from pathlib import Path
 import torch
 
 from asteria.train.bench import CONFIGS, format_table, run_bench
+from asteria.train.seeds import run_seeds
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int}
+OPTIONAL_FLAGS = {"stagger"}  # None (the library's choice), True or False
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
                       "step, waited for if need be; later ones follow the staleness rule",
+    "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
+               "one process); --no-stagger refreshes every set at the same step, as native mode does",
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
@@ -55,7 +59,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
             continue
         default = "auto" if f.name == "device" else f.default
         help_text = f"{HELP.get(f.name, '')} [default: {default}]".strip()
-        if isinstance(f.default, bool):  # --name / --no-name
+        if isinstance(f.default, bool) or f.name in OPTIONAL_FLAGS:  # --name / --no-name
             parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
             continue
@@ -84,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(bench_p, skip=("optimizer", "mode"))
     bench_p.add_argument("--out", type=Path, required=True)
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {CONFIGS}")
+    bench_p.add_argument("--seeds", type=int, nargs="+", default=None,
+                         help="repeat the comparison for each of these seeds (in place of --seed) into OUT/seed<S>, "
+                              "and write OUT/seeds.md: every config's loss over the seeds and Asteria's loss "
+                              "against native's, paired by seed")
     sweep_p = sub.add_parser("sweep", help="one Asteria config at several staleness bounds, with a report")
     _add_run_arguments(sweep_p, skip=("staleness",))
     sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
@@ -121,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
+        elif args.command == "bench" and args.seeds is not None:
+            if args.seed is not None:
+                raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
+            run_seeds(_run_config(args), args.out, tuple(args.configs), list(args.seeds))
+            print((args.out / "seeds.md").read_text())
+            print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "bench":
             results = run_bench(_run_config(args), args.out, tuple(args.configs))
             print(format_table(results))

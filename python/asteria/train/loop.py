@@ -37,9 +37,10 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
-                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes")
+                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
+                     "stagger")
 # What a checkpoint written before a setting existed was trained with.
-LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1}
+LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None}
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,7 @@ class RunConfig:
     weight_decay: float = 0.0
     staleness: int = 5
     sync_refreshes: int = 2
+    stagger: bool | None = None
     precondition_frequency: int = 10
     max_preconditioner_dim: int = 2048
     workers: int | None = None
@@ -96,6 +98,7 @@ class RunConfig:
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
+        check(self.stagger is None or isinstance(self.stagger, bool), "stagger", "must be None, True or False")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
         check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
@@ -168,8 +171,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
-                                    sync_refreshes=cfg.sync_refreshes, workers=cfg.workers, memory=memory,
-                                    local_world_size=local_world_size)
+                                    sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
+                                    memory=memory, local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency,
