@@ -8,12 +8,17 @@ Run:  python3 bench/staleness_lag.py --optimizer soap --steps 150 \
       python3 bench/staleness_lag.py --optimizer shampoo --runs sync det:0 --seeds 1 2 3   # sync vs async, no lag
 
 A run is ``sync``, ``nd:S[:DELAY]`` (deterministic=False, staleness S, workers sleeping up to DELAY
-seconds per job) or ``det:S`` (the deterministic rule: every version used exactly S intervals late).
+seconds per job) or ``det:S`` (the deterministic rule: every version used exactly S intervals late),
+optionally followed by ``+stagger`` or ``+flat`` (``RuntimeConfig.stagger`` True or False; by default
+async runs are staggered and sync runs are not):
+
+      python3 bench/staleness_lag.py --optimizer kl-shampoo --runs sync sync+stagger det:0 --seeds 1 2 3 4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -26,7 +31,17 @@ OPTIMIZERS = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": as
 
 
 def parse_run(spec: str, sync_refreshes: int = 2) -> tuple[asteria.RuntimeConfig, float]:
-    kind, *rest = spec.split(":")
+    base, _, layout = spec.partition("+")
+    if layout not in ("", "stagger", "flat"):
+        raise ValueError(f"Invalid run={spec!r}: a suffix must be '+stagger' or '+flat'")
+    runtime, delay = _parse_rule(base, sync_refreshes, spec)
+    if layout:
+        runtime = dataclasses.replace(runtime, stagger=layout == "stagger")
+    return runtime, delay
+
+
+def _parse_rule(rule: str, sync_refreshes: int, spec: str) -> tuple[asteria.RuntimeConfig, float]:
+    kind, *rest = rule.split(":")
     try:
         if kind == "sync" and not rest:
             return asteria.RuntimeConfig(mode="sync"), 0.0

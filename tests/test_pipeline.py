@@ -31,11 +31,14 @@ def test_stagger_phases_balance_the_cost():
 
 def test_schedule_follows_its_definition():
     schedule = RefreshSchedule(start=2, interval=3, phases=[0, 2])
-    # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 7, 10.
-    expected = {2: [(0, 1), (1, 1)], 5: [(0, 2)], 7: [(1, 2)], 8: [(0, 3)], 10: [(1, 3)], 11: [(0, 4)]}
+    # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 4, 7, 10: a staggered set's second version
+    # comes before the unstaggered one's, never after.
+    expected = {2: [(0, 1), (1, 1)], 4: [(1, 2)], 5: [(0, 2)], 7: [(1, 3)], 8: [(0, 3)], 10: [(1, 4)],
+                11: [(0, 4)]}
     for step in range(1, 12):
         assert schedule.due(step) == expected.get(step, []), step
-    assert [schedule.version_at(s, 1) for s in (1, 2, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3]
+    assert [schedule.version_at(s, 1) for s in (1, 2, 3, 4, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert [schedule.first_refresh(i) for i in (0, 1)] == [5, 4]
     with pytest.raises(ValueError, match=r"Invalid phases=\[3\]"):
         RefreshSchedule(start=1, interval=3, phases=[3])
     with pytest.raises(ValueError, match="Invalid stagger='yes'"):
