@@ -45,6 +45,22 @@ def test_schedule_follows_its_definition():
         asteria.RuntimeConfig(stagger="yes")
 
 
+@pytest.mark.parametrize("start, interval", [(1, 10), (3, 3), (2, 1)])
+def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(start, interval):
+    costs = [float(c) for c in (9, 7, 7, 5, 3, 3, 2, 1)]
+    staggered = RefreshSchedule(start, interval, stagger_phases(costs, interval))
+    plain = RefreshSchedule(start, interval, [0] * len(costs))
+    horizon = start + 6 * interval
+    for index in range(len(costs)):
+        steps = [s for s in range(1, horizon) if staggered.is_refresh_step(s, index)]
+        plain_steps = [s for s in range(1, horizon) if plain.is_refresh_step(s, index)]
+        assert steps[0] == plain_steps[0] == start  # the bootstrap, every set at once
+        assert start < steps[1] <= plain_steps[1] == start + interval  # version 2 never later than unstaggered
+        assert all(b - a == interval for a, b in zip(steps[1:], steps[2:]))
+        # Versions count the refreshes so far, whatever the phase.
+        assert [staggered.version_at(s, index) for s in steps] == list(range(1, len(steps) + 1))
+
+
 def run(name: str, runtime: asteria.RuntimeConfig, steps: int = 14, attach: bool = False, hook=None, sizes=SIZES):
     model = small_mlp(sizes=sizes)
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from asteria.train.bench import CONFIGS, format_table, run_bench
-from asteria.train.seeds import run_seeds
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
+from asteria.train.seeds import run_seeds
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
