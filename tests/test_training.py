@@ -44,3 +44,25 @@ def test_scalar_and_empty_parameters():
             opt.step()
     assert abs(scale.item() - 0.5) < 0.2
     assert vec.detach().norm().item() < 1.0
+
+
+def test_a_parameter_whose_storage_is_replaced_keeps_being_stepped():
+    """The optimizer keeps its views of the parameters between steps; ``param.data = ...`` (a new
+    storage) must be picked up, or the steps would land in the old tensor."""
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    with asteria.Shampoo([weight], lr=0.1, precondition_frequency=2,
+                         runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        def step() -> None:
+            opt.zero_grad()
+            (weight**2).sum().backward()
+            opt.step()
+
+        step()
+        step()
+        old = weight.data
+        weight.data = weight.data.clone() * 2.0  # a new storage, the values doubled
+        before_old, before_new = old.clone(), weight.detach().clone()
+        step()
+        assert torch.equal(old, before_old)  # the old storage is no longer the parameter
+        assert not torch.equal(weight.detach(), before_new)
+        assert weight.detach().norm() < before_new.norm()  # the step went into the new storage, downhill
