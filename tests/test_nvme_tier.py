@@ -70,7 +70,9 @@ def test_corrupted_and_removed_pages_raise_clear_errors(tmp_path):
     data = regression_data(sizes=SIZES)
     model, opt = make("shampoo", str(tmp_path), budget)
     with opt:
-        train(model, opt, 5, data=data)
+        # Bootstrap at step 3, version 2 of every set at step 6 (f = 3, both used at their own step);
+        # version 3 comes into use only at step 13 (S = 2): the next steps read the live version 2.
+        train(model, opt, 7, data=data)
         for path in page_files(tmp_path):
             size = os.path.getsize(path)
             # A byte of every slot's payload (slots A and B of 4096 bytes, each a 64-byte header and the

@@ -31,32 +31,46 @@ def test_stagger_phases_balance_the_cost():
 
 def test_schedule_follows_its_definition():
     schedule = RefreshSchedule(start=2, interval=3, phases=[0, 2])
-    # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 4, 7, 10: a staggered set's second version
-    # comes before the unstaggered one's, never after.
+    # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 4, 7, 10: a staggered set's versions come
+    # no later than the unstaggered ones.
     expected = {2: [(0, 1), (1, 1)], 4: [(1, 2)], 5: [(0, 2)], 7: [(1, 3)], 8: [(0, 3)], 10: [(1, 4)],
                 11: [(0, 4)]}
     for step in range(1, 12):
         assert schedule.due(step) == expected.get(step, []), step
     assert [schedule.version_at(s, 1) for s in (1, 2, 3, 4, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3, 3, 4]
-    assert [schedule.first_refresh(i) for i in (0, 1)] == [5, 4]
+    assert [schedule.first_staggered(i) for i in (0, 1)] == [5, 4]
+    # With two aligned versions (sync_refreshes=2) the second also comes on the unstaggered step, 5;
+    # set 1 then takes its phase: 7, 10.
+    aligned = RefreshSchedule(start=2, interval=3, phases=[0, 2], aligned=2)
+    expected = {2: [(0, 1), (1, 1)], 5: [(0, 2), (1, 2)], 7: [(1, 3)], 8: [(0, 3)], 10: [(1, 4)], 11: [(0, 4)]}
+    for step in range(1, 12):
+        assert aligned.due(step) == expected.get(step, []), step
+    assert [aligned.version_at(s, 1) for s in (1, 2, 4, 5, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3, 3, 4]
+    with pytest.raises(ValueError, match=r"Invalid aligned=0"):
+        RefreshSchedule(start=1, interval=3, phases=[0], aligned=0)
     with pytest.raises(ValueError, match=r"Invalid phases=\[3\]"):
         RefreshSchedule(start=1, interval=3, phases=[3])
     with pytest.raises(ValueError, match="Invalid stagger='yes'"):
         asteria.RuntimeConfig(stagger="yes")
 
 
+@pytest.mark.parametrize("aligned", [1, 2, 3])
 @pytest.mark.parametrize("start, interval", [(1, 10), (3, 3), (2, 1)])
-def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(start, interval):
+def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(start, interval, aligned):
     costs = [float(c) for c in (9, 7, 7, 5, 3, 3, 2, 1)]
-    staggered = RefreshSchedule(start, interval, stagger_phases(costs, interval))
-    plain = RefreshSchedule(start, interval, [0] * len(costs))
-    horizon = start + 6 * interval
+    staggered = RefreshSchedule(start, interval, stagger_phases(costs, interval), aligned=aligned)
+    plain = RefreshSchedule(start, interval, [0] * len(costs), aligned=aligned)
+    horizon = start + (aligned + 6) * interval
     for index in range(len(costs)):
         steps = [s for s in range(1, horizon) if staggered.is_refresh_step(s, index)]
         plain_steps = [s for s in range(1, horizon) if plain.is_refresh_step(s, index)]
-        assert steps[0] == plain_steps[0] == start  # the bootstrap, every set at once
-        assert start < steps[1] <= plain_steps[1] == start + interval  # version 2 never later than unstaggered
-        assert all(b - a == interval for a, b in zip(steps[1:], steps[2:]))
+        assert plain_steps == list(range(start, horizon, interval))
+        # The aligned versions (the bootstrap and those used at their own step) are the unstaggered ones.
+        assert steps[:aligned] == plain_steps[:aligned]
+        # Every later version comes no later than the unstaggered one, one interval apart.
+        assert all(s <= p for s, p in zip(steps, plain_steps))
+        assert all(b - a == interval for a, b in zip(steps[aligned:], steps[aligned + 1:]))
+        assert steps[aligned] > steps[aligned - 1]
         # Versions count the refreshes so far, whatever the phase.
         assert [staggered.version_at(s, index) for s in steps] == list(range(1, len(steps) + 1))
 
@@ -79,11 +93,12 @@ def snapshot_bytes_per_step(runtime: asteria.RuntimeConfig, steps: int = 12) -> 
 
 
 def test_staggered_snapshots_spread_over_the_interval():
-    staggered = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1), steps=14)[5:14]
-    plain = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1, stagger=False), steps=14)[5:14]
-    # Steps 6 to 14, three whole intervals after the bootstrap refresh at step 3 (f = 3, phases 0 to 2):
-    # the same bytes in all, but unstaggered they come on one step per interval, staggered on several,
-    # none carrying a whole interval's.
+    staggered = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1), steps=15)[6:15]
+    plain = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1, stagger=False), steps=15)[6:15]
+    # Steps 7 to 15, three whole intervals after the refreshes used at their own step (the bootstrap at
+    # step 3 and the first refresh at 6, both unstaggered; f = 3, phases 0 to 2): the same bytes in all,
+    # but unstaggered they come on one step per interval, staggered on several, none carrying a whole
+    # interval's.
     assert sum(staggered) == sum(plain) > 0
     assert sum(1 for b in plain if b) == 3
     assert sum(1 for b in staggered if b) > 3 and max(staggered) < max(plain)

@@ -92,7 +92,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         stagger = self._staggered()
         costs = [float(s.batch) * s.dim**3 for s in sets]
         phases = stagger_phases(costs, precondition_frequency) if stagger else [0] * len(sets)
-        self.schedule = RefreshSchedule(start, precondition_frequency, phases)
+        # The versions used at their own step come on the unstaggered steps (see ``RefreshSchedule``).
+        self.schedule = RefreshSchedule(start, precondition_frequency, phases,
+                                        aligned=max(1, self.runtime.sync_refreshes))
         self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
                                                     [g for _, g in self._set_groups])
         self._refresher.tier = self._tier

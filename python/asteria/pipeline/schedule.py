@@ -1,15 +1,22 @@
 """When each factor set is refreshed: the refresh schedule, optionally staggered within the interval.
 
 Every set is refreshed for the first time at ``start`` (the bootstrap: all sets at once, since no set
-has a preconditioner yet). After that, set i is refreshed every ``interval`` steps from its first
-refresh, ``start + phase_i`` (``start + interval`` for phase 0). Without staggering every phase is 0
-and all sets refresh on the same steps. With staggering the phases spread the sets over the interval
-so that no single step carries every snapshot copy and every job: sets are placed largest first (by
-their O(n^3) refresh cost) on the step of the interval with the least cost so far. A staggered set's
-second version thus comes no later than an unstaggered one's: the bootstrap basis comes from the first
-gradient alone, and an earlier schedule, which kept some sets on it for up to 2f - 1 steps, went with an
-8.5% higher loss for native KL-Shampoo on olmo-160m after 250 steps (one seed; docs/results.md). The
-phases depend only on the sets' shapes, never on timing, so a staggered run stays deterministic.
+has a preconditioner yet), and its first ``aligned`` versions (the bootstrap and the refreshes used at
+their own step, ``RuntimeConfig.sync_refreshes``) come on the unstaggered steps ``start + k * interval``.
+After that, set i is refreshed every ``interval`` steps from ``start + (aligned - 1) * interval +
+phase_i`` (one interval later for phase 0). Without staggering every phase is 0 and all sets refresh
+on the same steps. With staggering the phases spread the sets over the interval so that no single step
+carries every snapshot copy and every job: sets are placed largest first (by their O(n^3) refresh cost)
+on the step of the interval with the least cost so far.
+
+So a staggered set's versions never come later than an unstaggered set's, and the versions used at
+their own step are the unstaggered ones. An earlier schedule started the phases after the bootstrap,
+so that some sets waited up to 2 * interval - 1 steps for their second version; on olmo-160m it went
+with an 8.5% higher loss for native KL-Shampoo after 250 steps (one seed; docs/results.md). Staggering
+the aligned versions as well made them come from fewer gradients, which cost 1-3% on the tiny preset
+under the deterministic rule, where each such version stays in use for S intervals.
+
+The phases depend only on the sets' shapes, never on timing, so a staggered run stays deterministic.
 """
 
 from __future__ import annotations
@@ -33,28 +40,34 @@ class RefreshSchedule:
     """The refresh steps and version numbers of each factor set (version 1 is the bootstrap refresh
     at ``start``; version k + 1 is the k-th refresh after it)."""
 
-    def __init__(self, start: int, interval: int, phases: Sequence[int]) -> None:
+    def __init__(self, start: int, interval: int, phases: Sequence[int], aligned: int = 1) -> None:
         if any(not 0 <= p < interval for p in phases):
             raise ValueError(f"Invalid phases={list(phases)}: each must be in [0, {interval})")
+        if not isinstance(aligned, int) or aligned < 1:
+            raise ValueError(f"Invalid aligned={aligned!r}: must be an int >= 1 (the bootstrap is always aligned)")
         self.start = start
         self.interval = interval
         self.phases = list(phases)
+        self.aligned = aligned
 
-    def first_refresh(self, index: int) -> int:
-        """The step of set ``index``'s first refresh after the bootstrap (version 2)."""
-        return self.start + (self.phases[index] or self.interval)
+    def first_staggered(self, index: int) -> int:
+        """The step of set ``index``'s first refresh on its own phase (version ``aligned + 1``)."""
+        return self.start + (self.aligned - 1) * self.interval + (self.phases[index] or self.interval)
 
     def version_at(self, step: int, index: int) -> int:
         """The newest version of set ``index`` snapshotted at or before ``step`` (0: none yet)."""
         if step < self.start:
             return 0
-        first = self.first_refresh(index)
-        return 1 if step < first else 2 + (step - first) // self.interval
+        first = self.first_staggered(index)
+        if step < first:
+            return min(self.aligned, 1 + (step - self.start) // self.interval)
+        return self.aligned + 1 + (step - first) // self.interval
 
     def is_refresh_step(self, step: int, index: int) -> bool:
-        if step == self.start:
-            return True
-        offset = step - self.first_refresh(index)
+        offset = step - self.start
+        if 0 <= offset <= (self.aligned - 1) * self.interval:
+            return offset % self.interval == 0
+        offset = step - self.first_staggered(index)
         return offset >= 0 and offset % self.interval == 0
 
     def due(self, step: int) -> list[tuple[int, int]]:
