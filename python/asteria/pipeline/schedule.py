@@ -13,7 +13,7 @@ So a staggered set's versions never come later than an unstaggered set's, and th
 their own step are the unstaggered ones. An earlier schedule started the phases after the bootstrap,
 so that some sets waited up to 2 * interval - 1 steps for their second version; on olmo-160m it went
 with an 8.5% higher loss for native KL-Shampoo after 250 steps (one seed; docs/results.md). Staggering
-the aligned versions as well made them come from fewer gradients, which cost 1-3% on the tiny preset
+the aligned versions as well made them come from fewer gradients, which cost 0.8-3.5% on the tiny preset
 under the deterministic rule, where each such version stays in use for S intervals.
 
 The phases depend only on the sets' shapes, never on timing, so a staggered run stays deterministic.
