@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import asteria
+from asteria import testing
 from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
 from conftest import regression_data, small_mlp, train
 
@@ -71,8 +72,45 @@ def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(
         assert all(s <= p for s, p in zip(steps, plain_steps))
         assert all(b - a == interval for a, b in zip(steps[aligned:], steps[aligned + 1:]))
         assert steps[aligned] > steps[aligned - 1]
-        # Versions count the refreshes so far, whatever the phase.
+        # Versions count the refreshes so far, whatever the phase, and each knows its snapshot's step.
         assert [staggered.version_at(s, index) for s in steps] == list(range(1, len(steps) + 1))
+        assert [staggered.snapshot_step(index, v) for v in range(1, len(steps) + 1)] == steps
+    with pytest.raises(ValueError, match=r"Invalid version=0"):
+        staggered.snapshot_step(0, 0)
+
+
+@pytest.mark.parametrize("name, staleness", [("shampoo", 0), ("shampoo", 2), ("soap", 1), ("kl-shampoo", 2)])
+def test_install_delays_are_staleness_intervals_under_the_deterministic_rule(name, staleness):
+    _, stats = run(name, asteria.RuntimeConfig(staleness=staleness, workers=2), steps=24)
+    histogram = stats["install_delay_histogram"]
+    # Every block of every set (staggered, f = 3) installs each version after the sync refreshes exactly
+    # S intervals after its snapshot, as native mode would S intervals earlier.
+    assert sum(histogram) > 0 and histogram[-1] == sum(histogram) and len(histogram) == 3 * staleness + 1
+    assert stats["install_delay_mean_steps"] == stats["install_delay_max_steps"] == 3 * staleness
+    assert sum(s["installs"] for s in stats["install_delay_by_set"]) == sum(histogram)
+    assert all(s["mean_steps"] == 3 * staleness for s in stats["install_delay_by_set"] if s["installs"])
+
+
+def test_install_delays_count_how_late_the_newest_finished_version_came():
+    # Unstaggered, f = 3: versions 1 and 2 (steps 3 and 6) are used at their own step; version 3, snapshotted
+    # at step 9, is held in the workers past step 10 (a latch, no timing) and installed at step 11.
+    model, data = small_mlp(sizes=SIZES), regression_data(sizes=SIZES)
+    runtime = asteria.RuntimeConfig(staleness=1, workers=2, deterministic=False, stagger=False)
+    with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
+        engine, blocks = opt._refresher.engine, testing.engine_blocks(opt)
+        for block in blocks:
+            engine.inject_fault(block.id, 3, "pause")
+        train(model, opt, 10, data=data)  # version 3's jobs cannot finish before the release below
+        assert opt.runtime_stats()["install_delay_histogram"] == []  # nothing after the aligned versions yet
+        testing.clear_faults(opt)  # jobs not started yet run through; then the paused ones go on
+        engine.release_pauses()
+        engine.drain(30.0)
+        train(model, opt, 1, data=data)
+        stats = opt.runtime_stats()
+    assert stats["install_delay_histogram"] == [0, 0, len(blocks)]
+    assert stats["install_delay_mean_steps"] == stats["install_delay_max_steps"] == 2
+    _, native = run("shampoo", asteria.RuntimeConfig(mode="sync"), steps=6)
+    assert native["install_delay_mean_steps"] is None and native["install_delay_histogram"] == []
 
 
 def run(name: str, runtime: asteria.RuntimeConfig, steps: int = 14, attach: bool = False, hook=None, sizes=SIZES):

@@ -25,7 +25,7 @@ from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
                                       check_positive, validate_state_dict)
 from asteria.pipeline.refresh import Refresher, make_refresher
-from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
+from asteria.pipeline.schedule import InstallDelays, RefreshSchedule, stagger_phases
 from asteria.pipeline.tiers import PreconditionerTier
 
 
@@ -95,6 +95,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         # The versions used at their own step come on the unstaggered steps (see ``RefreshSchedule``).
         self.schedule = RefreshSchedule(start, precondition_frequency, phases,
                                         aligned=max(1, self.runtime.sync_refreshes))
+        self._delays = InstallDelays(self.schedule, [s.name for s in sets])
         self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
                                                     [g for _, g in self._set_groups])
         self._refresher.tier = self._tier
@@ -201,9 +202,18 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         (the schedule of the deterministic rule would give the same answer twice)."""
         again = self.runtime.mode == "async" and not self.runtime.deterministic
         if step >= 1 and (self._activated_step < step or again):
-            self._refresher.activate(step)
+            self._run_activation(step)
             self._activated_step = step
         self._refresher.ready()
+
+    def _run_activation(self, step: int) -> None:
+        """The refresher's activation of ``step``, with the delay of every version it installs counted."""
+        before = [list(fset.versions) for fset, _ in self._set_groups]
+        self._refresher.activate(step)
+        for index, ((fset, _), old) in enumerate(zip(self._set_groups, before)):
+            for block, version in enumerate(fset.versions):
+                if version != old[block]:
+                    self._delays.record(step, index, version)
 
     def is_refresh_step(self, step: int) -> bool:
         """Whether some factor set is refreshed at ``step`` (see ``self.schedule`` for each set)."""
@@ -225,7 +235,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
                                            for _, version in self.schedule.due(step)):
             return
-        self._refresher.activate(step)
+        self._run_activation(step)
         self._activated_step = step
         self._tier.prefetch()
 
@@ -347,6 +357,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         stats = {"mode": self.runtime.mode, "staleness_budget": self.runtime.staleness, "step": self._step,
                  "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
+        stats.update(self._delays.stats())
         stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))
         return stats
 

@@ -54,6 +54,14 @@ class RefreshSchedule:
         """The step of set ``index``'s first refresh on its own phase (version ``aligned + 1``)."""
         return self.start + (self.aligned - 1) * self.interval + (self.phases[index] or self.interval)
 
+    def snapshot_step(self, index: int, version: int) -> int:
+        """The step at which version ``version`` (>= 1) of set ``index`` is snapshotted."""
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"Invalid version={version!r}: must be an int >= 1 (1 is the bootstrap)")
+        if version <= self.aligned:
+            return self.start + (version - 1) * self.interval
+        return self.first_staggered(index) + (version - self.aligned - 1) * self.interval
+
     def version_at(self, step: int, index: int) -> int:
         """The newest version of set ``index`` snapshotted at or before ``step`` (0: none yet)."""
         if step < self.start:
@@ -73,3 +81,45 @@ class RefreshSchedule:
     def due(self, step: int) -> list[tuple[int, int]]:
         """``(set index, version)`` of every set refreshed at ``step``."""
         return [(i, self.version_at(step, i)) for i in range(len(self.phases)) if self.is_refresh_step(step, i)]
+
+
+class InstallDelays:
+    """How many steps after native mode's each version is first used. Native mode uses a version
+    snapshotted at step t from the activation of step t on (SOAP and KL-Shampoo read it from step t + 1),
+    so a version's delay is the step whose activation installed it, minus t. Counted per block install,
+    for the versions after the aligned ones (those are waited for by design: delay 0). Under the
+    deterministic rule every delay is staleness x interval; under the newest-finished rule it is how late
+    the workers' result came. Versions a block passes over are not counted."""
+
+    def __init__(self, schedule: RefreshSchedule, names: Sequence[str]) -> None:
+        self.schedule = schedule
+        self.names = list(names)
+        self.histogram: list[int] = []
+        self.per_set = [[0, 0, 0] for _ in self.names]  # installs, summed delay, max delay
+
+    def record(self, step: int, index: int, version: int) -> None:
+        if version <= self.schedule.aligned:
+            return
+        delay = max(0, step - self.schedule.snapshot_step(index, version))
+        if delay >= len(self.histogram):
+            self.histogram.extend([0] * (delay + 1 - len(self.histogram)))
+        self.histogram[delay] += 1
+        counts = self.per_set[index]
+        counts[0] += 1
+        counts[1] += delay
+        counts[2] = max(counts[2], delay)
+
+    def stats(self) -> dict[str, object]:
+        """``install_delay_mean_steps`` and ``install_delay_max_steps`` over every counted install (None
+        before any), ``install_delay_histogram`` (entry d: installs d steps late) and
+        ``install_delay_by_set`` (per set: its name, installs, mean and max delay)."""
+        installs = sum(self.histogram)
+        total = sum(d * n for d, n in enumerate(self.histogram))
+        return {
+            "install_delay_mean_steps": total / installs if installs else None,
+            "install_delay_max_steps": len(self.histogram) - 1 if installs else None,
+            "install_delay_histogram": list(self.histogram),
+            "install_delay_by_set": [{"set": name, "installs": n, "mean_steps": summed / n if n else None,
+                                      "max_steps": top if n else None}
+                                     for name, (n, summed, top) in zip(self.names, self.per_set)],
+        }

@@ -94,6 +94,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "staleness_histogram": stats.get("staleness_histogram"),
             "waits": stats.get("waits"),
             "wait_seconds": stats.get("wait_seconds"),
+            "install_delay_mean_steps": stats.get("install_delay_mean_steps"),
+            "install_delay_max_steps": stats.get("install_delay_max_steps"),
         }
         if reference is not None:
             ref = reference.summary
@@ -147,7 +149,7 @@ def format_table(results: dict[str, Any]) -> str:
     lines = [f"device: {results['device']}" + (f"; energy read from NVML GPU {', '.join(meters)}" if meters else ""),
              f"{'config':<18} {'loss':>7} {'val':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
              f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'J vs adamw':>10} {'peak GB':>8} {'stale':>5} "
-             f"{'waits':>6}"]
+             f"{'waits':>6} {'delay':>6}"]
     for label, r in results["runs"].items():
         energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "n/a"
         peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "n/a"
@@ -155,11 +157,15 @@ def format_table(results: dict[str, Any]) -> str:
         vs = f"{r['median_step_vs_adamw']:.2f}x" if "median_step_vs_adamw" in r else "n/a"
         energy_vs = f"{r['energy_vs_adamw']:.3f}x" if "energy_vs_adamw" in r else "n/a"
         val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "n/a"
+        delay = r.get("install_delay_mean_steps")  # absent from results written before it was measured
+        delay = "-" if delay is None else f"{delay:.2f}"
         lines.append(f"{label:<18} {r['final_loss']:>7.4f} {val:>7} {1e3 * r['median_step_seconds']:>10.1f} "
                      f"{1e3 * r['p99_step_seconds']:>8.1f} {1e3 * r['max_step_seconds']:>8.1f} "
                      f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {energy_vs:>10} {peak:>8} "
                      f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
-                     f"{r['waits'] if r['waits'] is not None else '-':>6}")
+                     f"{r['waits'] if r['waits'] is not None else '-':>6} {delay:>6}")
+    lines.append("delay: the mean number of steps by which a version's first use comes after native mode's "
+                 "(the versions after the sync refreshes)")
     lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
                  "(allocation, compilation, the sync refreshes); slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
