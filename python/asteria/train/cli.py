@@ -1,7 +1,8 @@
 """The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``; on several processes under
 torchrun: ``torchrun --nproc-per-node N -m asteria.train.cli train --parallel ddp|fsdp ...``), ``demo``
 (AdamW vs Asteria Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one
-config over staleness bounds) and ``report`` over finished runs."""
+config over staleness bounds), ``seeds`` (Asteria against native over seeds, from bench results on disk)
+and ``report`` over finished runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from asteria.train.bench import CONFIGS, format_table, run_bench
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
-from asteria.train.seeds import run_seeds
+from asteria.train.seeds import gather, run_seeds, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
@@ -97,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
                          help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
     sweep_p.add_argument("--out", type=Path, required=True)
+    seeds_p = sub.add_parser("seeds", help="Asteria's loss against native's over seeds, from bench results on disk")
+    seeds_p.add_argument("runs", type=Path, nargs="+",
+                         help="bench output folders or results.json files (searched recursively; several runs of "
+                              "one seed count as that seed once, at their mean)")
+    seeds_p.add_argument("--out", type=Path, required=True, help="where seeds.md and seeds.json go")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
     report_p.add_argument("--out", type=Path, required=True)
@@ -139,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             results = run_bench(_run_config(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
+        elif args.command == "seeds":
+            per_seed, devices = gather(list(args.runs))
+            write_summary(per_seed, devices, args.out)
+            print((args.out / "seeds.md").read_text())
+            print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "sweep":
             result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out)
             spread = result["spread_final_loss_s_le_5"]

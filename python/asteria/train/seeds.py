@@ -6,12 +6,18 @@ so "Asteria's loss is within 1% of native's" can only be judged over seeds: each
 bench`` lands in ``DIR/seed<S>/``, and ``DIR/seeds.json`` and ``DIR/seeds.md`` gather every config's
 final and validation loss per seed, their mean and sample standard deviation, the energy per step
 relative to AdamW, and for every ``X-async`` run beside its ``X-sync`` run the relative difference
-(async / sync - 1) per seed with its mean, standard deviation and how many seeds had Asteria behind.
+(async / sync - 1) per seed with its mean, standard error, 95% interval, how many seeds had Asteria
+behind and whether the interval puts Asteria within 1% of native.
+
+``asteria seeds DIR...`` gathers the same from bench results already on disk (several calls or
+machines; several runs of one seed count as one seed at their mean): native runs of one seed differ
+by up to a few percent between runs too, so more runs per seed narrow the interval.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -21,43 +27,110 @@ from asteria.train.bench import run_bench
 from asteria.train.loop import RunConfig
 
 
-def _spread(values: list[float]) -> dict[str, float | int | None]:
-    """Mean, sample standard deviation (None for one value), min, max and count."""
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None,
-            "min": min(values), "max": max(values), "n": len(values)}
+#: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: the normal's 1.96)
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+#: the issue's bound on Asteria's loss against native's
+LOSS_TOLERANCE = 0.01
 
 
-def summarize(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The seeds' ``results.json`` contents (seed -> results) gathered per config and per native/Asteria
-    pair."""
+def _spread(values: list[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation, standard error of the mean and its 95% interval (None for one
+    value), min, max and count."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if n > 1 else None
+    se = sd / math.sqrt(n) if sd is not None else None
+    half = None if se is None else (T95[n - 2] if n - 1 <= len(T95) else 1.96) * se
+    return {"mean": mean, "sd": sd, "se": se, "ci95": None if half is None else [mean - half, mean + half],
+            "min": min(values), "max": max(values), "n": n}
+
+
+def _verdict(stats: dict[str, Any] | None) -> str | None:
+    """Whether Asteria's mean loss is within ``LOSS_TOLERANCE`` of native's: "met" when the 95% interval
+    of the paired difference lies at or below it, "not met" when it lies above, else "undecided"."""
+    if stats is None or stats["ci95"] is None:
+        return None
+    low, high = stats["ci95"]
+    return "met" if high <= LOSS_TOLERANCE else "not met" if low > LOSS_TOLERANCE else "undecided"
+
+
+def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Bench rows gathered per seed and config (seed -> label -> the rows of every run of it) into
+    per-config statistics over the seeds (each seed counted once, at the mean of its runs) and per
+    native/Asteria pair, the per-seed relative differences."""
     seeds = sorted(per_seed)
-    labels = list(per_seed[seeds[0]]["runs"])
+    labels = list(dict.fromkeys(label for seed in seeds for label in per_seed[seed]))
+
+    def seed_mean(seed: int, label: str, key: str) -> float | None:
+        values = [row[key] for row in per_seed[seed].get(label, []) if row.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
     configs: dict[str, Any] = {}
     for label in labels:
-        runs = {seed: per_seed[seed]["runs"][label] for seed in seeds}
-        row: dict[str, Any] = {"final_loss": {str(s): r["final_loss"] for s, r in runs.items()},
-                               "final_val_loss": {str(s): r["final_val_loss"] for s, r in runs.items()}}
-        row["final_loss_stats"] = _spread(list(row["final_loss"].values()))
-        vals = [v for v in row["final_val_loss"].values() if v is not None]
-        row["final_val_loss_stats"] = _spread(vals) if vals else None
-        energy = [r["energy_vs_adamw"] for r in runs.values() if "energy_vs_adamw" in r]
+        row: dict[str, Any] = {"runs": {str(s): len(per_seed[s][label]) for s in seeds if label in per_seed[s]}}
+        for key in ("final_loss", "final_val_loss"):
+            means = {str(s): seed_mean(s, label, key) for s in seeds if label in per_seed[s]}
+            row[key] = means
+            values = [v for v in means.values() if v is not None]
+            row[f"{key}_stats"] = _spread(values) if values else None
+        energy = [r["energy_vs_adamw"] for s in seeds for r in per_seed[s].get(label, []) if "energy_vs_adamw" in r]
         row["energy_vs_adamw_stats"] = _spread(energy) if energy else None
         configs[label] = row
     pairs: dict[str, Any] = {}
     for label in labels:
-        if not label.endswith("-async") or label.replace("-async", "-sync") not in labels:
-            continue
         native = label.replace("-async", "-sync")
+        if not label.endswith("-async") or native not in labels:
+            continue
         pair: dict[str, Any] = {"native": native}
         for key in ("final_loss", "final_val_loss"):
-            deltas = {str(seed): per_seed[seed]["runs"][label][key] / per_seed[seed]["runs"][native][key] - 1.0
-                      for seed in seeds if per_seed[seed]["runs"][label][key] is not None
-                      and per_seed[seed]["runs"][native][key] is not None}
-            pair[key] = {"per_seed": deltas,
-                         "stats": _spread(list(deltas.values())) if deltas else None,
-                         "asteria_behind": sum(d > 0 for d in deltas.values())}
+            deltas = {}
+            for seed in seeds:
+                ours, theirs = seed_mean(seed, label, key), seed_mean(seed, native, key)
+                if ours is not None and theirs is not None:
+                    deltas[str(seed)] = ours / theirs - 1.0
+            stats = _spread(list(deltas.values())) if deltas else None
+            pair[key] = {"per_seed": deltas, "stats": stats, "asteria_behind": sum(d > 0 for d in deltas.values()),
+                         "within_tolerance": _verdict(stats)}
         pairs[label] = pair
-    return {"seeds": seeds, "configs": configs, "pairs": pairs}
+    return {"seeds": seeds, "configs": configs, "pairs": pairs, "loss_tolerance": LOSS_TOLERANCE}
+
+
+def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str]]:
+    """Every ``asteria bench`` ``results.json`` at or below ``paths`` (several calls, machines or
+    ``--seeds`` runs), as seed -> label -> rows, and the devices they ran on."""
+    files: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise ValueError(f"Invalid run path {str(path)!r}: it does not exist")
+        files += [path] if path.is_file() else sorted(path.rglob("results.json"))
+    per_seed: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    devices: list[str] = []
+    settings: dict[Path, dict[str, Any]] = {}
+    for file in dict.fromkeys(files):
+        try:
+            results = json.loads(file.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"Invalid results file {str(file)!r}: {error}") from error
+        if not isinstance(results, dict) or not {"runs", "config", "device"} <= results.keys():
+            continue  # some other results.json (a sweep's, a profile's)
+        settings[file] = {k: v for k, v in results["config"].items() if k != "seed"}
+        seed = results["config"]["seed"]
+        for label, row in results["runs"].items():
+            per_seed.setdefault(seed, {}).setdefault(label, []).append(row)
+        devices.append(results["device"])
+    if not per_seed:
+        raise ValueError(f"Invalid runs={[str(p) for p in paths]}: no `asteria bench` results.json at or below them")
+    # Runs of other settings (steps, staggering, ...) are other experiments: never pooled.
+    first = next(iter(settings.values()))
+    differ = sorted({key for config in settings.values() for key in first.keys() | config.keys()
+                     if config.get(key) != first.get(key)})
+    if differ:
+        listed = "; ".join(f"{key}: " + ", ".join(sorted({json.dumps(c.get(key)) for c in settings.values()}))
+                           for key in differ)
+        raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than the seed "
+                         f"({listed}); gather the runs of one setting at a time")
+    return per_seed, list(dict.fromkeys(devices))
 
 
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
@@ -68,26 +141,53 @@ def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
     return f"{scale * stats['mean']:{'+' if percent else ''}{spec}}{unit}{sd}"
 
 
-def format_markdown(summary: dict[str, Any], device: str) -> str:
+def _interval(stats: dict[str, Any] | None) -> str:
+    if stats is None or stats["ci95"] is None:
+        return "n/a"
+    low, high = stats["ci95"]
+    return f"{100 * low:+.2f}% to {100 * high:+.2f}%"
+
+
+def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
     seeds = summary["seeds"]
-    lines = [f"# `asteria bench` over seeds {', '.join(map(str, seeds))} ({device})", "",
-             "Mean ± sample standard deviation over the seeds. Final loss: the mean of the last 10 steps' "
-             "training loss.", "",
-             "| config | final loss | val loss | energy/step vs AdamW |", "|---|---|---|---|"]
+    lines = [f"# `asteria bench` over seeds {', '.join(map(str, seeds))} ({', '.join(devices)})", "",
+             "Each seed counts once, at the mean of its runs; mean ± sample standard deviation over the seeds. "
+             "Final loss: the mean of the last 10 steps' training loss.", "",
+             "| config | runs | final loss | val loss | energy/step vs AdamW |", "|---|---|---|---|---|"]
     for label, row in summary["configs"].items():
-        lines.append(f"| {label} | {_fmt(row['final_loss_stats'], '.4f')} | {_fmt(row['final_val_loss_stats'], '.4f')} "
-                     f"| {_fmt(row['energy_vs_adamw_stats'], '.3f')} |")
+        lines.append(f"| {label} | {sum(row['runs'].values())} | {_fmt(row['final_loss_stats'], '.4f')} | "
+                     f"{_fmt(row['final_val_loss_stats'], '.4f')} | {_fmt(row['energy_vs_adamw_stats'], '.3f')} |")
     if summary["pairs"]:
-        lines += ["", "Asteria against native, paired by seed (async / sync - 1):", "",
-                  "| config | val loss per seed | val loss | final loss | seeds with Asteria behind (val) |",
-                  "|---|---|---|---|---|"]
+        tolerance = 100 * summary["loss_tolerance"]
+        lines += ["", "Asteria against native, paired by seed (async / sync - 1), validation loss; mean ± standard "
+                  f"error and the 95% interval (Student's t) of the mean difference; within {tolerance:g}%: met when "
+                  "the whole interval is at or below it, not met when the whole interval is above it:", "",
+                  "| config | per seed | mean ± SE | 95% interval | seeds with Asteria behind | "
+                  f"within {tolerance:g}% | final loss, mean ± SE |", "|---|---|---|---|---|---|---|"]
         for label, pair in summary["pairs"].items():
-            val = pair["final_val_loss"]
+            val, final = pair["final_val_loss"], pair["final_loss"]
             per_seed = ", ".join(f"{seed}: {100 * d:+.1f}%" for seed, d in val["per_seed"].items()) or "n/a"
-            lines.append(f"| {label} vs {pair['native']} | {per_seed} | {_fmt(val['stats'], '.2f', True)} | "
-                         f"{_fmt(pair['final_loss']['stats'], '.2f', True)} | "
-                         f"{val['asteria_behind']} of {len(val['per_seed'])} |")
+            lines.append(f"| {label} vs {pair['native']} | {per_seed} | {_fmt_se(val['stats'])} | "
+                         f"{_interval(val['stats'])} | {val['asteria_behind']} of {len(val['per_seed'])} | "
+                         f"{val['within_tolerance'] or 'n/a (one seed)'} | {_fmt_se(final['stats'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt_se(stats: dict[str, Any] | None) -> str:
+    if stats is None:
+        return "n/a"
+    se = "" if stats["se"] is None else f" ± {100 * stats['se']:.2f}%"
+    return f"{100 * stats['mean']:+.2f}%{se}"
+
+
+def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices: list[str],
+                  out: Path) -> dict[str, Any]:
+    """``summarize`` into ``out/seeds.json`` and ``out/seeds.md``."""
+    summary = summarize(per_seed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.json").write_text(json.dumps({"device": ", ".join(devices)} | summary, indent=2))
+    (out / "seeds.md").write_text(format_markdown(summary, devices))
+    return summary | {"device": ", ".join(devices)}
 
 
 def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[int],
@@ -96,10 +196,7 @@ def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[
     ``seeds.md``)."""
     if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"Invalid seeds={seeds!r}: must be distinct integers >= 0")
-    per_seed = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
-                for seed in seeds}
-    summary = summarize(per_seed)
-    device = per_seed[seeds[0]]["device"]
-    (out / "seeds.json").write_text(json.dumps({"device": device} | summary, indent=2))
-    (out / "seeds.md").write_text(format_markdown(summary, device))
-    return summary | {"device": device}
+    results = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
+               for seed in seeds}
+    per_seed = {seed: {label: [row] for label, row in r["runs"].items()} for seed, r in results.items()}
+    return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out)

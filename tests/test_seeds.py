@@ -1,0 +1,81 @@
+"""``asteria seeds``: bench results gathered from disk, several runs of a seed, paired statistics."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from asteria.train.cli import main
+from asteria.train.seeds import LOSS_TOLERANCE, T95
+
+CONFIG = {"model": "tiny", "steps": 250, "stagger": None}
+
+
+def write(folder, seed: int, runs: dict[str, float], config: dict | None = None, device: str = "GPU X") -> None:
+    """A bench results.json with these validation losses (training loss 0.1 below)."""
+    folder.mkdir(parents=True)
+    rows = {label: {"final_loss": val - 0.1, "final_val_loss": val} for label, val in runs.items()}
+    payload = {"device": device, "config": (config or CONFIG) | {"seed": seed}, "runs": rows}
+    (folder / "results.json").write_text(json.dumps(payload))
+
+
+def test_seeds_pools_runs_of_a_seed_and_pairs_by_seed(tmp_path, capsys):
+    # Two calls: seed 1 ran twice on each side, seeds 2 and 3 once; a profile's results.json is skipped.
+    write(tmp_path / "a" / "seed1", 1, {"kl-shampoo-sync": 1.00, "kl-shampoo-async": 1.03})
+    write(tmp_path / "a" / "seed2", 2, {"kl-shampoo-sync": 1.10, "kl-shampoo-async": 1.12})
+    write(tmp_path / "b" / "seed1", 1, {"kl-shampoo-sync": 1.02, "kl-shampoo-async": 1.05})
+    write(tmp_path / "b" / "seed3", 3, {"kl-shampoo-sync": 1.20, "kl-shampoo-async": 1.19, "adamw": 1.5})
+    (tmp_path / "b" / "profile").mkdir()
+    (tmp_path / "b" / "profile" / "results.json").write_text(json.dumps({"steps": [1, 2]}))
+    assert main(["seeds", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "seeds.json").read_text())
+    assert summary["seeds"] == [1, 2, 3]
+    kl = summary["configs"]["kl-shampoo-sync"]
+    assert kl["runs"] == {"1": 2, "2": 1, "3": 1}
+    assert kl["final_val_loss"] == {"1": pytest.approx(1.01), "2": pytest.approx(1.10), "3": pytest.approx(1.20)}
+    assert summary["configs"]["adamw"]["runs"] == {"3": 1}
+    pair = summary["pairs"]["kl-shampoo-async"]["final_val_loss"]
+    deltas = [1.04 / 1.01 - 1, 1.12 / 1.10 - 1, 1.19 / 1.20 - 1]  # each seed once, at the mean of its runs
+    assert list(pair["per_seed"].values()) == pytest.approx(deltas)
+    mean, sd = statistics.fmean(deltas), statistics.stdev(deltas)
+    se = sd / math.sqrt(3)
+    assert pair["stats"]["mean"] == pytest.approx(mean) and pair["stats"]["se"] == pytest.approx(se)
+    assert pair["stats"]["ci95"] == pytest.approx([mean - 4.303 * se, mean + 4.303 * se])
+    assert pair["asteria_behind"] == 2 and pair["within_tolerance"] == "undecided"
+    table = capsys.readouterr().out
+    assert "kl-shampoo-async vs kl-shampoo-sync" in table and "undecided" in table and "| 4 |" in table
+
+
+@pytest.mark.parametrize("deltas, verdict", [([0.001, 0.002, 0.0015, 0.0012], "met"),
+                                             ([0.05, 0.052, 0.049, 0.051], "not met"),
+                                             ([0.001, 0.03, -0.01, 0.02], "undecided")])
+def test_seeds_verdict_follows_the_interval(tmp_path, deltas, verdict):
+    for seed, delta in enumerate(deltas):
+        write(tmp_path / f"seed{seed}", seed, {"soap-sync": 1.0, "soap-async": 1.0 + delta})
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    pair = json.loads((tmp_path / "out" / "seeds.json").read_text())["pairs"]["soap-async"]["final_val_loss"]
+    low, high = pair["stats"]["ci95"]
+    assert pair["within_tolerance"] == verdict
+    assert (high <= LOSS_TOLERANCE) == (verdict == "met") and (low > LOSS_TOLERANCE) == (verdict == "not met")
+    assert T95[len(deltas) - 2] == pytest.approx((high - low) / 2 / pair["stats"]["se"])
+
+
+def test_seeds_refuses_runs_of_other_settings_and_bad_paths(tmp_path, capsys):
+    write(tmp_path / "x" / "seed1", 1, {"shampoo-sync": 1.0, "shampoo-async": 1.01})
+    write(tmp_path / "y" / "seed2", 2, {"shampoo-sync": 1.0, "shampoo-async": 1.01}, CONFIG | {"stagger": True})
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "settings differ in more than the seed (stagger: null, true)" in error
+    assert not (tmp_path / "out").exists()
+    assert main(["seeds", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]) == 2
+    assert f"Invalid run path {str(tmp_path / 'missing')!r}: it does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["seeds", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    assert "no `asteria bench` results.json at or below them" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.json").write_text("{not json")
+    assert main(["seeds", str(tmp_path / "bad"), "--out", str(tmp_path / "out")]) == 2
+    assert "Invalid results file" in capsys.readouterr().err
