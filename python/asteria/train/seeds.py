@@ -30,7 +30,7 @@ from asteria.train.loop import RunConfig
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: the normal's 1.96)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-#: the issue's bound on Asteria's loss against native's
+#: the bound on Asteria's loss relative to native's that the verdict checks (1%)
 LOSS_TOLERANCE = 0.01
 
 
