@@ -18,9 +18,10 @@ print(','.join(map(str, c[:h])), ','.join(map(str, c[h:])))")
   > "$OUT/b/session.log" 2>&1 &
 wait
 # PACK=1: one archive instead of many files (the device tool returns a limited number of files); the
-# TensorBoard logs and per-step metrics stay behind, the traces travel beside the archive.
+# TensorBoard logs stay behind (the per-step metrics.jsonl, a few hundred KB, travel: loss curves), the
+# traces travel beside the archive.
 if [[ "${PACK:-0}" == 1 ]]; then
-  find "$OUT/a" "$OUT/b" -name tensorboard -prune -exec rm -rf {} + ; find "$OUT/a" "$OUT/b" -name metrics.jsonl -delete
+  find "$OUT/a" "$OUT/b" -name tensorboard -prune -exec rm -rf {} +
   find "$OUT/a" "$OUT/b" -name 'trace-*.json.gz' -exec mv {} "$OUT/" \;
   tar czf "$OUT/results.tgz" -C "$OUT" a b && rm -rf "$OUT/a" "$OUT/b"
 fi
