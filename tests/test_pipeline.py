@@ -109,8 +109,11 @@ def test_install_delays_count_how_late_the_newest_finished_version_came():
         stats = opt.runtime_stats()
     assert stats["install_delay_histogram"] == [0, 0, len(blocks)]
     assert stats["install_delay_mean_steps"] == stats["install_delay_max_steps"] == 2
-    _, native = run("shampoo", asteria.RuntimeConfig(mode="sync"), steps=6)
-    assert native["install_delay_mean_steps"] is None and native["install_delay_histogram"] == []
+    # Native mode installs every version at its own refresh, delay 0: SOAP (f = 3) refreshes every block at
+    # steps 1, 4, ..., 16, six versions of which the last four come after the two sync refreshes.
+    _, native = run("soap", asteria.RuntimeConfig(mode="sync", stagger=False), steps=18)
+    assert native["install_delay_histogram"] == [4 * (native["refreshes"] // 6)] and native["refreshes"] > 0
+    assert native["install_delay_mean_steps"] == native["install_delay_max_steps"] == 0
 
 
 def run(name: str, runtime: asteria.RuntimeConfig, steps: int = 14, attach: bool = False, hook=None, sizes=SIZES):

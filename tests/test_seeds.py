@@ -68,7 +68,9 @@ def test_seeds_refuses_runs_of_other_settings_and_bad_paths(tmp_path, capsys):
     write(tmp_path / "y" / "seed2", 2, {"shampoo-sync": 1.0, "shampoo-async": 1.01}, CONFIG | {"stagger": True})
     assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err
-    assert "settings differ in more than the seed (stagger: null, true)" in error
+    assert "settings differ in more than seed, eval_every" in error
+    assert f"stagger: null in {tmp_path / 'x' / 'seed1' / 'results.json'}" in error
+    assert f"true in {tmp_path / 'y' / 'seed2' / 'results.json'}" in error
     assert not (tmp_path / "out").exists()
     assert main(["seeds", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]) == 2
     assert f"Invalid run path {str(tmp_path / 'missing')!r}: it does not exist" in capsys.readouterr().err
@@ -79,3 +81,39 @@ def test_seeds_refuses_runs_of_other_settings_and_bad_paths(tmp_path, capsys):
     (tmp_path / "bad" / "results.json").write_text("{not json")
     assert main(["seeds", str(tmp_path / "bad"), "--out", str(tmp_path / "out")]) == 2
     assert "Invalid results file" in capsys.readouterr().err
+
+
+def test_seeds_reads_each_file_once_and_refuses_malformed_results(tmp_path, capsys):
+    write(tmp_path / "a" / "seed1", 1, {"shampoo-sync": 1.0, "shampoo-async": 1.01})
+    # The same file reached through its folder and by its own path counts once.
+    assert main(["seeds", str(tmp_path / "a"), str(tmp_path / "a" / "seed1" / "results.json"),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "seeds.json").read_text())["configs"]["shampoo-sync"]["runs"] == {"1": 1}
+    capsys.readouterr()
+    for name, payload in (("noseed", {"device": "X", "config": {"model": "tiny"}, "runs": {}}),
+                          ("nullconfig", {"device": "X", "config": None, "runs": {}}),
+                          ("listruns", {"device": "X", "config": {"seed": 1}, "runs": []})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(payload))
+        assert main(["seeds", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        assert "config.seed (an int) and runs (config label -> row)" in capsys.readouterr().err, name
+
+
+def test_seeds_names_the_files_whose_settings_differ_and_pools_timing_only_settings(tmp_path, capsys):
+    write(tmp_path / "x" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 4})
+    write(tmp_path / "y" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 14})
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0  # workers: timing only
+    write(tmp_path / "z" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"steps": 100})
+    capsys.readouterr()
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out2")]) == 2
+    error = capsys.readouterr().err
+    assert f"steps: 250 in {tmp_path / 'x' / 'seed1' / 'results.json'}" in error
+    assert f"100 in {tmp_path / 'z' / 'seed3' / 'results.json'}" in error
+
+
+def test_t_quantiles_past_the_table_continue_it():
+    from asteria.train.seeds import _t95
+
+    assert _t95(30) == T95[29] and _t95(31) == pytest.approx(2.0395, abs=2e-3)
+    assert _t95(60) == pytest.approx(2.0003, abs=2e-3) and _t95(120) == pytest.approx(1.9799, abs=2e-3)
+    assert all(_t95(df) > _t95(df + 1) > 1.96 for df in range(1, 200))

@@ -95,7 +95,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         # The versions used at their own step come on the unstaggered steps (see ``RefreshSchedule``).
         self.schedule = RefreshSchedule(start, precondition_frequency, phases,
                                         aligned=max(1, self.runtime.sync_refreshes))
-        self._delays = InstallDelays(self.schedule, [s.name for s in sets])
+        self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes)
         self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
                                                     [g for _, g in self._set_groups])
         self._refresher.tier = self._tier
@@ -183,7 +183,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if due:
             self._check_nonfinite_streaks()
             items = [(index, version, self._root_request(self._set_groups[index][1], step)) for index, version in due]
-            self._refresher.refresh(step, items)
+            self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
             self._refresher.check_backlog(step)
         if not self.ACTIVATION_LAG:
             self._activate(step)
@@ -202,14 +202,15 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         (the schedule of the deterministic rule would give the same answer twice)."""
         again = self.runtime.mode == "async" and not self.runtime.deterministic
         if step >= 1 and (self._activated_step < step or again):
-            self._run_activation(step)
+            self._counting_installs(step, self._refresher.activate, step)
             self._activated_step = step
         self._refresher.ready()
 
-    def _run_activation(self, step: int) -> None:
-        """The refresher's activation of ``step``, with the delay of every version it installs counted."""
+    def _counting_installs(self, step: int, call: Callable[..., None], *args: Any) -> None:
+        """``call(*args)`` (a refresh or an activation of ``step``), with the delay of every version it
+        installs counted (``InstallDelays``)."""
         before = [list(fset.versions) for fset, _ in self._set_groups]
-        self._refresher.activate(step)
+        call(*args)
         for index, ((fset, _), old) in enumerate(zip(self._set_groups, before)):
             for block, version in enumerate(fset.versions):
                 if version != old[block]:
@@ -235,7 +236,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
                                            for _, version in self.schedule.due(step)):
             return
-        self._run_activation(step)
+        self._counting_installs(step, self._refresher.activate, step)
         self._activated_step = step
         self._tier.prefetch()
 

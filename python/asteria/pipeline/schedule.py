@@ -86,21 +86,23 @@ class RefreshSchedule:
 class InstallDelays:
     """How many steps after native mode's each version is first used. Native mode uses a version
     snapshotted at step t from the activation of step t on (SOAP and KL-Shampoo read it from step t + 1),
-    so a version's delay is the step whose activation installed it, minus t. Counted per block install,
-    for the versions after the aligned ones (those are waited for by design: delay 0). Under the
-    deterministic rule every delay is staleness x interval; under the newest-finished rule it is how late
-    the workers' result came. Versions a block passes over are not counted."""
+    so a version's delay is the step whose activation (or, in native mode, whose refresh) installed it,
+    minus t: 0 in native mode, exactly staleness x interval under the deterministic rule, and under the
+    newest-finished rule how late the workers' result came. Counted per block install, for the versions
+    after the first ``excluded`` (the sync refreshes, used at their own step by design). Versions a
+    block passes over are not counted. Never negative: no version is installed before its snapshot."""
 
-    def __init__(self, schedule: RefreshSchedule, names: Sequence[str]) -> None:
+    def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int) -> None:
         self.schedule = schedule
         self.names = list(names)
+        self.excluded = excluded
         self.histogram: list[int] = []
         self.per_set = [[0, 0, 0] for _ in self.names]  # installs, summed delay, max delay
 
     def record(self, step: int, index: int, version: int) -> None:
-        if version <= self.schedule.aligned:
+        if version <= self.excluded:
             return
-        delay = max(0, step - self.schedule.snapshot_step(index, version))
+        delay = step - self.schedule.snapshot_step(index, version)
         if delay >= len(self.histogram):
             self.histogram.extend([0] * (delay + 1 - len(self.histogram)))
         self.histogram[delay] += 1

@@ -165,7 +165,7 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
                      f"{r['waits'] if r['waits'] is not None else '-':>6} {delay:>6}")
     lines.append("delay: the mean number of steps by which a version's first use comes after native mode's "
-                 "(the versions after the sync refreshes)")
+                 "(the versions after the sync refreshes; 0 for native mode itself)")
     lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
                  "(allocation, compilation, the sync refreshes); slowest steady steps (step: ms):")
     for label, r in results["runs"].items():

@@ -27,11 +27,20 @@ from asteria.train.bench import run_bench
 from asteria.train.loop import RunConfig
 
 
-#: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: the normal's 1.96)
+#: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 #: the bound on Asteria's loss relative to native's that the verdict checks (1%)
 LOSS_TOLERANCE = 0.01
+
+
+def _t95(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom: the table up to 30, then
+    the Cornish-Fisher expansion around the normal's 1.95996 (2.0423 at 30, 1.9799 at 120)."""
+    if df <= len(T95):
+        return T95[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -41,7 +50,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if n > 1 else None
     se = sd / math.sqrt(n) if sd is not None else None
-    half = None if se is None else (T95[n - 2] if n - 1 <= len(T95) else 1.96) * se
+    half = None if se is None else _t95(n - 1) * se
     return {"mean": mean, "sd": sd, "se": se, "ci95": None if half is None else [mean - half, mean + half],
             "min": min(values), "max": max(values), "n": n}
 
@@ -74,7 +83,7 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
             row[key] = means
             values = [v for v in means.values() if v is not None]
             row[f"{key}_stats"] = _spread(values) if values else None
-        energy = [r["energy_vs_adamw"] for s in seeds for r in per_seed[s].get(label, []) if "energy_vs_adamw" in r]
+        energy = [v for v in (seed_mean(s, label, "energy_vs_adamw") for s in seeds) if v is not None]
         row["energy_vs_adamw_stats"] = _spread(energy) if energy else None
         configs[label] = row
     pairs: dict[str, Any] = {}
@@ -87,7 +96,7 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
             deltas = {}
             for seed in seeds:
                 ours, theirs = seed_mean(seed, label, key), seed_mean(seed, native, key)
-                if ours is not None and theirs is not None:
+                if ours is not None and theirs:
                     deltas[str(seed)] = ours / theirs - 1.0
             stats = _spread(list(deltas.values())) if deltas else None
             pair[key] = {"per_seed": deltas, "stats": stats, "asteria_behind": sum(d > 0 for d in deltas.values()),
@@ -96,9 +105,37 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
     return {"seeds": seeds, "configs": configs, "pairs": pairs, "loss_tolerance": LOSS_TOLERANCE}
 
 
+#: settings that change neither the optimizer's math nor the data, so runs differing only in them pool
+#: (the seed is what is pooled over; the workers change only the timing of the newest-finished rule)
+POOLED_SETTINGS = ("seed", "eval_every", "checkpoint_every", "keep_checkpoints", "workers", "placement")
+
+
+def _read_results(file: Path) -> dict[str, Any] | None:
+    """A bench ``results.json``'s contents, None for another kind of results.json (``bench/scaling.py``'s);
+    ValueError for a file that claims to be one and is malformed."""
+    try:
+        results = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Invalid results file {str(file)!r}: {error}") from error
+    if not isinstance(results, dict) or not {"runs", "config", "device"} <= results.keys():
+        return None
+    config, runs = results["config"], results["runs"]
+    if not (isinstance(config, dict) and isinstance(config.get("seed"), int) and isinstance(runs, dict)
+            and all(isinstance(row, dict) for row in runs.values())):
+        raise ValueError(f"Invalid results file {str(file)!r}: an `asteria bench` results.json has config.seed "
+                         "(an int) and runs (config label -> row)")
+    return results
+
+
+def _some(files: list[str], shown: int = 3) -> str:
+    more = f" and {len(files) - shown} more" if len(files) > shown else ""
+    return ", ".join(files[:shown]) + more
+
+
 def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str]]:
     """Every ``asteria bench`` ``results.json`` at or below ``paths`` (several calls, machines or
-    ``--seeds`` runs), as seed -> label -> rows, and the devices they ran on."""
+    ``--seeds`` runs; each file once however it is reached), as seed -> label -> rows, and the devices
+    they ran on."""
     files: list[Path] = []
     for path in paths:
         if not path.exists():
@@ -107,29 +144,30 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
     per_seed: dict[int, dict[str, list[dict[str, Any]]]] = {}
     devices: list[str] = []
     settings: dict[Path, dict[str, Any]] = {}
-    for file in dict.fromkeys(files):
-        try:
-            results = json.loads(file.read_text())
-        except (OSError, ValueError) as error:
-            raise ValueError(f"Invalid results file {str(file)!r}: {error}") from error
-        if not isinstance(results, dict) or not {"runs", "config", "device"} <= results.keys():
-            continue  # some other results.json (a sweep's, a profile's)
-        settings[file] = {k: v for k, v in results["config"].items() if k != "seed"}
-        seed = results["config"]["seed"]
+    for file in dict.fromkeys(f.resolve() for f in files):
+        results = _read_results(file)
+        if results is None:
+            continue
+        settings[file] = {k: v for k, v in results["config"].items() if k not in POOLED_SETTINGS}
         for label, row in results["runs"].items():
-            per_seed.setdefault(seed, {}).setdefault(label, []).append(row)
+            per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
         devices.append(results["device"])
     if not per_seed:
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: no `asteria bench` results.json at or below them")
     # Runs of other settings (steps, staggering, ...) are other experiments: never pooled.
     first = next(iter(settings.values()))
     differ = sorted({key for config in settings.values() for key in first.keys() | config.keys()
-                     if config.get(key) != first.get(key)})
+                     if config.get(key, "(absent)") != first.get(key, "(absent)")})
     if differ:
-        listed = "; ".join(f"{key}: " + ", ".join(sorted({json.dumps(c.get(key)) for c in settings.values()}))
-                           for key in differ)
-        raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than the seed "
-                         f"({listed}); gather the runs of one setting at a time")
+        parts = []
+        for key in differ:
+            holders: dict[str, list[str]] = {}
+            for file, config in settings.items():
+                value = json.dumps(config[key]) if key in config else "(absent)"
+                holders.setdefault(value, []).append(str(file))
+            parts.append(f"{key}: " + "; ".join(f"{value} in {_some(files)}" for value, files in holders.items()))
+        raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
+                         f"{', '.join(POOLED_SETTINGS)} ({' | '.join(parts)}); gather the runs of one setting at a time")
     return per_seed, list(dict.fromkeys(devices))
 
 
@@ -167,9 +205,10 @@ def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
         for label, pair in summary["pairs"].items():
             val, final = pair["final_val_loss"], pair["final_loss"]
             per_seed = ", ".join(f"{seed}: {100 * d:+.1f}%" for seed, d in val["per_seed"].items()) or "n/a"
+            verdict = val["within_tolerance"] or f"n/a ({len(val['per_seed'])} paired seeds)"
             lines.append(f"| {label} vs {pair['native']} | {per_seed} | {_fmt_se(val['stats'])} | "
                          f"{_interval(val['stats'])} | {val['asteria_behind']} of {len(val['per_seed'])} | "
-                         f"{val['within_tolerance'] or 'n/a (one seed)'} | {_fmt_se(final['stats'])} |")
+                         f"{verdict} | {_fmt_se(final['stats'])} |")
     return "\n".join(lines) + "\n"
 
 
