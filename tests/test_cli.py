@@ -111,6 +111,52 @@ def test_sweep_over_staleness(tmp_path, capsys):
     assert "Activation: deterministic" in table
 
 
+def test_sweep_over_seeds_judges_the_spread_of_the_means(tmp_path, capsys):
+    assert main(["sweep", "--out", str(tmp_path), "--staleness", "0", "2", "--seeds", "1", "2", "--steps", "9",
+                 "--eval-every", "9", "--optimizer", "soap", "--mode", "async",
+                 *BASE]) == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert result["seeds"] == [1, 2]
+    means = {}
+    for s in (0, 2):
+        row = result["runs"][str(s)]
+        finals = [json.loads((tmp_path / f"S{s}" / f"seed{seed}" / "summary.json").read_text())["final_loss"]
+                  for seed in (1, 2)]
+        assert row["final_loss_per_seed"] == {"1": pytest.approx(finals[0]), "2": pytest.approx(finals[1])}
+        assert row["final_loss"] == pytest.approx(sum(finals) / 2)
+        assert row["final_loss_stats"]["se"] == pytest.approx(abs(finals[0] - finals[1]) / 2)
+        means[s] = (row["final_loss"], finals)
+    (m0, f0), (m2, f2) = means[0], means[2]
+    assert result["spread_final_loss_s_le_5"] == pytest.approx(abs(m0 - m2))
+    # Paired by seed: each run's deviation from its seed's mean over S <= 5; with two S these are
+    # +-(L0 - L2) / 2 per seed, so the interval's half-width is t(1 df) x SE of those.
+    deviations = [(a - b) / 2 for a, b in zip(f0, f2)]
+    assert deviations[0] != deviations[1] and all(deviations)  # S moves each seed's loss, by different amounts
+    half = 12.706 * abs(deviations[0] - deviations[1]) / 2
+    for s, (mean, _) in means.items():
+        assert result["runs"][str(s)]["final_loss_paired"]["ci95"] == pytest.approx([mean - half, mean + half])
+    assert result["spread_band_s_le_5"] == pytest.approx([max(0.0, abs(m0 - m2) - 2 * half), abs(m0 - m2) + 2 * half])
+    assert result["spread_verdict"] in ("met", "not met", "undecided")
+    assert "95% interval" in (tmp_path / "sweep.md").read_text()
+    assert f"({result['spread_verdict']} against < 0.02)" in capsys.readouterr().out
+    assert main(["sweep", "--out", str(tmp_path), "--seed", "0", "--seeds", "1", "--optimizer", "soap",
+                 "--mode", "async", *BASE]) == 2
+    assert "Invalid seed=0 beside seeds=[1]" in capsys.readouterr().err
+
+
+def test_spread_verdict_follows_the_intervals():
+    from asteria.train.sweep import _spread_verdict
+
+    def stats(mean, half):
+        return {"ci95": [mean - half, mean + half]}
+
+    assert _spread_verdict([stats(1.00, 0.004), stats(1.01, 0.004)]) == (pytest.approx([0.002, 0.018]), "met")
+    assert _spread_verdict([stats(1.00, 0.01), stats(1.05, 0.01)]) == (pytest.approx([0.03, 0.07]), "not met")
+    assert _spread_verdict([stats(1.00, 0.02), stats(1.01, 0.02)])[1] == "undecided"
+    assert _spread_verdict([stats(1.0, 0.01)]) == (None, None)
+    assert _spread_verdict([{"ci95": None}, stats(1.0, 0.01)]) == (None, None)
+
+
 def test_sweep_with_newest_finished_activation(tmp_path):
     """--no-deterministic: each block uses its newest finished refresh, still within S."""
     assert main(["sweep", "--out", str(tmp_path), "--staleness", "3", "--steps", "7", "--eval-every", "7",

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
                          help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
     sweep_p.add_argument("--out", type=Path, required=True)
+    sweep_p.add_argument("--seeds", type=int, nargs="+", default=None,
+                         help="train every S once per seed (in place of --seed) into OUT/S<k>/seed<n>: per-S means "
+                              "with their standard errors, and a verdict on the spread target")
     seeds_p = sub.add_parser("seeds", help="Asteria's loss against native's over seeds, from bench results on disk")
     seeds_p.add_argument("runs", type=Path, nargs="+",
                          help="bench output folders or results.json files (searched recursively; several runs of "
@@ -151,12 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             print((args.out / "seeds.md").read_text())
             print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "sweep":
-            result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out)
+            if args.seed is not None and args.seeds is not None:
+                raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
+            result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
+                               seeds=None if args.seeds is None else list(args.seeds))
             spread = result["spread_final_loss_s_le_5"]
             for s, row in result["runs"].items():
                 print(f"S={s:>3}: final loss {row['final_loss']:.4f}")
             spread_text = "n/a" if spread is None else f"{spread:.4f}"
-            print(f"spread over S <= 5: {spread_text}; report: {args.out / 'sweep.md'}")
+            verdict = f" ({result['spread_verdict']} against < {result['spread_target']})" if result.get(
+                "spread_verdict") else ""
+            print(f"spread over S <= 5: {spread_text}{verdict}; report: {args.out / 'sweep.md'}")
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, FileNotFoundError) as error:

@@ -43,7 +43,7 @@ def _t95(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def _spread(values: list[float]) -> dict[str, Any]:
+def spread_stats(values: list[float]) -> dict[str, Any]:
     """Mean, sample standard deviation, standard error of the mean and its 95% interval (None for one
     value), min, max and count."""
     n = len(values)
@@ -82,9 +82,9 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
             means = {str(s): seed_mean(s, label, key) for s in seeds if label in per_seed[s]}
             row[key] = means
             values = [v for v in means.values() if v is not None]
-            row[f"{key}_stats"] = _spread(values) if values else None
+            row[f"{key}_stats"] = spread_stats(values) if values else None
         energy = [v for v in (seed_mean(s, label, "energy_vs_adamw") for s in seeds) if v is not None]
-        row["energy_vs_adamw_stats"] = _spread(energy) if energy else None
+        row["energy_vs_adamw_stats"] = spread_stats(energy) if energy else None
         configs[label] = row
     pairs: dict[str, Any] = {}
     for label in labels:
@@ -98,7 +98,7 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
                 ours, theirs = seed_mean(seed, label, key), seed_mean(seed, native, key)
                 if ours is not None and theirs:
                     deltas[str(seed)] = ours / theirs - 1.0
-            stats = _spread(list(deltas.values())) if deltas else None
+            stats = spread_stats(list(deltas.values())) if deltas else None
             pair[key] = {"per_seed": deltas, "stats": stats, "asteria_behind": sum(d > 0 for d in deltas.values()),
                          "within_tolerance": _verdict(stats)}
         pairs[label] = pair
@@ -229,12 +229,16 @@ def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices:
     return summary | {"device": ", ".join(devices)}
 
 
+def check_seeds(seeds: list[int]) -> None:
+    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
+        raise ValueError(f"Invalid seeds={seeds!r}: must be distinct integers >= 0")
+
+
 def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[int],
               progress: bool = True) -> dict[str, Any]:
     """``run_bench`` once per seed into ``out/seed<S>``, then the gathered comparison (``seeds.json``,
     ``seeds.md``)."""
-    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
-        raise ValueError(f"Invalid seeds={seeds!r}: must be distinct integers >= 0")
+    check_seeds(seeds)
     results = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
                for seed in seeds}
     per_seed = {seed: {label: [row] for label, row in r["runs"].items()} for seed, r in results.items()}
