@@ -281,6 +281,9 @@ def test_bench_over_seeds_pairs_asteria_with_native(tmp_path, capsys):
     assert [per_seed[s]["config"]["seed"] for s in (3, 5)] == [3, 5]
     gathered = json.loads((tmp_path / "seeds.json").read_text())
     assert gathered["seeds"] == [3, 5]
+    assert list(gathered["code"].values()) == [2] and per_seed[3]["software"]["code"] in gathered["code"]
+    summary = json.loads((tmp_path / "seed3" / "shampoo-async" / "summary.json").read_text())
+    assert summary["software"] == per_seed[3]["software"]
     native = [per_seed[s]["runs"]["shampoo-sync"]["final_val_loss"] for s in (3, 5)]
     asteria = [per_seed[s]["runs"]["shampoo-async"]["final_val_loss"] for s in (3, 5)]
     deltas = [a / n - 1 for a, n in zip(asteria, native)]

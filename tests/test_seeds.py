@@ -117,3 +117,28 @@ def test_t_quantiles_past_the_table_continue_it():
     assert _t95(30) == T95[29] and _t95(31) == pytest.approx(2.0395, abs=2e-3)
     assert _t95(60) == pytest.approx(2.0003, abs=2e-3) and _t95(120) == pytest.approx(1.9799, abs=2e-3)
     assert all(_t95(df) > _t95(df + 1) > 1.96 for df in range(1, 200))
+
+
+def test_seeds_lists_the_code_that_wrote_the_results(tmp_path):
+    for seed, code in ((1, "aaaaaaaaaaaa"), (2, "aaaaaaaaaaaa"), (3, None)):
+        write(tmp_path / f"seed{seed}", seed, {"soap-sync": 1.0, "soap-async": 1.01})
+        if code is not None:
+            file = tmp_path / f"seed{seed}" / "results.json"
+            file.write_text(json.dumps(json.loads(file.read_text()) | {"software": {"code": code}}))
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "seeds.json").read_text())["code"] == {"aaaaaaaaaaaa": 2, "unknown": 1}
+    text = (tmp_path / "out" / "seeds.md").read_text()
+    assert "Code: aaaaaaaaaaaa (2 results files), unknown (1 results files) (runs of different code" in text
+
+
+def test_runs_record_the_software_that_made_them():
+    import re
+
+    import torch
+
+    import asteria
+    from asteria.train.provenance import code_fingerprint, software
+
+    info = software()
+    assert re.fullmatch(r"[0-9a-f]{12}", info["code"]) and info["code"] == code_fingerprint()
+    assert info["asteria"] == asteria.__version__ and info["torch"] == torch.__version__

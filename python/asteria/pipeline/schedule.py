@@ -90,7 +90,7 @@ class InstallDelays:
     minus t: 0 in native mode, exactly staleness x interval under the deterministic rule, and under the
     newest-finished rule how late the workers' result came. Counted per block install, for the versions
     after the first ``excluded`` (the sync refreshes, used at their own step by design). Versions a
-    block passes over are not counted. Never negative: no version is installed before its snapshot."""
+    block passes over are not counted. Never negative (no version is installed before its snapshot)."""
 
     def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int) -> None:
         self.schedule = schedule
@@ -102,7 +102,11 @@ class InstallDelays:
     def record(self, step: int, index: int, version: int) -> None:
         if version <= self.excluded:
             return
-        delay = step - self.schedule.snapshot_step(index, version)
+        snapshot = self.schedule.snapshot_step(index, version)
+        delay = step - snapshot
+        if delay < 0:
+            raise RuntimeError(f"Asteria bookkeeping error: version {version} of {self.names[index]!r} was installed "
+                               f"at step {step}, before its snapshot at step {snapshot}")
         if delay >= len(self.histogram):
             self.histogram.extend([0] * (delay + 1 - len(self.histogram)))
         self.histogram[delay] += 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria.train.loop import DEFAULT_LR, RunConfig, train
+from asteria.train.provenance import software
 from asteria.train.report import Run, load_run, plt, write_report
 from asteria.train.report import steady_warmup as warmup_steps
 
@@ -103,7 +104,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             if s["energy_joules_per_step"] and ref["energy_joules_per_step"]:
                 row["energy_vs_adamw"] = s["energy_joules_per_step"] / ref["energy_joules_per_step"]
         rows[label] = row
-    results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows}
+    results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows,
+               "software": software()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot_series(runs, out / "step_time_series.png")
     _plot_energy(runs, out / "energy_per_step.png")

@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
         elif args.command == "seeds":
-            per_seed, devices = gather(list(args.runs))
-            write_summary(per_seed, devices, args.out)
+            per_seed, devices, codes = gather(list(args.runs))
+            write_summary(per_seed, devices, args.out, codes)
             print((args.out / "seeds.md").read_text())
             print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "sweep":

@@ -26,6 +26,7 @@ from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, local_opt
                                       resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
+from asteria.train.provenance import software
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
@@ -394,6 +395,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
             hooks.remove()
     summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameters, resumed_from)
     summary["energy_device"] = energy.nvml_device  # the GPU whose counter was read (its PCI bus id)
+    summary["software"] = software()
     summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
                               if run is not None else None)
     if hasattr(opt, "close"):

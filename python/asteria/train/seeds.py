@@ -132,10 +132,10 @@ def _some(files: list[str], shown: int = 3) -> str:
     return ", ".join(files[:shown]) + more
 
 
-def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str]]:
+def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str], dict[str, int]]:
     """Every ``asteria bench`` ``results.json`` at or below ``paths`` (several calls, machines or
-    ``--seeds`` runs; each file once however it is reached), as seed -> label -> rows, and the devices
-    they ran on."""
+    ``--seeds`` runs; each file once however it is reached), as seed -> label -> rows, the devices they
+    ran on, and how many files each code fingerprint wrote ("unknown" for results older than it)."""
     files: list[Path] = []
     for path in paths:
         if not path.exists():
@@ -143,6 +143,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         files += [path] if path.is_file() else sorted(path.rglob("results.json"))
     per_seed: dict[int, dict[str, list[dict[str, Any]]]] = {}
     devices: list[str] = []
+    codes: dict[str, int] = {}
     settings: dict[Path, dict[str, Any]] = {}
     for file in dict.fromkeys(f.resolve() for f in files):
         results = _read_results(file)
@@ -152,6 +153,8 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         for label, row in results["runs"].items():
             per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
         devices.append(results["device"])
+        code = (results.get("software") or {}).get("code", "unknown")
+        codes[code] = codes.get(code, 0) + 1
     if not per_seed:
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: no `asteria bench` results.json at or below them")
     # Runs of other settings (steps, staggering, ...) are other experiments: never pooled.
@@ -168,7 +171,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
             parts.append(f"{key}: " + "; ".join(f"{value} in {_some(files)}" for value, files in holders.items()))
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
                          f"{', '.join(POOLED_SETTINGS)} ({' | '.join(parts)}); gather the runs of one setting at a time")
-    return per_seed, list(dict.fromkeys(devices))
+    return per_seed, list(dict.fromkeys(devices)), codes
 
 
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
@@ -188,7 +191,11 @@ def _interval(stats: dict[str, Any] | None) -> str:
 
 def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
     seeds = summary["seeds"]
+    codes = summary.get("code") or {}
+    mixed = " (runs of different code are pooled: check that the math is the same)" if len(codes) > 1 else ""
     lines = [f"# `asteria bench` over seeds {', '.join(map(str, seeds))} ({', '.join(devices)})", "",
+             *([f"Code: {', '.join(f'{code} ({n} results files)' for code, n in codes.items())}{mixed}.", ""]
+               if codes else []),
              "Each seed counts once, at the mean of its runs; mean ± sample standard deviation over the seeds. "
              "Final loss: the mean of the last 10 steps' training loss.", "",
              "| config | runs | final loss | val loss | energy/step vs AdamW |", "|---|---|---|---|---|"]
@@ -219,10 +226,11 @@ def _fmt_se(stats: dict[str, Any] | None) -> str:
     return f"{100 * stats['mean']:+.2f}%{se}"
 
 
-def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices: list[str],
-                  out: Path) -> dict[str, Any]:
-    """``summarize`` into ``out/seeds.json`` and ``out/seeds.md``."""
-    summary = summarize(per_seed)
+def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices: list[str], out: Path,
+                  codes: dict[str, int] | None = None) -> dict[str, Any]:
+    """``summarize`` (with the code fingerprints' counts, if given) into ``out/seeds.json`` and
+    ``out/seeds.md``."""
+    summary = summarize(per_seed) | {"code": codes or {}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.json").write_text(json.dumps({"device": ", ".join(devices)} | summary, indent=2))
     (out / "seeds.md").write_text(format_markdown(summary, devices))
@@ -242,4 +250,7 @@ def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[
     results = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
                for seed in seeds}
     per_seed = {seed: {label: [row] for label, row in r["runs"].items()} for seed, r in results.items()}
-    return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out)
+    codes: dict[str, int] = {}
+    for r in results.values():
+        codes[r["software"]["code"]] = codes.get(r["software"]["code"], 0) + 1
+    return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out, codes)
