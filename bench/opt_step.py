@@ -107,8 +107,8 @@ def main() -> None:
         step = result["median_s"]
         print(f"\n=== {name}: opt.step() median {step * 1e3:.2f} ms, max {result['max_s'] * 1e3:.2f} ms ===")
         for row in result["operators"][:args.top]:
-            print(f"  {row['op']:<32} {row['seconds_per_step'] * 1e3:8.3f} ms/step  {row['seconds_per_step'] / step:6.1%}"
-                  f"  {row['calls_per_step']:6.1f} calls/step")
+            print(f"  {row['op']:<32} {row['seconds_per_step'] * 1e3:8.3f} ms/step  "
+                  f"{row['seconds_per_step'] / step:6.1%}  {row['calls_per_step']:6.1f} calls/step")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": where, "results": results}, indent=1))

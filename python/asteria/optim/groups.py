@@ -70,7 +70,8 @@ class ShapeGroup:
             return [block.view(local(param.detach())) for block, param in zip(self.blocks, self.params)]
         pointers = tuple(param.data_ptr() for param in self.params)
         if self._param_views is None or self._param_views[0] != pointers:
-            self._param_views = (pointers, [block.view(param.detach()) for block, param in zip(self.blocks, self.params)])
+            views = [block.view(param.detach()) for block, param in zip(self.blocks, self.params)]
+            self._param_views = (pointers, views)
         return self._param_views[1]
 
     def gather_params(self) -> Tensor:

@@ -170,7 +170,8 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
                 holders.setdefault(value, []).append(str(file))
             parts.append(f"{key}: " + "; ".join(f"{value} in {_some(files)}" for value, files in holders.items()))
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
-                         f"{', '.join(POOLED_SETTINGS)} ({' | '.join(parts)}); gather the runs of one setting at a time")
+                         f"{', '.join(POOLED_SETTINGS)} ({' | '.join(parts)}); gather the runs of one setting at a "
+                         "time")
     return per_seed, list(dict.fromkeys(devices)), codes
 
 

@@ -41,8 +41,9 @@ def _pair_by_seed(rows: dict[int, dict[str, Any]], bounded: list[int], seeds: li
     for row in rows.values():
         deviations = spread_stats([row["final_loss_per_seed"][seed] - level[seed] for seed in level])
         half = None if deviations["ci95"] is None else (deviations["ci95"][1] - deviations["ci95"][0]) / 2
-        row["final_loss_paired"] = {"mean": row["final_loss"], "se": deviations["se"],
-                                    "ci95": None if half is None else [row["final_loss"] - half, row["final_loss"] + half]}
+        mean = row["final_loss"]
+        row["final_loss_paired"] = {"mean": mean, "se": deviations["se"],
+                                    "ci95": None if half is None else [mean - half, mean + half]}
 
 
 def _spread_verdict(stats: list[dict[str, Any]]) -> tuple[list[float] | None, str | None]:
@@ -121,7 +122,8 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
                                "also the lag)" if base.deterministic else
                                "each block's newest finished version, at most S intervals behind"), "",
              "| S | final loss | val loss | median step (ms) | waits | max staleness seen |"
-             + ("" if seeds is None else " final loss ± SE over seeds | ± SE paired by seed | 95% interval, paired |"),
+             + ("" if seeds is None else
+                " final loss ± SE over seeds | ± SE paired by seed | 95% interval, paired |"),
              "|---|---|---|---|---|---|" + ("" if seeds is None else "---|---|---|")]
     for s in values:
         r = rows[s]
