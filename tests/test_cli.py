@@ -133,9 +133,15 @@ def test_sweep_over_seeds_judges_the_spread_of_the_means(tmp_path, capsys):
     deviations = [(a - b) / 2 for a, b in zip(f0, f2)]
     assert deviations[0] != deviations[1] and all(deviations)  # S moves each seed's loss, by different amounts
     half = 12.706 * abs(deviations[0] - deviations[1]) / 2
-    for s, (mean, _) in means.items():
-        assert result["runs"][str(s)]["final_loss_paired"]["ci95"] == pytest.approx([mean - half, mean + half])
+    offset = sum(deviations) / 2
+    for s, sign in ((0, 1), (2, -1)):
+        assert result["runs"][str(s)]["final_loss_offset"]["mean"] == pytest.approx(sign * offset)
+        assert result["runs"][str(s)]["final_loss_offset"]["ci95"] == pytest.approx(
+            [sign * offset - half, sign * offset + half])
     assert result["spread_band_s_le_5"] == pytest.approx([max(0.0, abs(m0 - m2) - 2 * half), abs(m0 - m2) + 2 * half])
+    # The combined report keeps every run, each named by its folder.
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert sorted(report["runs"]) == [f"soap-async (S{s}/seed{seed})" for s in (0, 2) for seed in (1, 2)]
     assert result["spread_verdict"] in ("met", "not met", "undecided")
     assert "95% interval" in (tmp_path / "sweep.md").read_text()
     assert f"({result['spread_verdict']} against < 0.02)" in capsys.readouterr().out
@@ -155,6 +161,7 @@ def test_spread_verdict_follows_the_intervals():
     assert _spread_verdict([stats(1.00, 0.02), stats(1.01, 0.02)])[1] == "undecided"
     assert _spread_verdict([stats(1.0, 0.01)]) == (None, None)
     assert _spread_verdict([{"ci95": None}, stats(1.0, 0.01)]) == (None, None)
+    assert _spread_verdict([stats(float("nan"), 0.01), stats(1.0, 0.01)]) == (None, "not met")
 
 
 def test_sweep_with_newest_finished_activation(tmp_path):

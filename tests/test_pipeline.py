@@ -91,6 +91,17 @@ def test_install_delays_are_staleness_intervals_under_the_deterministic_rule(nam
     assert all(s["mean_steps"] == 3 * staleness for s in stats["install_delay_by_set"] if s["installs"])
 
 
+def test_install_delays_leave_out_an_install_before_its_snapshot_with_one_warning():
+    from asteria.pipeline.schedule import InstallDelays
+
+    delays = InstallDelays(RefreshSchedule(start=1, interval=3, phases=[0]), ["set 0"], excluded=1)
+    delays.record(7, 0, 3)  # version 3 is snapshotted at step 7: delay 0
+    with pytest.warns(RuntimeWarning, match="counted as installed at step 5, before its snapshot at step 7"):
+        delays.record(5, 0, 3)
+    delays.record(4, 0, 3)  # warned once only
+    assert delays.anomalies == 2 and delays.stats()["install_delay_histogram"] == [1]
+
+
 def test_install_delays_count_how_late_the_newest_finished_version_came():
     # Unstaggered, f = 3: versions 1 and 2 (steps 3 and 6) are used at their own step; version 3, snapshotted
     # at step 9, is held in the workers past step 10 (a latch, no timing) and installed at step 11.

@@ -100,12 +100,20 @@ def test_seeds_reads_each_file_once_and_refuses_malformed_results(tmp_path, caps
 
 
 def test_seeds_names_the_files_whose_settings_differ_and_pools_timing_only_settings(tmp_path, capsys):
+    newest = CONFIG | {"deterministic": False}
+    write(tmp_path / "nd" / "a", 1, {"soap-sync": 1.0, "soap-async": 1.01}, newest | {"workers": 4})
+    write(tmp_path / "nd" / "b", 2, {"soap-sync": 1.0, "soap-async": 1.01}, newest | {"workers": 14})
+    # Under the newest-finished rule the workers decide which versions are used: not pooled.
+    assert main(["seeds", str(tmp_path / "nd"), "--out", str(tmp_path / "out")]) == 2
+    assert "workers: 4 in" in capsys.readouterr().err
     write(tmp_path / "x" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 4})
     write(tmp_path / "y" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 14})
-    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0  # workers: timing only
+    # Under the deterministic rule (CONFIG's default) they change only the timing: pooled.
+    assert main(["seeds", str(tmp_path / "x"), str(tmp_path / "y"), "--out", str(tmp_path / "out")]) == 0
     write(tmp_path / "z" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"steps": 100})
     capsys.readouterr()
-    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out2")]) == 2
+    assert main(["seeds", str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "z"),
+                 "--out", str(tmp_path / "out2")]) == 2
     error = capsys.readouterr().err
     assert f"steps: 250 in {tmp_path / 'x' / 'seed1' / 'results.json'}" in error
     assert f"100 in {tmp_path / 'z' / 'seed3' / 'results.json'}" in error

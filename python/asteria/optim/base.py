@@ -212,6 +212,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         before = [list(fset.versions) for fset, _ in self._set_groups]
         call(*args)
         for index, ((fset, _), old) in enumerate(zip(self._set_groups, before)):
+            if fset.versions == old:
+                continue
             for block, version in enumerate(fset.versions):
                 if version != old[block]:
                     self._delays.record(step, index, version)

@@ -21,6 +21,7 @@ The phases depend only on the sets' shapes, never on timing, so a staggered run 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 
@@ -90,7 +91,8 @@ class InstallDelays:
     minus t: 0 in native mode, exactly staleness x interval under the deterministic rule, and under the
     newest-finished rule how late the workers' result came. Counted per block install, for the versions
     after the first ``excluded`` (the sync refreshes, used at their own step by design). Versions a
-    block passes over are not counted. Never negative (no version is installed before its snapshot)."""
+    block passes over are not counted. Never negative, as no version is installed before its snapshot
+    (one that would be is a bookkeeping error: warned about once and left out)."""
 
     def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int) -> None:
         self.schedule = schedule
@@ -98,15 +100,20 @@ class InstallDelays:
         self.excluded = excluded
         self.histogram: list[int] = []
         self.per_set = [[0, 0, 0] for _ in self.names]  # installs, summed delay, max delay
+        self.anomalies = 0  # installs counted before their snapshot (none unless the bookkeeping is wrong)
 
     def record(self, step: int, index: int, version: int) -> None:
         if version <= self.excluded:
             return
         snapshot = self.schedule.snapshot_step(index, version)
         delay = step - snapshot
-        if delay < 0:
-            raise RuntimeError(f"Asteria bookkeeping error: version {version} of {self.names[index]!r} was installed "
-                               f"at step {step}, before its snapshot at step {snapshot}")
+        if delay < 0:  # a bookkeeping error: reported once, never allowed to stop the training step
+            if not self.anomalies:
+                warnings.warn(f"Asteria: version {version} of {self.names[index]!r} counted as installed at step "
+                              f"{step}, before its snapshot at step {snapshot}; install delays exclude it",
+                              RuntimeWarning, stacklevel=2)
+            self.anomalies += 1
+            return
         if delay >= len(self.histogram):
             self.histogram.extend([0] * (delay + 1 - len(self.histogram)))
         self.histogram[delay] += 1

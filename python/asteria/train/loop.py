@@ -249,6 +249,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     averaged and the energy summed over ranks), TensorBoard, the summary and shows the progress bar.
     Every rank returns the summary."""
     layout = resolve_layout(cfg.local_world_size)  # a bad environment or node size fails before anything runs
+    software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     out.mkdir(parents=True, exist_ok=True)
     if not resume and checkpoint.published(out / "checkpoints"):
         raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "

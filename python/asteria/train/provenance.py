@@ -11,17 +11,24 @@ from pathlib import Path
 import torch
 
 import asteria
+from asteria import _core
 
 
 @functools.cache
 def code_fingerprint() -> str:
-    """The first 12 hex digits of the SHA-256 over the installed package's Python sources and compiled
-    extension (path and contents, in path order)."""
+    """The first 12 hex digits of the SHA-256 over the package's Python sources and its compiled
+    extension (wherever the extension is loaded from, so that an editable install counts it too): each
+    file's name, length and contents, in path order. Computed once per process, when first asked (a run
+    asks when it starts)."""
     root = Path(asteria.__file__).resolve().parent
+    files = {p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".so", ".pyd")}
+    files.add(Path(_core.__file__).resolve())
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".so", ".pyd")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
+    for path in sorted(files):
+        data = path.read_bytes()
+        name = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()[:12]
 
 

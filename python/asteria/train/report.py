@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,13 @@ def steady_max_over_median(run: Run) -> float | None:
 
 
 def _unique_labels(runs: list[Run]) -> list[str]:
+    """Each run's label, with its folder (relative to the runs' common folder, e.g. ``S0/seed1`` in a
+    sweep over seeds) where several runs share a label."""
     labels = [r.label for r in runs]
-    return [label if labels.count(label) == 1 else f"{label} ({run.path.name})" for label, run in zip(labels, runs)]
+    paths = [r.path.resolve() for r in runs]
+    common = Path(os.path.commonpath(paths)) if len(paths) > 1 else paths[0].parent
+    return [label if labels.count(label) == 1 else f"{label} ({path.relative_to(common).as_posix() or path.name})"
+            for label, path in zip(labels, paths)]
 
 
 def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]:

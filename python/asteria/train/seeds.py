@@ -106,8 +106,16 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
 
 
 #: settings that change neither the optimizer's math nor the data, so runs differing only in them pool
-#: (the seed is what is pooled over; the workers change only the timing of the newest-finished rule)
-POOLED_SETTINGS = ("seed", "eval_every", "checkpoint_every", "keep_checkpoints", "workers", "placement")
+#: (the seed is what is pooled over)
+POOLED_SETTINGS = ("seed", "eval_every", "checkpoint_every", "keep_checkpoints")
+#: pooled as well under the deterministic rule, where they change only the timing; under the newest-finished
+#: rule the timing decides which versions are used
+TIMING_SETTINGS = ("workers", "placement")
+
+
+def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
+    pooled = POOLED_SETTINGS + (TIMING_SETTINGS if config.get("deterministic", True) else ())
+    return {k: v for k, v in config.items() if k not in pooled}
 
 
 def _read_results(file: Path) -> dict[str, Any] | None:
@@ -149,7 +157,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         results = _read_results(file)
         if results is None:
             continue
-        settings[file] = {k: v for k, v in results["config"].items() if k not in POOLED_SETTINGS}
+        settings[file] = _math_settings(results["config"])
         for label, row in results["runs"].items():
             per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
         devices.append(results["device"])
@@ -170,8 +178,8 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
                 holders.setdefault(value, []).append(str(file))
             parts.append(f"{key}: " + "; ".join(f"{value} in {_some(files)}" for value, files in holders.items()))
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
-                         f"{', '.join(POOLED_SETTINGS)} ({' | '.join(parts)}); gather the runs of one setting at a "
-                         "time")
+                         f"{', '.join(POOLED_SETTINGS)} (and {', '.join(TIMING_SETTINGS)} under the deterministic "
+                         f"rule): {' | '.join(parts)}; gather the runs of one setting at a time")
     return per_seed, list(dict.fromkeys(devices)), codes
 
 

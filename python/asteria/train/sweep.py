@@ -7,15 +7,16 @@ median step and waits per S, and the spread max - min of the final loss over S <
 A single run per S scatters by more than the spread asked of it (< 0.02) on a 160M model at a few
 hundred steps: runs of one setting differ by several percent of loss. With ``seeds`` every S is trained
 once per seed (``DIR/S<k>/seed<n>/``); each S then has a mean final loss, the spread is taken over the
-means, and each mean gets a 95% interval from the seeds paired (each run's deviation from its seed's mean
-over S <= 5, so that the seeds' own levels cancel). The verdict is "met" when the band spanned by every
-S's interval is narrower than the target, "not met" when even the intervals' inner edges are further
-apart than it, else "undecided".
+means, and each S gets its offset (the mean over seeds of each run's deviation from its seed's mean over
+S <= 5, so that the seeds' own levels cancel) with a 95% interval. The verdict is "met" when the band
+spanned by every S's interval is narrower than the target, "not met" when even the intervals' inner
+edges are further apart than it, else "undecided" (per-S intervals, not simultaneous ones).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -30,27 +31,27 @@ SPREAD_TARGET = 0.02  # the final loss should vary by less than this over S <= S
 
 
 def _pair_by_seed(rows: dict[int, dict[str, Any]], bounded: list[int], seeds: list[int]) -> None:
-    """Adds to every S's row ``final_loss_paired``: its mean final loss with the standard error and 95%
-    interval of the deviations from each seed's own mean over the S <= 5 runs. The seed's level (its data
-    order and initialization) cancels, so what remains is how S moves the loss; the differences between
-    the S means are the same."""
+    """Adds to every S's row ``final_loss_offset``: the mean over seeds of each run's deviation from its
+    seed's own mean over the S <= 5 runs, with its standard error and 95% interval. The seed's level (its
+    data order and initialization) cancels, so what remains is how S moves the loss; the offsets differ
+    between S exactly as the S means do."""
     if not bounded:
         return
     level = {str(seed): sum(rows[s]["final_loss_per_seed"][str(seed)] for s in bounded) / len(bounded)
              for seed in seeds}
     for row in rows.values():
-        deviations = spread_stats([row["final_loss_per_seed"][seed] - level[seed] for seed in level])
-        half = None if deviations["ci95"] is None else (deviations["ci95"][1] - deviations["ci95"][0]) / 2
-        mean = row["final_loss"]
-        row["final_loss_paired"] = {"mean": mean, "se": deviations["se"],
-                                    "ci95": None if half is None else [mean - half, mean + half]}
+        row["final_loss_offset"] = spread_stats([row["final_loss_per_seed"][seed] - level[seed] for seed in level])
 
 
 def _spread_verdict(stats: list[dict[str, Any]]) -> tuple[list[float] | None, str | None]:
-    """The band [inner, outer] the spread of the per-S means lies in by their 95% intervals, and the
-    verdict against ``SPREAD_TARGET`` (None without intervals)."""
+    """The band [inner, outer] the spread of the per-S means lies in by the per-S (marginal, not
+    simultaneous) 95% intervals of their offsets, and the verdict against ``SPREAD_TARGET``: "met" when
+    even the outer edges are closer than it, "not met" when even the inner edges are further apart (or a
+    run diverged), else "undecided"; None without intervals."""
     if len(stats) < 2 or any(st["ci95"] is None for st in stats):
         return None, None
+    if not all(math.isfinite(x) for st in stats for x in st["ci95"]):
+        return None, "not met"  # a loss that is not finite at some S <= 5
     outer = max(st["ci95"][1] for st in stats) - min(st["ci95"][0] for st in stats)
     inner = max(0.0, max(st["ci95"][0] for st in stats) - min(st["ci95"][1] for st in stats))
     verdict = "met" if outer < SPREAD_TARGET else "not met" if inner >= SPREAD_TARGET else "undecided"
@@ -85,8 +86,11 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
         rows[s] = {"final_loss": sum(finals) / len(finals),
                    "final_val_loss": None if None in vals else sum(vals) / len(vals),
                    "median_step_seconds": sum(m["median_step_seconds"] for m in summaries.values()) / len(summaries),
-                   "waits": sum(st.get("waits") or 0 for st in stats) if stats[0].get("waits") is not None else None,
-                   "max_staleness_seen": max((st.get("max_staleness_seen") or 0 for st in stats), default=None)}
+                   "waits": sum(st["waits"] for st in stats) if all(st.get("waits") is not None for st in stats)
+                   else None,  # over all the seeds' runs of this S
+                   "max_staleness_seen": max(seen) if (seen := [st["max_staleness_seen"] for st in stats
+                                                                if st.get("max_staleness_seen") is not None])
+                   else None}
         if seeds is not None:
             rows[s]["final_loss_per_seed"] = {str(seed): m["final_loss"] for seed, m in summaries.items()}
             rows[s]["final_loss_stats"] = spread_stats(finals)
@@ -95,7 +99,7 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
               "spread_final_loss_s_le_5": (max(bounded) - min(bounded)) if bounded else None}
     if seeds is not None:
         _pair_by_seed(rows, [s for s in values if s <= SPREAD_BOUND], seeds)
-        band, verdict = _spread_verdict([rows[s]["final_loss_paired"] for s in values if s <= SPREAD_BOUND])
+        band, verdict = _spread_verdict([rows[s]["final_loss_offset"] for s in values if s <= SPREAD_BOUND])
         result |= {"spread_band_s_le_5": band, "spread_target": SPREAD_TARGET, "spread_verdict": verdict}
     (out / "sweep.json").write_text(json.dumps(result, indent=2))
 
@@ -123,7 +127,7 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
                                "each block's newest finished version, at most S intervals behind"), "",
              "| S | final loss | val loss | median step (ms) | waits | max staleness seen |"
              + ("" if seeds is None else
-                " final loss ± SE over seeds | ± SE paired by seed | 95% interval, paired |"),
+                " final loss ± SE over seeds | offset from the seeds' mean over S <= 5 ± SE | its 95% interval |"),
              "|---|---|---|---|---|---|" + ("" if seeds is None else "---|---|---|")]
     for s in values:
         r = rows[s]
@@ -131,12 +135,12 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
         line = (f"| {s} | {r['final_loss']:.4f} | {val} | {1e3 * r['median_step_seconds']:.1f} | "
                 f"{r['waits']} | {r['max_staleness_seen']} |")
         if seeds is not None:
-            st, paired = r["final_loss_stats"], r.get("final_loss_paired")
+            st, offset = r["final_loss_stats"], r.get("final_loss_offset")
             se = "n/a" if st["se"] is None else f"{st['mean']:.4f} ± {st['se']:.4f}"
-            pse = "n/a" if paired is None or paired["se"] is None else f"± {paired['se']:.4f}"
-            ci = "n/a" if paired is None or paired["ci95"] is None else \
-                f"{paired['ci95'][0]:.4f} to {paired['ci95'][1]:.4f}"
-            line += f" {se} | {pse} | {ci} |"
+            off = "n/a" if offset is None or offset["se"] is None else f"{offset['mean']:+.4f} ± {offset['se']:.4f}"
+            ci = "n/a" if offset is None or offset["ci95"] is None else \
+                f"{offset['ci95'][0]:+.4f} to {offset['ci95'][1]:+.4f}"
+            line += f" {se} | {off} | {ci} |"
         lines.append(line)
     lines += ["", f"Spread of the final loss over S <= {SPREAD_BOUND}: "
               + ("n/a (no such S)" if spread is None else f"{spread:.4f}")]
@@ -145,7 +149,7 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
         lines += ["", f"Against the target spread < {SPREAD_TARGET}: "
                   + ("n/a (needs two S <= 5 and two seeds)" if band is None else
                      f"{result['spread_verdict']} (the spread lies between {band[0]:.4f} and {band[1]:.4f} by the "
-                     "per-S 95% intervals, paired by seed)")]
+                     "per-S 95% intervals of the offsets, paired by seed; waits count every seed's run)")]
     lines += ["", "![sweep](sweep.png)", ""]
     (out / "sweep.md").write_text("\n".join(lines))
     write_report(run_dirs, out)
