@@ -356,7 +356,7 @@ class DistributedRefresher(Refresher):
                     self._counts["failures_seen"] += 1
                 else:
                     consecutive[unit.block] = 0
-                    fset.versions[unit.block] = version
+                    self._set_version(index, unit.block, version)
             if not refreshed:
                 continue
             n = fset.dim

@@ -209,14 +209,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     def _counting_installs(self, step: int, call: Callable[..., None], *args: Any) -> None:
         """``call(*args)`` (a refresh or an activation of ``step``), with the delay of every version it
         installs counted (``InstallDelays``)."""
-        before = [list(fset.versions) for fset, _ in self._set_groups]
-        call(*args)
-        for index, ((fset, _), old) in enumerate(zip(self._set_groups, before)):
-            if fset.versions == old:
-                continue
-            for block, version in enumerate(fset.versions):
-                if version != old[block]:
-                    self._delays.record(step, index, version)
+        try:
+            call(*args)
+        finally:  # the installs made before a raise are in use too
+            for index, version in self._refresher.take_installs():
+                self._delays.record(step, index, version)
 
     def is_refresh_step(self, step: int) -> bool:
         """Whether some factor set is refreshed at ``step`` (see ``self.schedule`` for each set)."""

@@ -38,6 +38,19 @@ class Refresher(ABC):
         self.interval = interval
         self._newest_versions = [0] * len(sets)
         self.tier: Any = None  # the optimizer's PreconditionerTier: told before a preconditioner is overwritten
+        self._installs: list[tuple[int, int]] = []  # (set index, version) per block whose version changed
+
+    def _set_version(self, index: int, block: int, version: int) -> None:
+        """Records that ``block`` of set ``index`` now uses ``version`` (see ``take_installs``)."""
+        versions = self.sets[index].versions
+        if versions[block] != version:
+            versions[block] = version
+            self._installs.append((index, version))
+
+    def take_installs(self) -> list[tuple[int, int]]:
+        """``(set index, version)`` of every block install since the last call."""
+        installs, self._installs = self._installs, []
+        return installs
 
     @abstractmethod
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
@@ -151,7 +164,7 @@ class SyncRefresher(Refresher):
             fset.installed |= usable
             consecutive[:] = np.where(ok, 0, consecutive + 1)
             for block in np.where(ok)[0]:
-                fset.versions[block] = version
+                self._set_version(index, int(block), version)
             self._failures += int((~ok).sum())
             self._refreshes += fset.batch
             self._newest_versions[index] = version
@@ -441,7 +454,7 @@ class AsyncRefresher(Refresher):
         # prefetch issued from a forward hook does not stall the forward pass.
         self._install_events.append((side, event))
         for block, version, _ in items:
-            fset.versions[block] = version
+            self._set_version(index, block, version)
         self._bytes_to_device += len(items) * fset.dim * fset.dim * 4
         self._pending_releases.append((event, [(block_id, version) for _, version, block_id in items]))
         if event is None:

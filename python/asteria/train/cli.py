@@ -74,6 +74,11 @@ def _run_config(args: argparse.Namespace, **overrides) -> RunConfig:
     return RunConfig(**(values | overrides))
 
 
+def _one_seed_option(args: argparse.Namespace) -> None:
+    if args.seed is not None and args.seeds is not None:
+        raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asteria", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
         elif args.command == "bench" and args.seeds is not None:
-            if args.seed is not None:
-                raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
+            _one_seed_option(args)
             run_seeds(_run_config(args), args.out, tuple(args.configs), list(args.seeds))
             print((args.out / "seeds.md").read_text())
             print(f"results: {args.out / 'seeds.json'}")
@@ -154,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print((args.out / "seeds.md").read_text())
             print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "sweep":
-            if args.seed is not None and args.seeds is not None:
-                raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
+            _one_seed_option(args)
             result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
                                seeds=None if args.seeds is None else list(args.seeds))
             spread = result["spread_final_loss_s_le_5"]

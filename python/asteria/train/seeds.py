@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,11 @@ def _read_results(file: Path) -> dict[str, Any] | None:
     return results
 
 
+def _code_of(results: dict[str, Any]) -> str:
+    """The code fingerprint a bench results.json was written by ("unknown" for results older than it)."""
+    return (results.get("software") or {}).get("code", "unknown")
+
+
 def _some(files: list[str], shown: int = 3) -> str:
     more = f" and {len(files) - shown} more" if len(files) > shown else ""
     return ", ".join(files[:shown]) + more
@@ -151,7 +157,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         files += [path] if path.is_file() else sorted(path.rglob("results.json"))
     per_seed: dict[int, dict[str, list[dict[str, Any]]]] = {}
     devices: list[str] = []
-    codes: dict[str, int] = {}
+    codes: Counter[str] = Counter()
     settings: dict[Path, dict[str, Any]] = {}
     for file in dict.fromkeys(f.resolve() for f in files):
         results = _read_results(file)
@@ -161,8 +167,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         for label, row in results["runs"].items():
             per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
         devices.append(results["device"])
-        code = (results.get("software") or {}).get("code", "unknown")
-        codes[code] = codes.get(code, 0) + 1
+        codes[_code_of(results)] += 1
     if not per_seed:
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: no `asteria bench` results.json at or below them")
     # Runs of other settings (steps, staggering, ...) are other experiments: never pooled.
@@ -180,7 +185,7 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
                          f"{', '.join(POOLED_SETTINGS)} (and {', '.join(TIMING_SETTINGS)} under the deterministic "
                          f"rule): {' | '.join(parts)}; gather the runs of one setting at a time")
-    return per_seed, list(dict.fromkeys(devices)), codes
+    return per_seed, list(dict.fromkeys(devices)), dict(codes)
 
 
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
@@ -259,7 +264,5 @@ def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[
     results = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
                for seed in seeds}
     per_seed = {seed: {label: [row] for label, row in r["runs"].items()} for seed, r in results.items()}
-    codes: dict[str, int] = {}
-    for r in results.values():
-        codes[r["software"]["code"]] = codes.get(r["software"]["code"], 0) + 1
+    codes = dict(Counter(_code_of(r) for r in results.values()))
     return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out, codes)

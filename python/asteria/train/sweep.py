@@ -58,6 +58,21 @@ def _spread_verdict(stats: list[dict[str, Any]]) -> tuple[list[float] | None, st
     return [inner, outer], verdict
 
 
+def _aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One S's row over its runs (one per seed): mean losses and step time, waits summed over the runs,
+    the largest staleness seen."""
+    n = len(summaries)
+    vals = [m["final_val_loss"] for m in summaries]
+    stats = [m["runtime_stats"] for m in summaries]
+    waits = [st.get("waits") for st in stats]
+    seen = [st["max_staleness_seen"] for st in stats if st.get("max_staleness_seen") is not None]
+    return {"final_loss": sum(m["final_loss"] for m in summaries) / n,
+            "final_val_loss": None if None in vals else sum(vals) / n,
+            "median_step_seconds": sum(m["median_step_seconds"] for m in summaries) / n,
+            "waits": None if None in waits else sum(waits),
+            "max_staleness_seen": max(seen) if seen else None}
+
+
 def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: bool = True,
               seeds: list[int] | None = None) -> dict[str, Any]:
     """Trains ``base`` once per staleness bound (and per seed of ``seeds``) and writes the sweep's report."""
@@ -80,26 +95,17 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
             run_dir = out / f"S{s}" if seeds is None else out / f"S{s}" / f"seed{seed}"
             summaries[seed] = train(replace(base, staleness=s, seed=seed), run_dir, progress=progress)
             run_dirs.append(run_dir)
-        finals = [m["final_loss"] for m in summaries.values()]
-        vals = [m["final_val_loss"] for m in summaries.values()]
-        stats = [m["runtime_stats"] for m in summaries.values()]
-        rows[s] = {"final_loss": sum(finals) / len(finals),
-                   "final_val_loss": None if None in vals else sum(vals) / len(vals),
-                   "median_step_seconds": sum(m["median_step_seconds"] for m in summaries.values()) / len(summaries),
-                   "waits": sum(st["waits"] for st in stats) if all(st.get("waits") is not None for st in stats)
-                   else None,  # over all the seeds' runs of this S
-                   "max_staleness_seen": max(seen) if (seen := [st["max_staleness_seen"] for st in stats
-                                                                if st.get("max_staleness_seen") is not None])
-                   else None}
+        rows[s] = _aggregate(list(summaries.values()))
         if seeds is not None:
             rows[s]["final_loss_per_seed"] = {str(seed): m["final_loss"] for seed, m in summaries.items()}
-            rows[s]["final_loss_stats"] = spread_stats(finals)
-    bounded = [rows[s]["final_loss"] for s in values if s <= SPREAD_BOUND]
+            rows[s]["final_loss_stats"] = spread_stats([m["final_loss"] for m in summaries.values()])
+    bounded = [s for s in values if s <= SPREAD_BOUND]
+    losses = [rows[s]["final_loss"] for s in bounded]
     result = {"config": asdict(base), "staleness": values, "seeds": seeds, "runs": {str(s): r for s, r in rows.items()},
-              "spread_final_loss_s_le_5": (max(bounded) - min(bounded)) if bounded else None}
+              "spread_final_loss_s_le_5": (max(losses) - min(losses)) if losses else None}
     if seeds is not None:
-        _pair_by_seed(rows, [s for s in values if s <= SPREAD_BOUND], seeds)
-        band, verdict = _spread_verdict([rows[s]["final_loss_offset"] for s in values if s <= SPREAD_BOUND])
+        _pair_by_seed(rows, bounded, seeds)
+        band, verdict = _spread_verdict([rows[s]["final_loss_offset"] for s in bounded])
         result |= {"spread_band_s_le_5": band, "spread_target": SPREAD_TARGET, "spread_verdict": verdict}
     (out / "sweep.json").write_text(json.dumps(result, indent=2))
 
