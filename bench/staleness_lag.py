@@ -8,11 +8,13 @@ Run:  python3 bench/staleness_lag.py --optimizer soap --steps 150 \
       python3 bench/staleness_lag.py --optimizer shampoo --runs sync det:0 --seeds 1 2 3   # sync vs async, no lag
 
 A run is ``sync``, ``nd:S[:DELAY]`` (deterministic=False, staleness S, workers sleeping up to DELAY
-seconds per job) or ``det:S`` (the deterministic rule: every version used exactly S intervals late),
-optionally followed by ``+stagger`` or ``+flat`` (``RuntimeConfig.stagger`` True or False; by default
+seconds per job), ``det:S`` (the deterministic rule: every version used exactly S intervals late) or
+``lag:L`` (the deterministic rule with ``RuntimeConfig.lag_steps=L``: every version used exactly L steps
+late, S = 5), optionally followed by ``+stagger`` or ``+flat`` (``RuntimeConfig.stagger`` True or False; by default
 async runs are staggered and sync runs are not):
 
       python3 bench/staleness_lag.py --optimizer kl-shampoo --runs sync sync+stagger det:0 --seeds 1 2 3 4
+      python3 bench/staleness_lag.py --optimizer soap --runs sync lag:1 lag:3 det:1 --seeds 1 2 3 4
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ def _parse_rule(rule: str, sync_refreshes: int, spec: str) -> tuple[asteria.Runt
             runtime = asteria.RuntimeConfig(mode="async", staleness=int(rest[0]), deterministic=kind == "det",
                                             workers=2 if delay else 1, sync_refreshes=sync_refreshes)
             return runtime, delay
+        if kind == "lag" and len(rest) == 1:
+            return asteria.RuntimeConfig(mode="async", staleness=5, lag_steps=int(rest[0]), workers=1,
+                                         sync_refreshes=sync_refreshes), 0.0
     except ValueError:
         pass
-    raise ValueError(f"Invalid run={spec!r}: must be 'sync', 'nd:S[:DELAY]' or 'det:S'")
+    raise ValueError(f"Invalid run={spec!r}: must be 'sync', 'nd:S[:DELAY]', 'det:S' or 'lag:L'")
 
 
 def train(args: argparse.Namespace, spec: str, seed: int = 0) -> str:

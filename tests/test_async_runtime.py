@@ -131,14 +131,30 @@ def test_workers_behind_the_schedule_warn_once_with_what_to_change():
         assert opt.runtime_stats()["waits"] >= 3
 
 
+def test_backlog_advice_names_lag_steps_when_the_workers_keep_up():
+    from asteria.pipeline.refresh import backlog_advice
+
+    short = asteria.RuntimeConfig(staleness=2, lag_steps=1)
+    # The work of an interval fits the workers' time: the lag is shorter than a job.
+    text = backlog_advice(short, 5, work=0.5, capacity=2.0)
+    assert "jobs take longer than lag_steps=1 steps: raise RuntimeConfig.lag_steps (at most staleness x " \
+           "precondition_frequency = 10)" in text
+    # It does not: the workers are short of time, whatever the lag.
+    text = backlog_advice(short, 5, work=3.0, capacity=2.0)
+    assert "Raise precondition_frequency (now 5; about 10 would keep up), lag_steps (now 1), staleness (now 2)" in text
+    assert "or deterministic=False" in text
+    text = backlog_advice(asteria.RuntimeConfig(staleness=2, deterministic=False), 5, work=3.0, capacity=2.0)
+    assert "staleness (now 2) or RuntimeConfig.workers, or" in text and "lag_steps" not in text
+
+
 def test_no_backlog_warning_at_staleness_zero(recwarn):
-    """At S = 0 every activation waits for its refresh by design: no warning."""
+    """At S = 0 (or lag_steps = 0) every activation waits for its refresh by design: no warning."""
     from asteria import testing
 
     model = small_mlp()
-    with asteria.Shampoo(model.parameters(), precondition_frequency=1,
-                         runtime=asteria.RuntimeConfig(staleness=0, workers=1)) as opt:
-        testing.set_random_worker_delay(opt, 0.01)
-        train(model, opt, 6)
-        assert opt.runtime_stats()["waits"] >= 3
+    for runtime in (asteria.RuntimeConfig(staleness=0, workers=1), asteria.RuntimeConfig(lag_steps=0, workers=1)):
+        with asteria.Shampoo(model.parameters(), precondition_frequency=1, runtime=runtime) as opt:
+            testing.set_random_worker_delay(opt, 0.01)
+            train(model, opt, 6)
+            assert opt.runtime_stats()["waits"] >= 3
     assert not [w for w in recwarn if issubclass(w.category, asteria.RefreshBacklogWarning)]

@@ -91,6 +91,49 @@ def test_install_delays_are_staleness_intervals_under_the_deterministic_rule(nam
     assert all(s["mean_steps"] == 3 * staleness for s in stats["install_delay_by_set"] if s["installs"])
 
 
+@pytest.mark.parametrize("name, staleness, lag", [("shampoo", 2, 1), ("soap", 1, 2), ("kl-shampoo", 2, 4),
+                                                  ("kl-shampoo", 1, 0)])
+def test_install_delays_are_lag_steps_under_the_deterministic_rule(name, staleness, lag):
+    params, stats = run(name, asteria.RuntimeConfig(staleness=staleness, lag_steps=lag, workers=2), steps=24)
+    histogram = stats["install_delay_histogram"]
+    # Every install after the sync refreshes comes exactly lag_steps after its snapshot (f = 3, staggered).
+    assert sum(histogram) > 0 and histogram[-1] == sum(histogram) and len(histogram) == lag + 1
+    assert stats["install_delay_mean_steps"] == stats["install_delay_max_steps"] == stats["lag_steps"] == lag
+    # Still the deterministic rule: another worker count gives the same bits.
+    again, _ = run(name, asteria.RuntimeConfig(staleness=staleness, lag_steps=lag, workers=1), steps=24)
+    assert all(torch.equal(a, b) for a, b in zip(params, again))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "kl-shampoo"])
+def test_lag_steps_zero_is_staleness_zero_and_the_default_is_s_intervals(name):
+    """lag_steps=0 uses every version at its own step, as S = 0 does; lag_steps=None means S intervals."""
+    zero, _ = run(name, asteria.RuntimeConfig(staleness=2, lag_steps=0, workers=2), steps=16)
+    native_like, stats = run(name, asteria.RuntimeConfig(staleness=0, workers=2), steps=16)
+    assert all(torch.equal(a, b) for a, b in zip(zero, native_like)) and stats["lag_steps"] == 0
+    full, _ = run(name, asteria.RuntimeConfig(staleness=2, lag_steps=6, workers=2), steps=16)
+    default, stats = run(name, asteria.RuntimeConfig(staleness=2, workers=2), steps=16)
+    assert all(torch.equal(a, b) for a, b in zip(full, default)) and stats["lag_steps"] == 6
+    assert not all(torch.equal(a, b) for a, b in zip(zero, full))  # the lag changes the trajectory
+    _, stats = run(name, asteria.RuntimeConfig(staleness=2, deterministic=False, workers=2), steps=4)
+    assert stats["lag_steps"] is None
+
+
+def test_lag_steps_is_checked_against_the_staleness_bound():
+    for value, allowed in ((-1, "must be None or an int >= 0"), (True, "must be None or an int >= 0"),
+                           (1.0, "must be None or an int >= 0")):
+        with pytest.raises(ValueError, match=rf"Invalid lag_steps={value!r}: {allowed}"):
+            asteria.RuntimeConfig(lag_steps=value)
+    with pytest.raises(ValueError, match=r"Invalid lag_steps=2: applies to the deterministic rule only"):
+        asteria.RuntimeConfig(lag_steps=2, deterministic=False)
+    model = small_mlp(sizes=SIZES)
+    with pytest.raises(ValueError, match=r"Invalid lag_steps=7: must be at most staleness x "
+                                         r"precondition_frequency = 2 x 3 = 6"):
+        OPTIMIZERS["soap"](model.parameters(), asteria.RuntimeConfig(staleness=2, lag_steps=7))
+    # Native mode has no lag: the setting is not used there.
+    with OPTIMIZERS["soap"](model.parameters(), asteria.RuntimeConfig(mode="sync", staleness=2, lag_steps=7)) as opt:
+        assert opt.runtime_stats()["lag_steps"] is None
+
+
 def test_install_delays_leave_out_an_install_before_its_snapshot_with_one_warning():
     from asteria.pipeline.schedule import InstallDelays
 

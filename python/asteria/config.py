@@ -86,6 +86,12 @@ class RuntimeConfig:
         deterministic: activation of versions by schedule only (version k is used from exactly S
             intervals after its snapshot), never by worker timing. Required for multi-rank runs.
             With ``False`` each block switches to its newest finished version at the next step.
+        lag_steps: under the deterministic rule, the steps from a version's snapshot to its first use:
+            at most ``staleness`` x ``precondition_frequency`` (checked when the optimizer is built).
+            ``None``: that bound itself, S intervals. A short lag keeps what the rule guarantees (runs
+            reproducible bit for bit, every rank on the same version at the same step) without using
+            each version S intervals late; ``step()`` waits for a version the workers have not finished
+            by then. Not used by ``mode="sync"``; with ``deterministic=False`` it is an error.
         stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
             their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
             the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
@@ -115,6 +121,7 @@ class RuntimeConfig:
     torch_threads: int | Literal["auto", "keep"] = "auto"
     worker_nice: int = 10
     deterministic: bool = True
+    lag_steps: int | None = None
     stagger: bool | None = None
     sync_refreshes: int = 2
     timeout_s: float = 600.0
@@ -143,6 +150,11 @@ class RuntimeConfig:
         _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
+        _check(self.lag_steps is None or (_is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
+               self.lag_steps, "must be None or an int >= 0 (steps from a snapshot to its use)")
+        _check(self.lag_steps is None or self.deterministic, "lag_steps", self.lag_steps,
+               "applies to the deterministic rule only; with deterministic=False each block takes its newest "
+               "finished version: leave lag_steps=None")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")
         _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
@@ -162,6 +174,17 @@ class RuntimeConfig:
                "use 'auto' or 'device', or mode='async'")
         _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
+
+    def activation_lag(self, interval: int) -> int:
+        """Steps from a version's snapshot to its first use under the deterministic rule, for refreshes
+        every ``interval`` steps: ``lag_steps``, or S intervals when it is None."""
+        bound = self.staleness * interval
+        if self.lag_steps is None:
+            return bound
+        _check(self.lag_steps <= bound, "lag_steps", self.lag_steps,
+               f"must be at most staleness x precondition_frequency = {self.staleness} x {interval} = {bound} "
+               "(the staleness bound, in steps)")
+        return self.lag_steps
 
     def resolved_worker_cpus(self) -> list[int]:
         """The CPUs the workers are pinned to (empty: not pinned)."""

@@ -110,10 +110,10 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard
     return losses
 
 
-def single_process(kind: str, staleness: int, steps: int) -> dict[str, torch.Tensor]:
+def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None = None) -> dict[str, torch.Tensor]:
     """The reference: one process on the full batches."""
     net = model()
-    with optimizer(kind, net.parameters(), staleness) as opt:
+    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps) as opt:
         train(net, opt, data(steps), None)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
@@ -123,11 +123,12 @@ def segments() -> set[str]:
 
 
 # ---- DDP --------------------------------------------------------------------------------------------
-def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int]]) -> None:
+def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int, int | None]]) -> None:
+    """Each run ``(optimizer, S, steps, lag_steps)`` is kept under ``(optimizer, S, lag_steps)``."""
     result: dict[str, Any] = {"runs": {}}
-    for kind, staleness, steps in runs:
+    for kind, staleness, steps, lag_steps in runs:
         net = torch.nn.parallel.DistributedDataParallel(model())
-        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL)
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL, lag_steps=lag_steps)
         refresher = opt._refresher
         store = refresher.domains[0].store
         # The segment's name is gone as soon as every local rank has mapped it.
@@ -138,20 +139,20 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int]
         params = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, params)
-        result["runs"][(kind, staleness)] = {
+        result["runs"][(kind, staleness, lag_steps)] = {
             "params": params, "stats": stats, "staleness": staleness_seen,
             "identical": all(all(torch.equal(g[k], params[k]) for k in params) for g in gathered),
         }
         state = opt.state_dict()
-        result["runs"][(kind, staleness)]["state_layout"] = state["distributed"]
+        result["runs"][(kind, staleness, lag_steps)]["state_layout"] = state["distributed"]
         # Another rank's checkpoint is refused before anything changes.
         states: list[Any] = [None] * world
         dist.all_gather_object(states, state)
         try:
             opt.load_state_dict(states[(rank + 1) % world])
-            result["runs"][(kind, staleness)]["foreign_load"] = "accepted"
+            result["runs"][(kind, staleness, lag_steps)]["foreign_load"] = "accepted"
         except ValueError as error:
-            result["runs"][(kind, staleness)]["foreign_load"] = str(error)
+            result["runs"][(kind, staleness, lag_steps)]["foreign_load"] = str(error)
         opt.close()
     try:
         optimizer("shampoo", model().parameters(), 1, deterministic=False)

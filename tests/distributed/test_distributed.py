@@ -32,7 +32,10 @@ def test_ownership_is_balanced_by_cubic_cost_and_deterministic():
         assign_owners(items, [])
 
 
-DDP_RUNS = [("shampoo", 0, 6), ("shampoo", 3, 12), ("soap", 1, 10)]
+# (optimizer, S, steps, lag_steps): with lag_steps=1 every version after the sync refreshes is used one
+# step after its snapshot, on every rank.
+DDP_RUNS = [("shampoo", 0, 6, None), ("shampoo", 3, 12, None), ("soap", 1, 10, None), ("kl-shampoo", 3, 12, 1)]
+TOLS["kl-shampoo"] = TOLS["soap"]
 # Every weight's dimension 0 splits into shards that coincide with the single-process blocks
 # (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
 # and the runs must agree up to the gradient reduction's rounding.
@@ -60,13 +63,13 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
     for rank, result in enumerate(results):
         assert result["segment_visible"] is False
         assert "Invalid deterministic=False" in result["nondeterministic"]
-    for kind, staleness, steps in runs:
-        per_rank = [r["runs"][(kind, staleness)] for r in results]
-        reference = W.single_process(kind, staleness, steps)
+    for kind, staleness, steps, lag_steps in runs:
+        per_rank = [r["runs"][(kind, staleness, lag_steps)] for r in results]
+        reference = W.single_process(kind, staleness, steps, lag_steps)
         for rank, run in enumerate(per_rank):
             # Replicas bitwise identical; within S intervals at every step.
             assert run["identical"], (kind, staleness)
-            assert max(run["staleness"]) <= staleness
+            assert max(run["staleness"]) <= (staleness if lag_steps is None else 1)
             for name, value in reference.items():
                 torch.testing.assert_close(run["params"][name], value, **TOLS[kind], msg=f"{kind} S={staleness} {name}")
             assert run["state_layout"]["rank"] == rank and run["state_layout"]["world_size"] == W.WORLD
@@ -74,6 +77,7 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         stats = per_rank[0]["stats"]
         assert [s["rank"] for s in stats] == [0, 1, 2, 3]
         assert all(s["max_staleness_seen"] <= staleness for s in stats)
+        assert all(s["lag_steps"] == (2 * staleness if lag_steps is None else lag_steps) for s in stats)
         # Every block has exactly one owner; all ranks own some.
         assert sum(s["owned_blocks"] for s in stats) == stats[0]["blocks"]
         assert all(s["owned_blocks"] > 0 for s in stats)
@@ -87,7 +91,7 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         assert stats[0]["bytes_inter_node_sent"] == stats[2]["bytes_inter_node_received"]
         assert stats[2]["bytes_inter_node_sent"] == stats[0]["bytes_inter_node_received"]
         assert all(s["bytes_intra_node_shared"] > 0 for s in stats)
-    soap = [r["runs"][("soap", 1)]["stats"] for r in results][0]
+    soap = [r["runs"][("soap", 1, None)]["stats"] for r in results][0]
     skipped = sum(s["exchanges_skipped"] for s in soap)
     # Kept bases move nothing; the engine also counts the skips of the version still pending at the end.
     assert 0 < skipped <= sum(s["refreshes_skipped"] for s in soap)

@@ -1,7 +1,8 @@
 """The distributed refresher: block ownership, node-shared stores and the hierarchical exchange, on the
 deterministic activation schedule.
 
-Life of version k of a block (snapshotted at step t, due at step d = t + S * f, or t for the first):
+Life of version k of a block (snapshotted at step t, due at step d = t + lag, by default t + S * f, or t
+for the first ``sync_refreshes``):
 1. Step t: the block's owner (one rank of its replica domain) snapshots the factors and submits the
    job to its C++ engine; no other rank computes it.
 2. Step d: the owner waits (bounded) for its job and publishes the result into its node's store
@@ -52,6 +53,7 @@ class DistributedRefresher(Refresher):
             raise ValueError(f"Invalid groups: {len(groups)} for {len(sets)} factor sets")
         self.topo = topo
         self.depth = config.staleness + 1
+        self.lag = config.activation_lag(interval)
         # ---- units and their domains
         self.units: list[list[Unit]] = []
         by_ranks: dict[tuple[int, ...], list[Unit]] = {}
@@ -121,7 +123,7 @@ class DistributedRefresher(Refresher):
 
     # ---- schedule ----------------------------------------------------------------------------
     def activation_step(self, step: int, version: int) -> int:
-        return step if version <= self.config.sync_refreshes else step + self.config.staleness * self.interval
+        return step if version <= self.config.sync_refreshes else step + self.lag
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         # Every set is refreshed together (the schedule is not staggered on several ranks: see

@@ -353,8 +353,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
 
     def runtime_stats(self) -> dict[str, Any]:
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy
-        fraction, bytes copied between tiers, and skipped non-finite gradient steps."""
-        stats = {"mode": self.runtime.mode, "staleness_budget": self.runtime.staleness, "step": self._step,
+        fraction, bytes copied between tiers, install delays, and skipped non-finite gradient steps.
+        ``lag_steps`` is the deterministic rule's steps from a snapshot to its use (None: not that rule)."""
+        runtime = self.runtime
+        deterministic = runtime.mode == "async" and runtime.deterministic
+        stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
+                 "lag_steps": runtime.activation_lag(self.precondition_frequency) if deterministic else None,
                  "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())

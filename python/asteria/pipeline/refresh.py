@@ -214,6 +214,7 @@ class AsyncRefresher(Refresher):
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
+        self.lag = config.activation_lag(interval)
         self._start_workers(config.deterministic, config.max_consecutive_failures)
         devices = {s.device for s in sets}
         self.side = {device: streams.SideStream(device) for device in devices}
@@ -248,10 +249,11 @@ class AsyncRefresher(Refresher):
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
-        S intervals later, except the first ``sync_refreshes`` versions (used at once)."""
+        ``lag_steps`` later (default S intervals), except the first ``sync_refreshes`` versions (used at
+        once)."""
         if version <= self.config.sync_refreshes:
             return step
-        return step + self.config.staleness * self.interval
+        return step + self.lag
 
     def before_factor_update(self) -> None:
         for device, event in self._snapshot_events.items():
@@ -294,8 +296,8 @@ class AsyncRefresher(Refresher):
         self._install_events.clear()
 
     def check_backlog(self, step: int) -> None:
-        if self._backlog_warned or self.config.staleness == 0:
-            return  # at S = 0 every activation waits for its refresh by design
+        if self._backlog_warned or self.lag == 0:
+            return  # at S = 0 (or lag_steps = 0) every activation waits for its refresh by design
         # Each set's first versions are waited for at their own step by design (sync_refreshes, staggered
         # over the first intervals): count from the first refresh after all of them. Then look once per
         # interval (staggered sets refresh on every step; the engine's counters need not be read that often).
@@ -322,17 +324,11 @@ class AsyncRefresher(Refresher):
         intervals = max((step - base_step) / self.interval, 1e-9)
         work = (engine["refresh_seconds"] - base_work) / intervals
         capacity = pool["workers"] * max(now - since - lost, 1e-9) / intervals
-        enough = math.ceil(self.interval * 1.25 * work / capacity)
-        other = " or deterministic=False (workers then skip versions already overtaken)" if (
-            self.config.deterministic) else ""
-        warnings.warn(RefreshBacklogWarning(
-            f"Asteria: step() waited {waited} times for the CPU refresh workers between the first interval and "
-            f"step {step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time); the {pool['workers']} "
-            f"workers were busy {pool['busy_fraction']:.0%} of the time. The refresh work of an interval takes "
-            f"longer than the interval: about {work:.3g} CPU-seconds against {capacity:.3g} worker-seconds of "
-            f"training. Raise precondition_frequency (now {self.interval}; about {enough} would keep up), "
-            f"staleness (now {self.config.staleness}) or RuntimeConfig.workers{other}, or train with fewer, "
-            f"larger steps."), stacklevel=5)
+        waited_text = (f"Asteria: step() waited {waited} times for the CPU refresh workers between the first "
+                       f"interval and step {step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time); "
+                       f"the {pool['workers']} workers were busy {pool['busy_fraction']:.0%} of the time.")
+        advice = backlog_advice(self.config, self.interval, work, capacity)
+        warnings.warn(RefreshBacklogWarning(waited_text + advice), stacklevel=5)
 
     def poll(self, step: int) -> None:
         if self._pending_snapshots:
@@ -499,6 +495,25 @@ class AsyncRefresher(Refresher):
         # The workers may still read snapshots and write results: stop them before buffers go away.
         self._stop_workers()
         self._release_copied(block_all=True)
+
+
+def backlog_advice(config: RuntimeConfig, interval: int, work: float, capacity: float) -> str:
+    """What to change when ``step()`` keeps waiting for the workers, from the refresh work of an interval
+    and the workers' time in one (both in CPU-seconds, measured): with the work within the capacity and a
+    ``lag_steps`` set, the lag is shorter than a job; otherwise the workers are short of time."""
+    lag_steps = config.lag_steps
+    if lag_steps is not None and work <= capacity:
+        return (f" They keep up with the refresh work (about {work:.3g} CPU-seconds an interval against "
+                f"{capacity:.3g} worker-seconds of training), but jobs take longer than lag_steps={lag_steps} steps: "
+                f"raise RuntimeConfig.lag_steps (at most staleness x precondition_frequency = "
+                f"{config.staleness * interval}).")
+    enough = math.ceil(interval * 1.25 * work / capacity)
+    other = " or deterministic=False (workers then skip versions already overtaken)" if config.deterministic else ""
+    bound = (f"lag_steps (now {lag_steps}), " if lag_steps is not None else "") + f"staleness (now {config.staleness})"
+    return (f" The refresh work of an interval takes longer than the interval: about {work:.3g} CPU-seconds "
+            f"against {capacity:.3g} worker-seconds of training. Raise precondition_frequency (now {interval}; "
+            f"about {enough} would keep up), {bound} or RuntimeConfig.workers{other}, or train with fewer, larger "
+            f"steps.")
 
 
 def make_refresher(sets: list[FactorSet], config: RuntimeConfig, interval: int,

@@ -21,11 +21,13 @@ from asteria.train.seeds import gather, run_seeds, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
-                  "warmup_steps": int}
+                  "warmup_steps": int, "lag_steps": int}
 OPTIONAL_FLAGS = {"stagger"}  # None (the library's choice), True or False
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
+    "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "
+                 "the frequency; default: S intervals), waiting for it if need be: reproducible with a short lag",
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
                       "step, waited for if need be; later ones follow the staleness rule",
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "

@@ -39,9 +39,10 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger")
+                     "stagger", "lag_steps")
 # What a checkpoint written before a setting existed was trained with.
-LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None}
+LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
+                   "lag_steps": None}
 
 
 @dataclass(kw_only=True)
@@ -80,6 +81,7 @@ class RunConfig:
     local_world_size: int | None = None
     matmul_precision: str = "highest"
     deterministic: bool = True
+    lag_steps: int | None = None
     deterministic_kernels: bool = False
 
     def __post_init__(self) -> None:
@@ -121,6 +123,13 @@ class RunConfig:
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
         check(isinstance(self.deterministic, bool), "deterministic", "must be True or False")
         check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
+        check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
+              "must be an int >= 0")
+        check(self.lag_steps is None or self.lag_steps <= self.staleness * self.precondition_frequency, "lag_steps",
+              f"must be at most staleness x precondition_frequency = {self.staleness} x "
+              f"{self.precondition_frequency} = {self.staleness * self.precondition_frequency}")
+        check(self.lag_steps is None or self.deterministic, "lag_steps",
+              "applies to the deterministic rule only: drop --lag-steps or --no-deterministic")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
@@ -172,6 +181,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                  fused=True if cfg.device == "cuda" else None)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
+                                    lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
                                     sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
                                     memory=memory, local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
