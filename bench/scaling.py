@@ -101,6 +101,11 @@ def validate(args: argparse.Namespace, gpus: int) -> None:
     for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "timeout"):
         if getattr(args, name) < 1:
             raise ValueError(f"Invalid {name}={getattr(args, name)}: must be >= 1")
+    if args.max_preconditioner_dim is not None and args.max_preconditioner_dim < 1:
+        raise ValueError(f"Invalid max_preconditioner_dim={args.max_preconditioner_dim}: must be >= 1")
+    if args.lag_steps is not None and not 0 <= args.lag_steps <= args.staleness * args.precondition_frequency:
+        raise ValueError(f"Invalid lag_steps={args.lag_steps}: must be in [0, staleness x precondition_frequency = "
+                         f"{args.staleness * args.precondition_frequency}]")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"Invalid max_seconds={args.max_seconds}: must be a number of seconds > 0")
     if args.target_loss is not None and not args.target_loss > 0:
@@ -121,9 +126,9 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
         argv += ["--parallel", parallel]
         if args.local_world_size is not None:
             argv += ["--local-world-size", str(args.local_world_size)]
-    for name in ("lr", "workers", "data", "tokenizer"):
+    for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps"):
         if getattr(args, name) is not None:
-            argv += [f"--{name}", str(getattr(args, name))]
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
 
 
@@ -291,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="float32 matrix products: float32 or TF32 (GPUs)")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--max-preconditioner-dim", type=int, default=None,
+                        help="largest factor side [default: asteria train's]")
+    parser.add_argument("--lag-steps", type=int, default=None,
+                        help="Asteria runs: use each refresh this many steps after its snapshot (RuntimeConfig."
+                             "lag_steps) [default: S intervals]")
     parser.add_argument("--eval-every", type=int, default=None, help="[default: once, at the last step]")
     parser.add_argument("--eval-batches", type=int, default=2)
     parser.add_argument("--max-bytes", type=int, default=2_000_000)

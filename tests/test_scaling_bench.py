@@ -23,14 +23,16 @@ def scaling():
 
 def test_child_commands_environment_and_default_process_counts(scaling):
     args = scaling.build_parser().parse_args(["--out", "X", "--local-world-size", "1", "--model", "olmo-160m",
-                                              "--workers", "3"])
+                                              "--workers", "3", "--max-preconditioner-dim", "1024",
+                                              "--lag-steps", "2"])
     args.device = "cuda"
     argv = scaling.train_command(args, "kl-shampoo-async", 2, "fsdp", Path("X/kl/fsdp-p2"))
     text = " ".join(argv)
     assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
     assert "asteria.train.cli train --out X/kl/fsdp-p2 --optimizer kl-shampoo --mode async" in text
     for option in ("--parallel fsdp", "--local-world-size 1", "--precondition-frequency 10", "--model olmo-160m",
-                   "--workers 3", "--device cuda", "--eval-every 60"):
+                   "--workers 3", "--device cuda", "--eval-every 60", "--max-preconditioner-dim 1024",
+                   "--lag-steps 2"):
         assert option in text, option
     single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
     assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single
@@ -52,6 +54,8 @@ def test_child_commands_environment_and_default_process_counts(scaling):
         (["--nprocs", "1", "2", "--local-world-size", "3"], "Invalid local_world_size=3: must divide every process"),
         (["--model", "gpt5"], "Invalid model='gpt5'"),
         (["--steps", "0"], "Invalid steps=0: must be >= 1"),
+        (["--lag-steps", "51"], "Invalid lag_steps=51: must be in [0, staleness x precondition_frequency = 50]"),
+        (["--max-preconditioner-dim", "0"], "Invalid max_preconditioner_dim=0: must be >= 1"),
     ],
 )
 def test_bad_options_name_the_value(scaling, argv, message, tmp_path, capsys):

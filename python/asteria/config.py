@@ -95,7 +95,9 @@ class RuntimeConfig:
         stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
             their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
             the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
-            (the native baseline refreshes everything together). Deterministic either way.
+            (the native baseline refreshes everything together); on several ranks only where every rank
+            has the same factor sets (DDP), as a block's replicas must refresh it at the same step.
+            Deterministic either way.
         sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
             eigendecomposition, then the first refreshes after it) are waited for at their own step
             (lag 0) under either rule, so that training does not run S intervals on the grafting

@@ -80,9 +80,9 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **runtime: Any) -> torch.optim.Optimizer:
-    # Unstaggered everywhere: the single-process references follow the multi-rank schedule.
+    # Unstaggered unless asked: the single-process references follow the multi-rank schedule.
     config = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=1, timeout_s=runtime.pop("timeout_s", 20.0),
-                                   stagger=False, **runtime)
+                                   stagger=runtime.pop("stagger", False), **runtime)
     if kind == "shampoo":
         return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2,
                                runtime=config)
@@ -110,10 +110,11 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard
     return losses
 
 
-def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None = None) -> dict[str, torch.Tensor]:
+def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None = None,
+                   stagger: bool = False) -> dict[str, torch.Tensor]:
     """The reference: one process on the full batches."""
     net = model()
-    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps) as opt:
+    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps, stagger=stagger) as opt:
         train(net, opt, data(steps), None)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
@@ -123,12 +124,13 @@ def segments() -> set[str]:
 
 
 # ---- DDP --------------------------------------------------------------------------------------------
-def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int, int | None]]) -> None:
-    """Each run ``(optimizer, S, steps, lag_steps)`` is kept under ``(optimizer, S, lag_steps)``."""
+def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int, int | None, bool]]) -> None:
+    """Each run ``(optimizer, S, steps, lag_steps, stagger)`` is kept under ``(optimizer, S, lag_steps)``."""
     result: dict[str, Any] = {"runs": {}}
-    for kind, staleness, steps, lag_steps in runs:
+    for kind, staleness, steps, lag_steps, stagger in runs:
         net = torch.nn.parallel.DistributedDataParallel(model())
-        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL, lag_steps=lag_steps)
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL, lag_steps=lag_steps,
+                        stagger=stagger)
         refresher = opt._refresher
         store = refresher.domains[0].store
         # The segment's name is gone as soon as every local rank has mapped it.
@@ -140,7 +142,7 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, params)
         result["runs"][(kind, staleness, lag_steps)] = {
-            "params": params, "stats": stats, "staleness": staleness_seen,
+            "params": params, "stats": stats, "staleness": staleness_seen, "phases": list(opt.schedule.phases),
             "identical": all(all(torch.equal(g[k], params[k]) for k in params) for g in gathered),
         }
         state = opt.state_dict()
@@ -159,6 +161,11 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
         result["nondeterministic"] = "accepted"
     except ValueError as error:
         result["nondeterministic"] = str(error)
+    try:  # every rank's factor sets differ: no common staggered schedule
+        optimizer("shampoo", torch.nn.Linear(4 + rank, 3).parameters(), 1, stagger=True, local_world_size=LOCAL)
+        result["uneven_stagger"] = "accepted"
+    except ValueError as error:
+        result["uneven_stagger"] = str(error)
     out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
 

@@ -32,9 +32,10 @@ def test_ownership_is_balanced_by_cubic_cost_and_deterministic():
         assign_owners(items, [])
 
 
-# (optimizer, S, steps, lag_steps): with lag_steps=1 every version after the sync refreshes is used one
-# step after its snapshot, on every rank.
-DDP_RUNS = [("shampoo", 0, 6, None), ("shampoo", 3, 12, None), ("soap", 1, 10, None), ("kl-shampoo", 3, 12, 1)]
+# (optimizer, S, steps, lag_steps, stagger): with lag_steps=1 every version after the sync refreshes is used
+# one step after its snapshot, on every rank; staggered, each step refreshes and exchanges the sets of one phase.
+DDP_RUNS = [("shampoo", 0, 6, None, False), ("shampoo", 3, 12, None, False), ("soap", 1, 10, None, False),
+            ("kl-shampoo", 3, 12, 1, True)]
 TOLS["kl-shampoo"] = TOLS["soap"]
 # Every weight's dimension 0 splits into shards that coincide with the single-process blocks
 # (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
@@ -63,12 +64,14 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
     for rank, result in enumerate(results):
         assert result["segment_visible"] is False
         assert "Invalid deterministic=False" in result["nondeterministic"]
-    for kind, staleness, steps, lag_steps in runs:
+        assert "Invalid stagger=True: the ranks' factor sets differ" in result["uneven_stagger"]
+    for kind, staleness, steps, lag_steps, stagger in runs:
         per_rank = [r["runs"][(kind, staleness, lag_steps)] for r in results]
-        reference = W.single_process(kind, staleness, steps, lag_steps)
+        reference = W.single_process(kind, staleness, steps, lag_steps, stagger)
         for rank, run in enumerate(per_rank):
             # Replicas bitwise identical; within S intervals at every step.
             assert run["identical"], (kind, staleness)
+            assert (len(set(run["phases"])) > 1) == stagger and run["phases"] == per_rank[0]["phases"]
             assert max(run["staleness"]) <= (staleness if lag_steps is None else 1)
             for name, value in reference.items():
                 torch.testing.assert_close(run["params"][name], value, **TOLS[kind], msg=f"{kind} S={staleness} {name}")
@@ -82,8 +85,8 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         assert sum(s["owned_blocks"] for s in stats) == stats[0]["blocks"]
         assert all(s["owned_blocks"] > 0 for s in stats)
         # Every snapshotted version is refreshed once; at the end the newest S versions (not yet due)
-        # may still be on the workers when the counts are read.
-        expected, done = stats[0]["blocks"] * (steps // 2), sum(s["refreshes"] for s in stats)
+        # may still be on the workers when the counts are read. A staggered set makes one more version.
+        expected, done = stats[0]["blocks"] * (steps // 2 + stagger), sum(s["refreshes"] for s in stats)
         assert expected - stats[0]["blocks"] * staleness <= done <= expected, (kind, staleness, done, expected)
         # Only node leaders (ranks 0 and 2) talk across nodes; what one sends the other receives.
         assert stats[1]["bytes_inter_node_sent"] == stats[3]["bytes_inter_node_sent"] == 0
@@ -142,3 +145,14 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
             assert result[key]["identical"], (key, rank)
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD
+
+
+def test_scheduled_versions_of_older_checkpoints_list_every_set():
+    from asteria.distributed.refresher import _with_set_indices
+
+    legacy = {"version": 3, "due": 9, "requests": [(1.0, 0.1, 0.0), (1.0, 0.2, 0.0)], "snapshots": ["a", None]}
+    entry = _with_set_indices(legacy, 2)
+    assert entry["requests"] == {0: (1.0, 0.1, 0.0), 1: (1.0, 0.2, 0.0)} and entry["snapshots"] == {0: "a", 1: None}
+    assert _with_set_indices(entry, 2) is entry
+    with pytest.raises(ValueError, match="a scheduled version lists 2 factor sets, this optimizer has 3"):
+        _with_set_indices(legacy, 3)

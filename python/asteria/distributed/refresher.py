@@ -15,6 +15,11 @@ for the first ``sync_refreshes``):
    version word) and installs it. So every replica activates the same version at the same step.
 Before writing a store at step d, a rank waits until every local rank has read the versions of the
 previous due step (the two slots per block are then free to reuse).
+
+With a staggered schedule (the default in Asteria mode) each step refreshes the factor sets of one phase
+of the interval, so the steps above run for those sets' blocks only: every replica has the same sets and
+phases (they follow from the shapes), so the ranks of a domain still exchange the same blocks at the
+same step, and no step carries every set's snapshot, job and install.
 """
 
 from __future__ import annotations
@@ -108,9 +113,9 @@ class DistributedRefresher(Refresher):
             self.ids.append(ids)
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._errors: dict[tuple[int, int], str] = {}
-        self._newest_version = 0
         self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scheduled: list[tuple[int, int, list[RootRequest]]] = []
+        # Versions snapshotted but not yet due: (version, activation step, {set index: request}).
+        self._scheduled: list[tuple[int, int, dict[int, RootRequest]]] = []
         self._last_due = 0
         self._counts = {"bytes_inter_node_sent": 0, "bytes_inter_node_received": 0, "bytes_intra_node_shared": 0,
                         "bytes_to_host": 0, "bytes_to_device": 0, "exchanges_skipped": 0, "exchanges": 0,
@@ -126,17 +131,19 @@ class DistributedRefresher(Refresher):
         return step if version <= self.config.sync_refreshes else step + self.lag
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
-        # Every set is refreshed together (the schedule is not staggered on several ranks: see
-        # SecondOrderOptimizer), so one version covers them all.
+        # The sets refreshed at one step share their version number (the schedule's phases: see
+        # RefreshSchedule), so one entry covers them.
         versions = {version for _, version, _ in items}
-        if len(versions) != 1 or len(items) != len(self.sets):
-            raise RuntimeError(f"the distributed refresher refreshes every set at once; got {len(items)} of "
-                               f"{len(self.sets)} sets at versions {sorted(versions)}")
+        if len(versions) != 1:
+            raise RuntimeError(f"the sets refreshed at one step must share their version; got versions "
+                               f"{sorted(versions)} at step {step}")
         version = versions.pop()
-        requests = [request for _, _, request in sorted(items, key=lambda item: item[0])]
+        requests = {index: request for index, _, request in sorted(items, key=lambda item: item[0])}
         due = self.activation_step(step, version)
-        self._scheduled.append((version, due, list(requests)))
-        for index, (fset, request) in enumerate(zip(self.sets, requests)):
+        self._scheduled.append((version, due, requests))
+        for index, request in requests.items():
+            fset = self.sets[index]
+            self._newest_versions[index] = version
             if not self.owned[index]:
                 continue
             self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
@@ -145,43 +152,52 @@ class DistributedRefresher(Refresher):
             self._counts["bytes_to_host"] += snaps[0].numel() * 4
             self.engine.submit(self.ids[index], version, due, fset.exponent, request.eps, request.scale,
                                skip_tol=request.skip_tol)
-        self._newest_version = version
-        self._newest_versions = [version] * len(self.sets)
 
     def activate(self, step: int) -> None:
+        due = []
         while self._scheduled and self._scheduled[0][1] <= step:
-            version, due, _ = self._scheduled[0]
-            self._complete(version, step)
-            self._scheduled.pop(0)
-            self._last_due = step
+            due.append(self._scheduled.pop(0))
+        if due:
+            changes = self._activate_engine([version for version, _, _ in due], step)
+            for version, _, requests in due:
+                self._complete(version, sorted(requests), changes, step)
+                self._last_due = step
         self._record_staleness()
 
     # ---- one due version -----------------------------------------------------------------------
-    def _complete(self, version: int, step: int) -> None:
+    def _activate_engine(self, versions: list[int], step: int) -> list[tuple[int, int]]:
+        """This rank's jobs due by ``step`` (waited for): ``(engine block id, version)`` of each change."""
+        if not any(self.ids):
+            return []
+        try:
+            return self.engine.activate(step, self.config.timeout_s)
+        except TimeoutError as error:
+            raise TimeoutError(f"rank {self.topo.rank}: the refresh of version {max(versions)} on this rank's workers "
+                               f"did not finish by step {step}: {error}") from error
+
+    def _complete(self, version: int, sets: list[int], changes: list[tuple[int, int]], step: int) -> None:
+        """Publishes, exchanges, reads and installs ``version`` of the blocks of ``sets``."""
         for d in self.domains:
             if d.shared:
                 self._guard(lambda d=d: d.store.wait_done(self._last_due, self.config.timeout_s),
                             f"waiting at step {step} for the local ranks to read the versions of step {self._last_due}")
-        self._publish_owned(version, step)
+        self._publish_owned(version, sets, changes)
+        chosen = set(sets)
         for d in self.domains:
             if d.exchange_group is not None:
-                self._exchange(d, version, step)
-        readings = {id(d): self._read(d, version, step) for d in self.domains}
+                self._exchange(d, version, chosen, step)
+        readings = {id(d): self._read(d, version, chosen, step) for d in self.domains}
         self._install(version, readings, step)
         for d in self.domains:
             if d.shared:
                 d.store.mark_done(d.local_index, step)
 
-    def _publish_owned(self, version: int, step: int) -> None:
-        if not any(self.ids):
-            return
-        try:
-            changes = self.engine.activate(step, self.config.timeout_s)
-        except TimeoutError as error:
-            raise TimeoutError(f"rank {self.topo.rank}: the refresh of version {version} on this rank's workers "
-                               f"did not finish by step {step}: {error}") from error
+    def _publish_owned(self, version: int, sets: list[int], changes: list[tuple[int, int]]) -> None:
         ok = {block_id for block_id, v in changes if v == version}
-        for index, ids in enumerate(self.ids):
+        released = set()
+        for index in sets:
+            ids = self.ids[index]
+            released.update(ids)
             for j, block_id in enumerate(ids):
                 unit = self.engine_unit[block_id]
                 d = self.domain_of[id(unit)]
@@ -194,7 +210,8 @@ class DistributedRefresher(Refresher):
                 d.store.publish(unit.index, version, status)
                 self._counts["blocks_published"] += 1
         for block_id, v in changes:
-            self.engine.release(block_id, v)
+            if block_id in released:
+                self.engine.release(block_id, v)
 
     def _write_result(self, d: Domain, unit: Unit, result: torch.Tensor) -> str:
         """Copies an owned block's result into the store; an eigenbasis kept bit for bit is only flagged."""
@@ -243,15 +260,15 @@ class DistributedRefresher(Refresher):
         view[base:base + n * n].copy_(payload[:n * n])
         view[base + (n + 1) * n:base + (n + 2) * n].copy_(payload[n * n:])
 
-    def _exchange(self, d: Domain, version: int, step: int) -> None:
-        """Node leaders of ``d`` send their node's new versions of ``version`` to each other."""
+    def _exchange(self, d: Domain, version: int, sets: set[int], step: int) -> None:
+        """Node leaders of ``d`` send their node's new versions of ``version`` of ``sets``' blocks to each other."""
         started = time.perf_counter()
         view = self.views[id(d)]
         group = d.exchange_group
         peers = len(d.nodes) - 1
         try:
             for node in d.nodes:
-                units = self.node_units[id(d)][node]
+                units = [u for u in self.node_units[id(d)][node] if u.set_index in sets]
                 if not units:
                     continue
                 leader = d.by_node[node][0]
@@ -322,16 +339,17 @@ class DistributedRefresher(Refresher):
         except RuntimeError as error:
             raise PeerError(f"rank {self.topo.rank} (node {self.topo.node}): {what}: {error}") from error
 
-    def _read(self, d: Domain, version: int, step: int) -> list[tuple[int, str, int]]:
-        if not d.units:
+    def _read(self, d: Domain, version: int, sets: set[int], step: int) -> list[tuple[Unit, tuple[int, str, int]]]:
+        units = [u for u in d.units if u.set_index in sets]
+        if not units:
             return []
-        return self._wait(d, d.units, version, step)
+        return list(zip(units, self._wait(d, units, version, step)))
 
     # ---- installing ------------------------------------------------------------------------------
     def _install(self, version: int, readings: dict[int, list[tuple[int, str, int]]], step: int) -> None:
         per_set: list[list[tuple[Unit, str, int, Domain]]] = [[] for _ in self.sets]
         for d in self.domains:
-            for unit, (seen_version, status, good) in zip(d.units, readings[id(d)]):
+            for unit, (seen_version, status, good) in readings[id(d)]:
                 if seen_version != version:
                     raise PeerError(f"rank {self.topo.rank}: block {unit.key} holds version {seen_version} at step "
                                     f"{step}, expected {version}: the ranks are out of step")
@@ -381,12 +399,12 @@ class DistributedRefresher(Refresher):
             self._counts["bytes_to_device"] += len(refreshed) * n * n * 4
 
     def _record_staleness(self) -> None:
-        if self._newest_version == 0:
-            return
         top = self.config.staleness + 1
-        for fset in self.sets:
+        for fset, newest in zip(self.sets, self._newest_versions):
+            if newest == 0:
+                continue
             for used in fset.versions:
-                lag = self._newest_version - used
+                lag = newest - used
                 self._histogram[min(lag, top)] += 1
                 self._max_staleness = max(self._max_staleness, lag)
 
@@ -401,10 +419,11 @@ class DistributedRefresher(Refresher):
         it owns (recomputed on load), with the rank and world size they belong to."""
         scheduled = []
         for version, due, requests in self._scheduled:
-            snapshots = [None if snaps is None else snaps[version % self.depth].clone() for snaps in self.snapshots]
-            scheduled.append({"version": version, "due": due,
-                              "requests": [(r.scale, r.eps, r.skip_tol) for r in requests], "snapshots": snapshots})
-        return {"distributed": self.identity(), "newest_version": self._newest_version,
+            snapshots = {index: None if self.snapshots[index] is None else
+                         self.snapshots[index][version % self.depth].clone() for index in requests}
+            scheduled.append({"version": version, "due": due, "snapshots": snapshots,
+                              "requests": {index: (r.scale, r.eps, r.skip_tol) for index, r in requests.items()}})
+        return {"distributed": self.identity(), "newest_versions": list(self._newest_versions),
                 "scheduled": scheduled,
                 "consecutive_failures": [c.copy() for c in self._consecutive]}
 
@@ -422,13 +441,14 @@ class DistributedRefresher(Refresher):
                                  f"rank {mine['rank']} of {mine['world_size']} (local world size "
                                  f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
                                  "each rank's own state_dict")
-        self._newest_version = state["newest_version"]
+        scheduled = [_with_set_indices(entry, len(self.sets)) for entry in state["scheduled"]]
+        self._newest_versions = list(state["newest_versions"]) if "newest_versions" in state else (
+            [state["newest_version"]] * len(self.sets))  # written before staggered multi-rank schedules
         self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
-        scheduled = state["scheduled"]
-        first = scheduled[0]["version"] if scheduled else self._newest_version + 1
-        for ids in self.ids:
+        for index, ids in enumerate(self.ids):
+            pending = [entry["version"] for entry in scheduled if index in entry["requests"]]
             if ids:
-                self.engine.start_at(ids, first)
+                self.engine.start_at(ids, min(pending) if pending else self._newest_versions[index] + 1)
         for index, (fset, ids) in enumerate(zip(self.sets, self.ids)):
             if fset.kind != "eigenbasis":
                 continue
@@ -439,8 +459,9 @@ class DistributedRefresher(Refresher):
         self._scheduled = []
         for entry in scheduled:
             version, due = entry["version"], entry["due"]
-            requests = [RootRequest(*r) for r in entry["requests"]]
-            for index, (snapshot, request) in enumerate(zip(entry["snapshots"], requests)):
+            requests = {index: RootRequest(*r) for index, r in entry["requests"].items()}
+            for index, request in requests.items():
+                snapshot = entry["snapshots"][index]
                 if not self.ids[index]:
                     continue
                 self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
@@ -485,3 +506,14 @@ class DistributedRefresher(Refresher):
             return
         self._closed = True
         self._stop_workers()
+
+
+def _with_set_indices(entry: dict[str, Any], sets: int) -> dict[str, Any]:
+    """A scheduled entry of ``state()`` with its requests and snapshots keyed by set index (checkpoints
+    written before staggered multi-rank schedules list them for every set, in order)."""
+    if isinstance(entry["requests"], dict):
+        return entry
+    if len(entry["requests"]) != sets:
+        raise ValueError(f"Invalid state_dict: a scheduled version lists {len(entry['requests'])} factor sets, this "
+                         f"optimizer has {sets}")
+    return entry | {"requests": dict(enumerate(entry["requests"])), "snapshots": dict(enumerate(entry["snapshots"]))}

@@ -130,3 +130,11 @@ def replica_ranks(param: torch.Tensor, topo: Topology) -> tuple[int, ...]:
         raise ValueError(f"Invalid process_group: the parameter's mesh has ranks {outside} outside the optimizer's "
                          f"process group {list(topo.ranks)}")
     return ranks
+
+
+def same_on_every_rank(topo: Topology, value: Any) -> bool:
+    """Whether every rank of ``topo`` passed an equal ``value`` (picklable). Collective over a Gloo group
+    of all its ranks."""
+    gathered: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(gathered, value, group=topo.gloo_group(topo.ranks))
+    return all(other == value for other in gathered)

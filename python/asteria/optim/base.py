@@ -89,7 +89,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._reading: dict[int, list[Tensor]] = {}
         self._paged_keys: dict[int, dict[str, FactorSet]] = {}  # group -> state key -> set on the NVMe tier
         sets = [s for s, _ in self._set_groups]
-        stagger = self._staggered()
+        stagger = self._staggered(sets)
         costs = [float(s.batch) * s.dim**3 for s in sets]
         phases = stagger_phases(costs, precondition_frequency) if stagger else [0] * len(sets)
         # The versions used at their own step come on the unstaggered steps (see ``RefreshSchedule``).
@@ -110,18 +110,24 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.close()
             raise
 
-    def _staggered(self) -> bool:
-        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; off on several ranks,
-        whose exchange moves every set's version together)."""
+    def _staggered(self, sets: list[FactorSet]) -> bool:
+        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode).
+        On several ranks the replicas of a block must refresh it at the same step, so the schedule is
+        staggered only where every rank has the same factor sets, hence the same phases (DDP; FSDP2 with
+        even shards); where they differ, ``stagger=None`` falls back to the unstaggered schedule."""
         from asteria.distributed import topology
+        from asteria.distributed.topology import same_on_every_rank
 
-        ranks = topology(self.runtime) is not None
-        check_arg(not (ranks and self.runtime.stagger), "stagger", self.runtime.stagger,
-                  "a staggered schedule runs in a single process only (the distributed exchange moves every set's "
-                  "version together): use None or False")
-        if self.runtime.stagger is not None:
-            return self.runtime.stagger
-        return self.runtime.mode == "async" and not ranks
+        wanted = self.runtime.stagger if self.runtime.stagger is not None else self.runtime.mode == "async"
+        topo = topology(self.runtime)
+        if topo is None or not wanted:
+            return wanted
+        if same_on_every_rank(topo, [(s.kind, s.batch, s.dim) for s in sets]):
+            return True
+        check_arg(self.runtime.stagger is None, "stagger", self.runtime.stagger,
+                  "the ranks' factor sets differ (e.g. uneven FSDP2 shards), so their phases would differ and the "
+                  "replicas of a block would refresh it at different steps: use None or False")
+        return False
 
     # ---- what a subclass provides -------------------------------------------------------------
     @abstractmethod
