@@ -36,7 +36,7 @@ from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.pipeline.refresh import Refresher
+from asteria.pipeline.refresh import Refresher, SnapshotStager
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
@@ -111,6 +111,7 @@ class DistributedRefresher(Refresher):
             self.snapshots.append(snaps)
             self.results.append(results)
             self.ids.append(ids)
+        self.stager = SnapshotStager(self.engine, sets, config.timeout_s)
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._errors: dict[tuple[int, int], str] = {}
         self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -146,14 +147,21 @@ class DistributedRefresher(Refresher):
             self._newest_versions[index] = version
             if not self.owned[index]:
                 continue
-            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
             snaps = self.snapshots[index]
-            snaps[version % self.depth].copy_(fset.factors.index_select(0, self.owned_index[index]))
+            self.stager.stage(index, self.ids[index], version, due, request, snaps[version % self.depth],
+                              lambda fset=fset, index=index: fset.factors.index_select(0, self.owned_index[index]))
             self._counts["bytes_to_host"] += snaps[0].numel() * 4
-            self.engine.submit(self.ids[index], version, due, fset.exponent, request.eps, request.scale,
-                               skip_tol=request.skip_tol)
+        self.stager.submit_ready(step)
+
+    def before_factor_update(self) -> None:
+        self.stager.before_factor_update()
+
+    def poll(self, step: int) -> None:
+        if self.stager.pending:
+            self.stager.submit_ready(step)
 
     def activate(self, step: int) -> None:
+        self.stager.submit_ready(step)
         due = []
         while self._scheduled and self._scheduled[0][1] <= step:
             due.append(self._scheduled.pop(0))
@@ -417,6 +425,7 @@ class DistributedRefresher(Refresher):
     def state(self, step: int) -> dict[str, Any]:
         """This rank's part: the versions scheduled but not yet in use travel as the snapshots of the blocks
         it owns (recomputed on load), with the rank and world size they belong to."""
+        self.stager.wait_all()
         scheduled = []
         for version, due, requests in self._scheduled:
             snapshots = {index: None if self.snapshots[index] is None else

@@ -12,10 +12,12 @@ import math
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from asteria import _core
 from asteria.config import RuntimeConfig
@@ -208,6 +210,59 @@ class SyncRefresher(Refresher):
         }
 
 
+class SnapshotStager:
+    """Factor snapshots on their way to the workers: each is copied into its pinned host ring slot on the
+    device's side stream (after the work the main stream has queued, without the training thread waiting),
+    and handed to the engine once that copy has completed; a snapshot due at a step is waited for then.
+    The main stream waits for the copies (their events only) before the factors change in place."""
+
+    def __init__(self, engine: Any, sets: list[FactorSet], timeout_s: float) -> None:
+        self.engine = engine
+        self.sets = sets
+        self.timeout_s = timeout_s
+        self.side = {device: streams.SideStream(device) for device in {s.device for s in sets}}
+        # (set index, engine block ids, version, activation step, request, the copy's event)
+        self.pending: list[tuple[int, list[int], int, int, RootRequest, torch.cuda.Event | None]] = []
+        self._events: dict[torch.device, torch.cuda.Event | None] = {}
+
+    def stage(self, index: int, ids: list[int], version: int, due: int, request: RootRequest, slot: Tensor,
+              source: Callable[[], Tensor]) -> None:
+        """Copies ``source()`` (evaluated on the side stream) into ``slot`` for ``version`` of set ``index``."""
+        self.engine.begin_snapshot(ids, version, self.timeout_s)
+        device = self.sets[index].device
+        side = self.side[device]
+        with side.staging():
+            slot.copy_(source(), non_blocking=side.cuda)
+        event = side.record()
+        if event is not None:
+            self._events[device] = event
+        self.pending.append((index, ids, version, due, request, event))
+
+    def submit_ready(self, step: int) -> None:
+        """Hands finished snapshots to the workers; those due by ``step`` are waited for."""
+        waiting = []
+        for entry in self.pending:
+            index, ids, version, due, request, event = entry
+            if not streams.done(event):
+                if due > step:
+                    waiting.append(entry)
+                    continue
+                streams.wait(event)
+            self.engine.submit(ids, version, due, self.sets[index].exponent, request.eps, request.scale,
+                               skip_tol=request.skip_tol)
+        self.pending = waiting
+
+    def before_factor_update(self) -> None:
+        for device, event in self._events.items():
+            self.side[device].main_waits(event)
+        self._events.clear()
+
+    def wait_all(self) -> None:
+        """Waits for every snapshot copy still in flight (before the host reads the rings)."""
+        for *_, event in self.pending:
+            streams.wait(event)
+
+
 class AsyncRefresher(Refresher):
     """Refreshes on the C++ workers with deterministic or bounded-staleness activation."""
 
@@ -216,8 +271,8 @@ class AsyncRefresher(Refresher):
         self.depth = config.staleness + 1
         self.lag = config.activation_lag(interval)
         self._start_workers(config.deterministic, config.max_consecutive_failures)
-        devices = {s.device for s in sets}
-        self.side = {device: streams.SideStream(device) for device in devices}
+        self.stager = SnapshotStager(self.engine, sets, config.timeout_s)
+        self.side = self.stager.side
         self.snapshots: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
         self.ids: list[list[int]] = []
@@ -234,9 +289,7 @@ class AsyncRefresher(Refresher):
             self.snapshots.append(snapshots)
             self.results.append(results)
             self.ids.append(ids)
-        self._pending_snapshots: list[tuple[int, int, int, RootRequest, torch.cuda.Event | None]] = []
         self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
-        self._snapshot_events: dict[torch.device, torch.cuda.Event | None] = {}
         self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
         self._bytes_to_host = 0
         self._bytes_to_device = 0
@@ -256,39 +309,18 @@ class AsyncRefresher(Refresher):
         return step + self.lag
 
     def before_factor_update(self) -> None:
-        for device, event in self._snapshot_events.items():
-            self.side[device].main_waits(event)
-        self._snapshot_events.clear()
+        self.stager.before_factor_update()
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         for index, version, request in items:
             fset = self.sets[index]
             due = self.activation_step(step, version)
             self._scheduled.append((index, version, due, request))
-            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
-            side = self.side[fset.device]
-            with side.staging():
-                self.snapshots[index][version % self.depth].copy_(fset.factors, non_blocking=side.cuda)
-            event = side.record()
-            if event is not None:
-                self._snapshot_events[fset.device] = event
+            self.stager.stage(index, self.ids[index], version, due, request,
+                              self.snapshots[index][version % self.depth], lambda fset=fset: fset.factors)
             self._bytes_to_host += fset.factors.numel() * 4
-            self._pending_snapshots.append((index, version, due, request, event))
             self._newest_versions[index] = version
-        self._submit_ready(step)
-
-    def _submit_ready(self, step: int) -> None:
-        """Hands finished snapshots to the workers; those due by ``step`` are waited for."""
-        waiting = []
-        for index, version, due, request, event in self._pending_snapshots:
-            if not streams.done(event):
-                if due > step:
-                    waiting.append((index, version, due, request, event))
-                    continue
-                streams.wait(event)
-            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps, request.scale,
-                               skip_tol=request.skip_tol)
-        self._pending_snapshots = waiting
+        self.stager.submit_ready(step)
 
     def ready(self) -> None:
         for side, event in self._install_events:
@@ -331,8 +363,8 @@ class AsyncRefresher(Refresher):
         warnings.warn(RefreshBacklogWarning(waited_text + advice), stacklevel=5)
 
     def poll(self, step: int) -> None:
-        if self._pending_snapshots:
-            self._submit_ready(step)
+        if self.stager.pending:
+            self.stager.submit_ready(step)
         if self._pending_releases:
             self._release_copied(block_all=False)
 
@@ -349,7 +381,7 @@ class AsyncRefresher(Refresher):
         self._pending_releases = still
 
     def activate(self, step: int) -> None:
-        self._submit_ready(step)
+        self.stager.submit_ready(step)
         self._release_copied(block_all=False)
         self._scheduled = [entry for entry in self._scheduled if not self._applied(entry, step)]
         try:
@@ -382,8 +414,7 @@ class AsyncRefresher(Refresher):
     def state(self, step: int) -> dict[str, Any]:
         """The versions not yet applied travel as their snapshots: recomputing them on the workers after a
         resume gives the same bits (one BLAS thread per job), so the resumed run continues exactly."""
-        for _, _, _, _, event in self._pending_snapshots:
-            streams.wait(event)
+        self.stager.wait_all()
         scheduled = [{"set": index, "version": version, "due": due,
                       "request": (request.scale, request.eps, request.skip_tol),
                       "snapshot": self.snapshots[index][version % self.depth].clone()}
