@@ -119,6 +119,17 @@ def test_seeds_names_the_files_whose_settings_differ_and_pools_timing_only_setti
     assert f"100 in {tmp_path / 'z' / 'seed3' / 'results.json'}" in error
 
 
+def test_a_setting_newer_than_the_results_counts_as_what_runs_had_before_it(tmp_path, capsys):
+    old = {k: v for k, v in CONFIG.items() if k != "stagger"}  # written before stagger and lag_steps existed
+    write(tmp_path / "old" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, old)
+    write(tmp_path / "new" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.02}, CONFIG | {"lag_steps": None})
+    assert main(["seeds", str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(tmp_path / "out")]) == 0
+    write(tmp_path / "lag" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.0}, CONFIG | {"lag_steps": 2})
+    capsys.readouterr()
+    assert main(["seeds", str(tmp_path / "old"), str(tmp_path / "lag"), "--out", str(tmp_path / "out2")]) == 2
+    assert "lag_steps: null in" in capsys.readouterr().err
+
+
 def test_t_quantiles_past_the_table_continue_it():
     from asteria.train.seeds import _t95
 

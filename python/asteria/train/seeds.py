@@ -20,12 +20,12 @@ import json
 import math
 import statistics
 from collections import Counter
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from asteria.train.bench import run_bench
-from asteria.train.loop import RunConfig
+from asteria.train.loop import LEGACY_SETTINGS, RunConfig
 
 
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
@@ -115,6 +115,10 @@ TIMING_SETTINGS = ("workers", "placement")
 
 
 def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings that must agree for runs to pool; a setting newer than the results file counts as the
+    value runs had before it existed (as for resuming a checkpoint)."""
+    before = {f.name: f.default for f in fields(RunConfig)} | LEGACY_SETTINGS
+    config = {k: v for k, v in before.items() if k not in config} | config
     pooled = POOLED_SETTINGS + (TIMING_SETTINGS if config.get("deterministic", True) else ())
     return {k: v for k, v in config.items() if k not in pooled}
 
