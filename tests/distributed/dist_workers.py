@@ -195,12 +195,13 @@ def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, t
 
 
 # ---- FSDP2 and HSDP ---------------------------------------------------------------------------------
-def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, int, int]]) -> None:
+def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, int, int, bool]]) -> None:
+    """Each run ``(layout, optimizer, S, steps, stagger)`` is kept under ``(layout, optimizer, S, stagger)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     result: dict[str, Any] = {}
-    for layout, kind, staleness, steps in runs:
+    for layout, kind, staleness, steps, stagger in runs:
         net = model()
         if layout == "fsdp":
             mesh = init_device_mesh("cpu", (world,))
@@ -210,12 +211,14 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL)
+        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL, stagger=stagger)
         train(net, opt, data(steps), (rank, world))
         stats = opt.runtime_stats()
         params = {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
+        local = {k: v.to_local().detach().clone() for k, v in net.state_dict().items()}
         domains = [list(d.ranks) for d in opt._refresher.domains]
-        result[(layout, kind, staleness)] = {"params": params, "stats": stats, "domains": domains}
+        result[(layout, kind, staleness, stagger)] = {"params": params, "local": local, "stats": stats,
+                                                      "domains": domains, "phases": list(opt.schedule.phases)}
         opt.close()
     out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
