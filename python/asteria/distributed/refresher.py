@@ -36,7 +36,7 @@ from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.pipeline.refresh import Refresher, SnapshotStager
+from asteria.pipeline.refresh import WorkerRefresher
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
@@ -48,7 +48,7 @@ class PeerError(RuntimeError):
     """Another rank died, stalled or failed, so this rank cannot continue; the message says which and where."""
 
 
-class DistributedRefresher(Refresher):
+class DistributedRefresher(WorkerRefresher):
     """Refreshes each block on its owner's C++ workers and shares the result with every replica."""
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int, groups: list[Any],
@@ -57,8 +57,6 @@ class DistributedRefresher(Refresher):
         if len(groups) != len(sets):
             raise ValueError(f"Invalid groups: {len(groups)} for {len(sets)} factor sets")
         self.topo = topo
-        self.depth = config.staleness + 1
-        self.lag = config.activation_lag(interval)
         # ---- units and their domains
         self.units: list[list[Unit]] = []
         by_ranks: dict[tuple[int, ...], list[Unit]] = {}
@@ -111,7 +109,6 @@ class DistributedRefresher(Refresher):
             self.snapshots.append(snaps)
             self.results.append(results)
             self.ids.append(ids)
-        self.stager = SnapshotStager(self.engine, sets, config.timeout_s)
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._errors: dict[tuple[int, int], str] = {}
         self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,9 +125,6 @@ class DistributedRefresher(Refresher):
         self._closed = False
 
     # ---- schedule ----------------------------------------------------------------------------
-    def activation_step(self, step: int, version: int) -> int:
-        return step if version <= self.config.sync_refreshes else step + self.lag
-
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         # The sets refreshed at one step share their version number (the schedule's phases: see
         # RefreshSchedule), so one entry covers them.
@@ -152,9 +146,6 @@ class DistributedRefresher(Refresher):
                               lambda fset=fset, index=index: fset.factors.index_select(0, self.owned_index[index]))
             self._counts["bytes_to_host"] += snaps[0].numel() * 4
         self.stager.submit_ready(step)
-
-    def before_factor_update(self) -> None:
-        self.stager.before_factor_update()
 
     def poll(self, step: int) -> None:
         if self.stager.pending:

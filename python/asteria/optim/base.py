@@ -364,7 +364,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         runtime = self.runtime
         deterministic = runtime.mode == "async" and runtime.deterministic
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
-                 "lag_steps": runtime.activation_lag(self.precondition_frequency) if deterministic else None,
+                 "lag_steps": self._refresher.lag if deterministic else None,
                  "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())

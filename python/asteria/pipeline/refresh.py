@@ -79,27 +79,6 @@ class Refresher(ABC):
     def check_backlog(self, step: int) -> None:
         """Warns (once) when the workers fall behind the schedule; called at refresh steps."""
 
-    def _start_workers(self, deterministic: bool, max_consecutive_failures: int) -> None:
-        """Starts the C++ refresh engine (``self.engine``) on the configured worker CPUs and caps torch's
-        CPU threads meanwhile (``_stop_workers`` undoes both)."""
-        config = self.config
-        self.worker_cpus = config.resolved_worker_cpus()
-        self.engine = _core.RefreshEngine(
-            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
-            deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
-            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
-            sync_versions=config.sync_refreshes)
-        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
-
-    def _stop_workers(self) -> None:
-        self.engine.close()
-        self.thread_cap.restore()
-
-    def _worker_stats(self, pool: dict[str, Any]) -> dict[str, Any]:
-        """The workers' part of ``stats()``."""
-        return {"workers": pool["workers"], "worker_cpus": self.worker_cpus, "torch_threads": torch.get_num_threads(),
-                "worker_busy_fraction": pool["busy_fraction"]}
-
     @abstractmethod
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` must hold for a resumed run to continue bit for bit."""
@@ -263,15 +242,56 @@ class SnapshotStager:
             streams.wait(event)
 
 
-class AsyncRefresher(Refresher):
-    """Refreshes on the C++ workers with deterministic or bounded-staleness activation."""
+class WorkerRefresher(Refresher):
+    """Base of the refreshers whose jobs run on the C++ workers (one process, or one rank of several):
+    rings of S + 1 slots per block, the deterministic rule's lag, the engine and the snapshot staging
+    (both made by ``_start_workers``)."""
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
-        self.lag = config.activation_lag(interval)
+        self.lag = config.activation_lag(interval)  # checked before any thread starts
+
+    def activation_step(self, step: int, version: int) -> int:
+        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
+        ``lag_steps`` later (default S intervals), except the first ``sync_refreshes`` versions (used at
+        once)."""
+        if version <= self.config.sync_refreshes:
+            return step
+        return step + self.lag
+
+    def before_factor_update(self) -> None:
+        self.stager.before_factor_update()
+
+    def _start_workers(self, deterministic: bool, max_consecutive_failures: int) -> None:
+        """Starts the C++ refresh engine (``self.engine``, fed by ``self.stager``) on the configured worker
+        CPUs and caps torch's CPU threads meanwhile (``_stop_workers`` undoes both)."""
+        config = self.config
+        self.worker_cpus = config.resolved_worker_cpus()
+        self.engine = _core.RefreshEngine(
+            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
+            deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
+            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
+            sync_versions=config.sync_refreshes)
+        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
+        self.stager = SnapshotStager(self.engine, self.sets, config.timeout_s)
+
+    def _stop_workers(self) -> None:
+        self.engine.close()
+        self.thread_cap.restore()
+
+    def _worker_stats(self, pool: dict[str, Any]) -> dict[str, Any]:
+        """The workers' part of ``stats()``."""
+        return {"workers": pool["workers"], "worker_cpus": self.worker_cpus, "torch_threads": torch.get_num_threads(),
+                "worker_busy_fraction": pool["busy_fraction"]}
+
+
+class AsyncRefresher(WorkerRefresher):
+    """Refreshes on the C++ workers with deterministic or bounded-staleness activation."""
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
+        super().__init__(sets, config, interval)
         self._start_workers(config.deterministic, config.max_consecutive_failures)
-        self.stager = SnapshotStager(self.engine, sets, config.timeout_s)
         self.side = self.stager.side
         self.snapshots: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
@@ -299,17 +319,6 @@ class AsyncRefresher(Refresher):
         # The baseline: waits, wait seconds, time, refresh CPU-seconds, step.
         self._backlog_base: tuple[int, float, float, float, int] | None = None
         self._backlog_next_check = 0
-
-    def activation_step(self, step: int, version: int) -> int:
-        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
-        ``lag_steps`` later (default S intervals), except the first ``sync_refreshes`` versions (used at
-        once)."""
-        if version <= self.config.sync_refreshes:
-            return step
-        return step + self.lag
-
-    def before_factor_update(self) -> None:
-        self.stager.before_factor_update()
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         for index, version, request in items:

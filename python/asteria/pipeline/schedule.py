@@ -88,11 +88,11 @@ class InstallDelays:
     """How many steps after native mode's each version is first used. Native mode uses a version
     snapshotted at step t from the activation of step t on (SOAP and KL-Shampoo read it from step t + 1),
     so a version's delay is the step whose activation (or, in native mode, whose refresh) installed it,
-    minus t: 0 in native mode, exactly staleness x interval under the deterministic rule, and under the
-    newest-finished rule how late the workers' result came. Counted per block install, for the versions
-    after the first ``excluded`` (the sync refreshes, used at their own step by design). Versions a
-    block passes over are not counted. Never negative, as no version is installed before its snapshot
-    (one that would be is a bookkeeping error: warned about once and left out)."""
+    minus t: 0 in native mode, exactly ``lag_steps`` (default S intervals) under the deterministic rule,
+    and under the newest-finished rule how late the workers' result came. Counted per block install, for
+    the versions after the first ``excluded`` (the sync refreshes, used at their own step by design).
+    Versions a block passes over are not counted. Never negative, as no version is installed before its
+    snapshot (one that would be is a bookkeeping error: warned about once and left out)."""
 
     def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int) -> None:
         self.schedule = schedule
