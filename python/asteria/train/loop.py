@@ -125,11 +125,9 @@ class RunConfig:
         check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
               "must be an int >= 0")
-        check(self.lag_steps is None or self.lag_steps <= self.staleness * self.precondition_frequency, "lag_steps",
-              f"must be at most staleness x precondition_frequency = {self.staleness} x "
-              f"{self.precondition_frequency} = {self.staleness * self.precondition_frequency}")
-        check(self.lag_steps is None or self.deterministic, "lag_steps",
-              "applies to the deterministic rule only: drop --lag-steps or --no-deterministic")
+        if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
+            asteria.RuntimeConfig(staleness=self.staleness, deterministic=self.deterministic,
+                                  lag_steps=self.lag_steps).activation_lag(self.precondition_frequency)
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
