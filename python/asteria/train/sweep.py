@@ -87,13 +87,15 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
     if seeds is not None:
         check_seeds(seeds)
     values = sorted(set(staleness))
+    # Every configuration checked before the first run (e.g. a lag_steps above some S's bound).
+    configs = {s: replace(base, staleness=s) for s in values}
     out.mkdir(parents=True, exist_ok=True)
     rows, run_dirs = {}, []
     for s in values:
         summaries = {}
         for seed in seeds or [base.seed]:
             run_dir = out / f"S{s}" if seeds is None else out / f"S{s}" / f"seed{seed}"
-            summaries[seed] = train(replace(base, staleness=s, seed=seed), run_dir, progress=progress)
+            summaries[seed] = train(replace(configs[s], seed=seed), run_dir, progress=progress)
             run_dirs.append(run_dir)
         rows[s] = _aggregate(list(summaries.values()))
         if seeds is not None:
