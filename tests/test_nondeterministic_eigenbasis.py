@@ -135,8 +135,8 @@ def test_jobs_queued_behind_a_newer_version_are_superseded(cls):
 
 @pytest.mark.parametrize("cls", [asteria.Shampoo, asteria.SOAP])
 def test_versions_finished_after_the_prefetch_are_used_by_that_step(cls):
-    """The hooks' prefetch activates a step before its forward pass; a version that finishes during the
-    forward and backward passes is then activated again by step() itself, not a step later."""
+    """The hooks' prefetch activates a step at the end of its forward pass; a version that finishes
+    during the backward pass is then activated again by step() itself, not a step later."""
     torch.manual_seed(0)
     model = small_mlp(sizes=SIZES)
     x, y = regression_data(sizes=SIZES)
@@ -151,7 +151,7 @@ def test_versions_finished_after_the_prefetch_are_used_by_that_step(cls):
             step += 1
         engine.wait_paused(len(blocks), 30.0)
         before = opt.runtime_stats()["staleness_histogram"]
-        opt.prefetch()  # what the forward pre-hook does: version 2 is not finished, 1 stays
+        opt.prefetch()  # what the forward hook does: version 2 is not finished, 1 stays
         assert [min(fset.versions) for fset in refresher.sets] == [1] * len(refresher.sets)
         engine.release_pauses()
         engine.drain(30.0)  # version 2 finishes "during the backward pass"

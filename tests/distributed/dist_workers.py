@@ -257,6 +257,38 @@ def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, i
     torch.save(result, out / f"rank{rank}.pt")
 
 
+# ---- CUDA: installs straight from page-locked node stores ------------------------------------------
+CUDA_STEPS = 12
+
+
+def cuda_run(kind: str, device: torch.device, side_delay: int = 0,
+             local_world_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Trains on the full batches on ``device`` (lag 1, staggered); ``side_delay`` cycles of GPU sleep are
+    queued on the side streams after every step, so that snapshots and installs finish late."""
+    net = model().to(device)
+    runtime = {} if local_world_size is None else {"local_world_size": local_world_size}
+    batches = [(x.to(device), y.to(device)) for x, y in data(CUDA_STEPS)]
+    with optimizer(kind, net.parameters(), 1, lag_steps=1, stagger=True, **runtime) as opt:
+        def delay(step: int) -> None:
+            for side in opt._refresher.stager.side.values():
+                with torch.cuda.stream(side.stream):
+                    torch.cuda._sleep(side_delay)
+
+        train(net, opt, batches, None, hook=delay if side_delay else None)
+        torch.cuda.synchronize(device)
+        stats = opt.runtime_stats()
+    return {k: v.detach().cpu() for k, v in net.state_dict().items()}, stats
+
+
+def cuda_worker(rank: int, world: int, out: Path, local: int, runs: list[tuple[str, int]]) -> None:
+    """Every rank trains on the full batches on its GPU (identical gradients, no collective of the test's
+    own), so each must end bit for bit where one process ends; each run ``(optimizer, side delay)``."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    result = {(kind, delay): cuda_run(kind, device, delay, local) for kind, delay in runs}
+    torch.save(result, out / f"rank{rank}.pt")
+
+
 def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list,
                     resume_runs: list) -> None:
     """The DDP runs, the FSDP2 / HSDP runs and the resume runs in one set of processes (one start-up)."""

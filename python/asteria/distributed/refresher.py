@@ -82,6 +82,14 @@ class DistributedRefresher(WorkerRefresher):
                 self.domain_of[id(u)] = d
         self.node_units = {id(d): {node: d.units_of_node(node) for node in d.nodes} for d in self.domains}
         self.views = {id(d): torch.from_numpy(d.store.data()) for d in self.domains}
+        # On a GPU the stores are page-locked, so that installs are DMA copies straight from them.
+        self._registrations: dict[int, streams.HostRegistration] = {}
+        if any(fset.device.type == "cuda" for fset in sets):
+            for d in self.domains:
+                registration = streams.HostRegistration.register(
+                    self.views[id(d)], f"the node store of rank {topo.rank} (domain {d.ranks})")
+                if registration is not None:
+                    self._registrations[id(d)] = registration
         # ---- the engine, for the blocks this rank owns
         self._start_workers(deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND)
         self.owned: list[list[int]] = []             # per set: owned block indices
@@ -114,7 +122,9 @@ class DistributedRefresher(WorkerRefresher):
         self._triangles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Versions snapshotted but not yet due: (version, activation step, {set index: request}).
         self._scheduled: list[tuple[int, int, dict[int, RootRequest]]] = []
-        self._last_due = 0
+        self._previous_due = [0] * len(sets)  # per set: the last step a version of it was due (0: none yet)
+        # Due steps whose installs may still be copying from the stores: (their copies' events, step).
+        self._reading: list[tuple[list[torch.cuda.Event], int]] = []
         self._counts = {"bytes_inter_node_sent": 0, "bytes_inter_node_received": 0, "bytes_intra_node_shared": 0,
                         "bytes_to_host": 0, "bytes_to_device": 0, "exchanges_skipped": 0, "exchanges": 0,
                         "blocks_published": 0, "store_waits": 0, "failures_seen": 0}
@@ -150,6 +160,8 @@ class DistributedRefresher(WorkerRefresher):
     def poll(self, step: int) -> None:
         if self.stager.pending:
             self.stager.submit_ready(step)
+        if self._reading:
+            self._finish_reads(upto=0)
 
     def activate(self, step: int) -> None:
         self.stager.submit_ready(step)
@@ -160,7 +172,6 @@ class DistributedRefresher(WorkerRefresher):
             changes = self._activate_engine([version for version, _, _ in due], step)
             for version, _, requests in due:
                 self._complete(version, sorted(requests), changes, step)
-                self._last_due = step
         self._record_staleness()
 
     # ---- one due version -----------------------------------------------------------------------
@@ -175,21 +186,43 @@ class DistributedRefresher(WorkerRefresher):
                                f"did not finish by step {step}: {error}") from error
 
     def _complete(self, version: int, sets: list[int], changes: list[tuple[int, int]], step: int) -> None:
-        """Publishes, exchanges, reads and installs ``version`` of the blocks of ``sets``."""
+        """Publishes, exchanges, reads and installs ``version`` of the blocks of ``sets``.
+
+        A block's store slot written now holds a version older than the one in use, last read at or before
+        the previous step ``sets`` were due: once every local rank has read everything due by then, nobody
+        reads that slot any more (its copies to a GPU included: a rank counts a step as read when they
+        have completed)."""
+        previous = max(self._previous_due[index] for index in sets)
+        self._finish_reads(upto=previous)
         for d in self.domains:
             if d.shared:
-                self._guard(lambda d=d: d.store.wait_done(self._last_due, self.config.timeout_s),
-                            f"waiting at step {step} for the local ranks to read the versions of step {self._last_due}")
+                self._guard(lambda d=d: d.store.wait_done(previous, self.config.timeout_s),
+                            f"waiting at step {step} for the local ranks to read the versions of step {previous}")
         self._publish_owned(version, sets, changes)
         chosen = set(sets)
         for d in self.domains:
             if d.exchange_group is not None:
                 self._exchange(d, version, chosen, step)
         readings = {id(d): self._read(d, version, chosen, step) for d in self.domains}
-        self._install(version, readings, step)
-        for d in self.domains:
-            if d.shared:
-                d.store.mark_done(d.local_index, step)
+        self._reading.append((self._install(version, readings, step), step))
+        for index in sets:
+            self._previous_due[index] = step
+        self._finish_reads(upto=0)
+
+    def _finish_reads(self, upto: int) -> None:
+        """Marks as read, in order, the due steps whose copies from the stores have completed; those up to
+        step ``upto`` are waited for."""
+        while self._reading:
+            events, step = self._reading[0]
+            if not all(streams.done(event) for event in events):
+                if step > upto:
+                    return
+                for event in events:
+                    streams.wait(event)
+            self._reading.pop(0)
+            for d in self.domains:
+                if d.shared:
+                    d.store.mark_done(d.local_index, step)
 
     def _publish_owned(self, version: int, sets: list[int], changes: list[tuple[int, int]]) -> None:
         ok = {block_id for block_id, v in changes if v == version}
@@ -345,7 +378,10 @@ class DistributedRefresher(WorkerRefresher):
         return list(zip(units, self._wait(d, units, version, step)))
 
     # ---- installing ------------------------------------------------------------------------------
-    def _install(self, version: int, readings: dict[int, list[tuple[int, str, int]]], step: int) -> None:
+    def _install(self, version: int, readings: dict[int, list[tuple[int, str, int]]],
+                 step: int) -> list[torch.cuda.Event]:
+        """Installs the refreshed blocks of ``version``; returns the events of copies still reading the stores."""
+        events = []
         per_set: list[list[tuple[Unit, str, int, Domain]]] = [[] for _ in self.sets]
         for d in self.domains:
             for unit, (seen_version, status, good) in readings[id(d)]:
@@ -379,23 +415,46 @@ class DistributedRefresher(WorkerRefresher):
             if not refreshed:
                 continue
             n = fset.dim
-            # The node store is pageable shared memory: the copies to the GPU go through pinned memory, so
-            # that the host does not wait (the stream orders them before the math that reads them).
             ids = [u.block for u, _, _ in refreshed]
             if self.tier is not None:
                 self.tier.before_install(fset)
-            on_device = streams.indices_to_device(ids, fset.device)
             target = fset.preconditioners  # on fset's device, or in host memory (host placements)
-            index = on_device if target.device == fset.device else streams.indices_to_device(ids, target.device)
-            target.index_copy_(0, index, streams.to_device(
-                [self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n) for u, good, d in refreshed],
-                target.device))
-            fset.installed.index_fill_(0, on_device, True)
-            if fset.permute is not None:
-                orders = streams.to_device([self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n]
-                                            for u, good, d in refreshed], fset.device)
-                fset.permute(on_device, orders.long())
+            bases = [self.views[id(d)][d.store.offset(u.index, good):][:n * n].view(n, n) for u, good, d in refreshed]
+            orders = None if fset.permute is None else [
+                self.views[id(d)][d.store.offset(u.index, good) + (n + 1) * n:][:n] for u, good, d in refreshed]
+            if target.is_cuda and all(id(d) in self._registrations for _, _, d in refreshed):
+                events.append(self._install_direct(fset, ids, bases, orders))
+            else:
+                # Pageable memory: the copies to the GPU go through pinned memory, so that the host does not
+                # wait (the stream orders them before the math that reads them).
+                on_device = streams.indices_to_device(ids, fset.device)
+                index = on_device if target.device == fset.device else streams.indices_to_device(ids, target.device)
+                target.index_copy_(0, index, streams.to_device(bases, target.device))
+                fset.installed.index_fill_(0, on_device, True)
+                if orders is not None:
+                    fset.permute(on_device, streams.to_device(orders, fset.device).long())
             self._counts["bytes_to_device"] += len(refreshed) * n * n * 4
+        return events
+
+    def _install_direct(self, fset: FactorSet, ids: list[int], bases: list[torch.Tensor],
+                        orders: list[torch.Tensor] | None) -> torch.cuda.Event:
+        """Copies the blocks ``ids`` of ``fset`` from page-locked store slots on the side stream (DMA, no
+        host gather); the current stream waits for them in ``ready()``. Returns the copies' event."""
+        side = self.stager.side[fset.device]
+        target = fset.preconditioners
+        with side.staging():
+            blocks = streams.indices_to_device(ids, fset.device)
+            for block, basis in zip(ids, bases):
+                target[block].copy_(basis, non_blocking=True)
+            fset.installed.index_fill_(0, blocks, True)
+            if orders is not None:
+                picked = torch.empty((len(ids), fset.dim), dtype=torch.float32, device=fset.device)
+                for row, order in zip(picked, orders):
+                    row.copy_(order, non_blocking=True)
+                fset.permute(blocks, picked.long())
+        event = side.record()
+        self._install_events.append((side, event))
+        return event
 
     def _record_staleness(self) -> None:
         top = self.config.staleness + 1
@@ -417,6 +476,7 @@ class DistributedRefresher(WorkerRefresher):
         """This rank's part: the versions scheduled but not yet in use travel as the snapshots of the blocks
         it owns (recomputed on load), with the rank and world size they belong to."""
         self.stager.wait_all()
+        self._finish_reads(upto=step)
         scheduled = []
         for version, due, requests in self._scheduled:
             snapshots = {index: None if self.snapshots[index] is None else
@@ -477,6 +537,7 @@ class DistributedRefresher(WorkerRefresher):
         blocks = sum(len(u) for u in self.units)
         owned = sum(len(o) for o in self.owned)
         out = {
+            "store_page_locked": bool(self._registrations) and len(self._registrations) == len(self.domains),
             "rank": self.topo.rank, "world_size": self.topo.world_size, "node": self.topo.node,
             "local_world_size": self.topo.local_world_size, "blocks": blocks, "owned_blocks": owned,
             "refreshes": engine["refreshes_ok"], "refresh_failures": engine["refreshes_failed"],
@@ -506,6 +567,11 @@ class DistributedRefresher(WorkerRefresher):
             return
         self._closed = True
         self._stop_workers()
+        if self._registrations:
+            self._finish_reads(upto=1 << 62)
+            for registration in self._registrations.values():
+                registration.close()
+            self._registrations.clear()
 
 
 def _with_set_indices(entry: dict[str, Any], sets: int) -> dict[str, Any]:

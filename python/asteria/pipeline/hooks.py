@@ -4,13 +4,16 @@ Without hooks the optimizer does all of its pipeline work inside ``step()``: it 
 snapshots to the workers, then installs the preconditioner versions the schedule activates for the
 step. With ``attach``:
 
-- the model's first forward of a step (a forward pre-hook on the root module) prefetches the next
-  activation: the versions due are waited for and installed on the low-priority side stream while
-  the forward and backward passes run, so ``step()`` finds them in place and the main stream waits
-  only on the copies' events. For Shampoo that is the activation of the coming step (unless that
-  step's own refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does
-  it); for SOAP and KL-Shampoo, whose coming step reads the bases while accumulating, it is the
-  activation of the step just done, which otherwise runs at the start of the next ``step()``;
+- the end of the model's first forward of a step (a forward hook on the root module) prefetches the
+  next activation: the versions due are waited for and installed on the low-priority side stream while
+  the backward pass runs, so ``step()`` finds them in place and the main stream waits only on the
+  copies' events. For Shampoo that is the activation of the coming step (unless that step's own
+  refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does it); for SOAP
+  and KL-Shampoo, whose coming step reads the bases while accumulating, it is the activation of the
+  step just done, which otherwise runs at the start of the next ``step()``. At the end of the forward,
+  not its start: by then the forward's kernels are queued, so the host's part of an activation
+  (waiting for jobs, and on several ranks publishing into the node store and exchanging versions)
+  runs while the GPU computes instead of while it idles between steps;
 - ``drain_points`` modules that own parameters, spread evenly over the model's module order, get a
   forward hook that drains finished transfers — snapshots whose device-to-host copy has completed go
   to the CPU workers at once (not at the next ``step()``), staging buffers whose copies have completed
@@ -80,7 +83,7 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS) -
     if not (isinstance(drain_points, int) and not isinstance(drain_points, bool) and drain_points >= 0):
         raise ValueError(f"Invalid drain_points={drain_points!r}: must be an int >= 0")
 
-    def prefetch(module: nn.Module, args: Any) -> None:
+    def prefetch(module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
             optimizer.prefetch()
 
@@ -93,7 +96,7 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS) -
         if isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(drain_in_backward)
 
-    handles = [model.register_forward_pre_hook(prefetch)]
+    handles = [model.register_forward_hook(prefetch)]
     owners = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
     chosen = sorted({(i * len(owners)) // drain_points for i in range(drain_points)}) if owners else []
     for index in chosen:

@@ -251,6 +251,8 @@ class WorkerRefresher(Refresher):
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
         self.lag = config.activation_lag(interval)  # checked before any thread starts
+        # Installs queued on a side stream, which the current stream waits for before it reads them.
+        self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
 
     def activation_step(self, step: int, version: int) -> int:
         """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
@@ -262,6 +264,11 @@ class WorkerRefresher(Refresher):
 
     def before_factor_update(self) -> None:
         self.stager.before_factor_update()
+
+    def ready(self) -> None:
+        for side, event in self._install_events:
+            side.main_waits(event)
+        self._install_events.clear()
 
     def _start_workers(self, deterministic: bool, max_consecutive_failures: int) -> None:
         """Starts the C++ refresh engine (``self.engine``, fed by ``self.stager``) on the configured worker
@@ -310,7 +317,6 @@ class AsyncRefresher(WorkerRefresher):
             self.results.append(results)
             self.ids.append(ids)
         self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
-        self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
         self._bytes_to_host = 0
         self._bytes_to_device = 0
         # Versions snapshotted but not yet activated: (set index, version, activation step, request).
@@ -330,11 +336,6 @@ class AsyncRefresher(WorkerRefresher):
             self._bytes_to_host += fset.factors.numel() * 4
             self._newest_versions[index] = version
         self.stager.submit_ready(step)
-
-    def ready(self) -> None:
-        for side, event in self._install_events:
-            side.main_waits(event)
-        self._install_events.clear()
 
     def check_backlog(self, step: int) -> None:
         if self._backlog_warned or self.lag == 0:

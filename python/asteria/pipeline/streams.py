@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -90,3 +91,38 @@ def indices_to_device(indices: Sequence[int], device: torch.device) -> torch.Ten
     """A long tensor of ``indices`` on ``device``, copied as ``to_device`` does."""
     pin = device.type == "cuda"
     return torch.tensor(list(indices), dtype=torch.long, pin_memory=pin).to(device, non_blocking=pin)
+
+
+class HostRegistration:
+    """Page-locks the memory of an existing host tensor for CUDA (``cudaHostRegister``), such as a node
+    store's shared-memory segment, so that copies from it to a GPU are DMA transfers queued on a stream
+    without the training thread gathering anything first. ``close()`` unregisters it (idempotent); it must
+    run before the memory is unmapped. Build one with ``register``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ptr = tensor.data_ptr()
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self._open = True
+
+    @classmethod
+    def register(cls, tensor: torch.Tensor, what: str) -> HostRegistration | None:
+        """Registers ``tensor``'s memory, or warns naming ``what`` and returns None when CUDA refuses (copies
+        from it then go through pinned staging buffers: correct, only slower)."""
+        if tensor.numel() == 0:
+            return None
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+        if code != 0:
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:  # a refused registration is not sticky; do not let a later check see it
+                clear()
+            warnings.warn(f"Asteria: CUDA refused to page-lock {what} ({tensor.numel() * tensor.element_size()} "
+                          f"bytes; cudaError {code}): its copies to the GPU go through pinned staging buffers "
+                          "on the training thread instead", RuntimeWarning, stacklevel=3)
+            return None
+        return cls(tensor)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
