@@ -12,9 +12,10 @@ Also timed, for scale: the owner's publish, a copy of its results (pinned) into 
 Per install it prints the training thread's time (what the GPU waits for when nothing else is queued)
 and the time until the copies have completed, medians over ``--repeats``, with their ratios and the
 device. The default size is what one rank installed per step in the ninth session's staggered 2-GPU DDP
-run of olmo-160m (about 72 MB: 18 blocks of 1024 x 1024).
+run of olmo-160m (about 72 MB: 18 blocks of 1024 x 1024), and the default of one torch CPU thread is what
+a training process has under torchrun with several processes (OMP_NUM_THREADS=1).
 
-    python3 bench/store_install.py [--blocks 18] [--dim 1024] [--repeats 30]
+    python3 bench/store_install.py [--blocks 18] [--dim 1024] [--repeats 30] [--torch-threads 1]
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=18)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch's intra-op CPU threads")
     args = parser.parse_args()
-    for name in ("blocks", "dim", "repeats"):
+    for name in ("blocks", "dim", "repeats", "torch_threads"):
         if getattr(args, name) < 1:
-            parser.error(f"Invalid --{name}={getattr(args, name)}: must be >= 1")
+            parser.error(f"Invalid --{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    torch.set_num_threads(args.torch_threads)
     if not torch.cuda.is_available():
         raise SystemExit("store_install.py needs a CUDA GPU")
     device = torch.device("cuda", 0)
@@ -93,7 +96,7 @@ def main() -> None:
         registration.close()
     megabytes = count * n * n * 4 / 1e6
     print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; {count} blocks of {n} x {n} "
-          f"({megabytes:.1f} MB) per install; medians of {args.repeats}")
+          f"({megabytes:.1f} MB) per install; {args.torch_threads} torch CPU thread(s); medians of {args.repeats}")
     print("| path | training thread ms | until copied ms | GB/s |")
     print("|---|---|---|---|")
     for name, (host, done) in figures.items():
