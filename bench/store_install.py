@@ -86,7 +86,7 @@ def main() -> None:
     figures = {"publish": _time(publish, args.repeats), "staged": _time(staged, args.repeats)}
     assert torch.equal(target, expected), "the staged install copied wrong data"
     target.zero_()
-    registration = streams.HostRegistration.register(view, "the benchmark's store")
+    registration = streams.HostRegistration.register(view, "the benchmark's store", device)
     if registration is None:
         raise SystemExit("CUDA refused to page-lock the store: nothing to compare")
     try:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import asteria
+from asteria.pipeline import streams
 from asteria.pipeline.refresh import AsyncRefresher
 from conftest import regression_data, small_mlp
 
@@ -201,3 +202,22 @@ def test_async_steps_never_make_the_training_thread_wait_for_the_gpu(optimizer, 
             torch.cuda.set_sync_debug_mode("default")
         hooks.remove()
         assert opt.runtime_stats()["activations"] > 0
+
+
+def test_a_refused_page_lock_warns_falls_back_and_leaves_no_cuda_error():
+    """The node stores are page-locked with cudaHostRegister; where CUDA refuses (here: memory registered
+    already), the caller is warned and falls back, and the refusal does not surface at a later kernel."""
+    host = torch.arange(1 << 20, dtype=torch.float32)
+    device = torch.device("cuda", torch.cuda.current_device())
+    first = streams.HostRegistration.register(host, "the test's buffer", device)
+    assert first is not None
+    try:
+        with pytest.warns(RuntimeWarning, match="CUDA refused to page-lock the test's buffer"):
+            assert streams.HostRegistration.register(host, "the test's buffer", device) is None
+        doubled = torch.ones(4, device=device) * 2  # torch checks the last CUDA error after each launch
+        copied = host.to(device, non_blocking=True)  # a DMA copy from the registered memory
+        torch.cuda.synchronize(device)
+        assert float(doubled.sum()) == 8.0 and torch.equal(copied.cpu(), host)
+    finally:
+        first.close()
+        first.close()  # idempotent

@@ -84,10 +84,11 @@ class DistributedRefresher(WorkerRefresher):
         self.views = {id(d): torch.from_numpy(d.store.data()) for d in self.domains}
         # On a GPU the stores are page-locked, so that installs are DMA copies straight from them.
         self._registrations: dict[int, streams.HostRegistration] = {}
-        if any(fset.device.type == "cuda" for fset in sets):
+        cuda = [fset.device for fset in sets if fset.device.type == "cuda"]
+        if cuda:
             for d in self.domains:
                 registration = streams.HostRegistration.register(
-                    self.views[id(d)], f"the node store of rank {topo.rank} (domain {d.ranks})")
+                    self.views[id(d)], f"the node store of rank {topo.rank} (domain {d.ranks})", cuda[0])
                 if registration is not None:
                     self._registrations[id(d)] = registration
         # ---- the engine, for the blocks this rank owns

@@ -99,30 +99,42 @@ class HostRegistration:
     without the training thread gathering anything first. ``close()`` unregisters it (idempotent); it must
     run before the memory is unmapped. Build one with ``register``."""
 
+    PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ptr = tensor.data_ptr()
         self.nbytes = tensor.numel() * tensor.element_size()
         self._open = True
 
     @classmethod
-    def register(cls, tensor: torch.Tensor, what: str) -> HostRegistration | None:
+    def register(cls, tensor: torch.Tensor, what: str, device: torch.device) -> HostRegistration | None:
         """Registers ``tensor``'s memory, or warns naming ``what`` and returns None when CUDA refuses (copies
         from it then go through pinned staging buffers: correct, only slower)."""
-        if tensor.numel() == 0:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
             return None
-        cudart = torch.cuda.cudart()
-        code = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
-        if code != 0:
-            clear = getattr(cudart, "cudaGetLastError", None)
-            if clear is not None:  # a refused registration is not sticky; do not let a later check see it
-                clear()
-            warnings.warn(f"Asteria: CUDA refused to page-lock {what} ({tensor.numel() * tensor.element_size()} "
-                          f"bytes; cudaError {code}): its copies to the GPU go through pinned staging buffers "
-                          "on the training thread instead", RuntimeWarning, stacklevel=3)
-            return None
-        return cls(tensor)
+        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, cls.PORTABLE))
+        if code == 0:
+            return cls(tensor)
+        _clear_cuda_error(device)
+        warnings.warn(f"Asteria: CUDA refused to page-lock {what} ({nbytes} bytes; cudaError {code}): its copies "
+                      "to the GPU go through pinned staging buffers on the training thread instead", RuntimeWarning,
+                      stacklevel=3)
+        return None
 
     def close(self) -> None:
         if self._open:
             self._open = False
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
+
+
+def _clear_cuda_error(device: torch.device) -> None:
+    """Takes the error a refused CUDA runtime call left behind off the thread, where torch's next kernel
+    launch check would raise it: torch raises such an error once, clearing it (``cudaGetLastError``), so a
+    trivial kernel is launched until one runs clean."""
+    for _ in range(2):
+        try:
+            torch.empty(1, device=device).zero_()
+            return
+        except RuntimeError:
+            continue
