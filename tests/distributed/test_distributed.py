@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_workers as W
-from asteria.distributed import assign_owners, block_cost
+from asteria.distributed import assign_owners_by_set, block_cost
 
 # fp32 tolerance between DDP's averaged shard gradients and the full batch's gradient (SOAP's sign-like
 # first steps amplify the rounding more than Shampoo's).
@@ -21,15 +21,33 @@ def clean_shm():
 
 
 def test_ownership_is_balanced_by_cubic_cost_and_deterministic():
+    # One block per set: greedy longest-processing-time over the totals.
     items = [(("a", i), n) for i, n in enumerate([64, 8, 32, 32, 16, 64, 8])]
-    owners = assign_owners(items, [0, 1, 2])
-    assert owners == assign_owners(list(reversed(items)), [0, 1, 2])
+    owners = assign_owners_by_set([[item] for item in items], [0, 1, 2])
+    assert owners == assign_owners_by_set([[item] for item in reversed(items)], [0, 1, 2])
     loads = {r: sum(block_cost(n) for key, n in items if owners[key] == r) for r in range(3)}
     # The two 64s go to different ranks; the rest fills the third first.
     assert owners[("a", 0)] != owners[("a", 5)]
     assert max(loads.values()) == block_cost(64)
     with pytest.raises(ValueError, match="Invalid ranks"):
-        assign_owners(items, [])
+        assign_owners_by_set([items], [])
+
+
+def test_every_rank_owns_an_equal_share_of_each_set():
+    """Two sets whose blocks alternate in key order (a matrix's two modes): balancing the totals alone gave
+    each rank all of one set. Now each set splits evenly and the totals stay balanced."""
+    sets = [[((block, mode), 8) for block in range(6)] for mode in range(2)] + [[(("odd", i), 16) for i in range(3)]]
+    owners = assign_owners_by_set(sets, [0, 1])
+    assert owners == assign_owners_by_set([list(reversed(s)) for s in reversed(sets)], [0, 1])
+    for blocks in sets:
+        counts = [sum(owners[key] == r for key, _ in blocks) for r in (0, 1)]
+        assert abs(counts[0] - counts[1]) <= 1, counts
+    loads = [sum(block_cost(n) for blocks in sets for key, n in blocks if owners[key] == r) for r in (0, 1)]
+    assert abs(loads[0] - loads[1]) == block_cost(16)  # the odd 16-block; each set of 8s splits 3 / 3
+    shared = {0: block_cost(16) * 2}  # loads carried over from another domain fill the other rank first
+    owners = assign_owners_by_set([[(("x", i), 16) for i in range(3)]], [0, 1], shared)
+    assert [owners[("x", i)] for i in range(3)] == [1, 0, 1]
+    assert shared == {0: block_cost(16) * 3, 1: block_cost(16) * 2}
 
 
 # (optimizer, S, steps, lag_steps, stagger): with lag_steps=1 every version after the sync refreshes is used

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from asteria.config import RuntimeConfig
-from asteria.distributed.ownership import assign_owners, block_cost
+from asteria.distributed.ownership import assign_owners_by_set, block_cost
 from asteria.distributed.refresher import DistributedRefresher, PeerError
 from asteria.distributed.topology import Topology, topology
 
-__all__ = ["DistributedRefresher", "PeerError", "Topology", "assign_owners", "block_cost", "topology",
+__all__ = ["DistributedRefresher", "PeerError", "Topology", "assign_owners_by_set", "block_cost", "topology",
            "distributed_refresher", "gather_runtime_stats"]
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asteria import _core
-from asteria.distributed.ownership import assign_owners
+from asteria.distributed.ownership import assign_owners_by_set
 from asteria.distributed.topology import Topology
 
 
@@ -35,6 +35,7 @@ class Unit:
     n: int
     rows: int          # result rows: n (roots) or n + 2 (eigenbases: basis, estimates, column order)
     kind: str
+    set_name: str = ""  # the factor set's name, agreed by every replica: its blocks are due on the same step
     owner: int = -1    # global rank
     index: int = -1    # position in the domain's store
 
@@ -89,7 +90,7 @@ class Domain:
         return [u for u in self.units if u.owner in members]
 
     def fingerprint(self) -> int:
-        text = repr([(u.key, u.n, u.rows, u.kind) for u in self.units])
+        text = repr([(u.key, u.n, u.rows, u.kind, u.set_name) for u in self.units])
         return zlib.crc32(text.encode())
 
 
@@ -124,13 +125,17 @@ def build_domains(units_by_ranks: dict[tuple[int, ...], list[Unit]], topo: Topol
         for index, unit in enumerate(d.units):
             unit.index = index
     every_domain = _check_agreement(domains, whole, topo)
-    # Ownership: the whole-world domain first (every rank knows it), then each other domain balanced on top
-    # of the world's loads, which all of its members know.
+    # Ownership: every rank of a domain owns an equal share of each factor set (see assign_owners_by_set);
+    # the whole-world domain first (every rank knows it), then each other domain balanced on top of the
+    # world's loads, which all of its members know.
     world_loads: dict[int, int] = {}
     ordered = sorted(domains, key=lambda d: (d.ranks != topo.ranks, d.ranks))
     for d in ordered:
         loads = world_loads if d.ranks == topo.ranks else dict(world_loads)
-        owners = assign_owners([(u.key, u.n) for u in d.units], d.ranks, loads)
+        by_set: dict[str, list[tuple[Any, int]]] = {}
+        for u in d.units:
+            by_set.setdefault(u.set_name, []).append((u.key, u.n))
+        owners = assign_owners_by_set([by_set[name] for name in sorted(by_set)], d.ranks, loads)
         for unit in d.units:
             unit.owner = owners[unit.key]
     _create_stores(domains, whole, topo)

@@ -71,7 +71,7 @@ class DistributedRefresher(WorkerRefresher):
                     ranks_of[id(param)] = replica_ranks(param, topo)
                 rows = fset.dim + 2 if fset.kind == "eigenbasis" else fset.dim
                 key = (group.group_index, block.param_index, tuple(s.start for s in block.region), mode)
-                unit = Unit(set_index, b, key, fset.dim, rows, fset.kind)
+                unit = Unit(set_index, b, key, fset.dim, rows, fset.kind, fset.name)
                 by_ranks.setdefault(ranks_of[id(param)], []).append(unit)
                 units.append(unit)
             self.units.append(units)
@@ -496,7 +496,8 @@ class DistributedRefresher(WorkerRefresher):
                              f"{mine['rank']} of {mine['world_size']} (load each rank's own state_dict)")
         for key in ("world_size", "local_world_size", "rank", "owners"):
             if saved[key] != mine[key]:
-                shown = "block owners differ" if key == "owners" else f"{saved[key]} != {mine[key]}"
+                shown = ("block owners differ (another layout, or an Asteria version before each rank owned an "
+                         "equal share of every factor set)") if key == "owners" else f"{saved[key]} != {mine[key]}"
                 raise ValueError(f"Invalid state_dict: saved by rank {saved['rank']} of world size "
                                  f"{saved['world_size']} (local world size {saved['local_world_size']}), loaded on "
                                  f"rank {mine['rank']} of {mine['world_size']} (local world size "
