@@ -7,7 +7,8 @@ in one process on one GPU:
 - ``direct``: the store is page-locked (``cudaHostRegister``): one DMA copy per block straight from its
   store slot, queued on the low-priority side stream, and the main stream waits for their event.
 
-Also timed, for scale: the owner's publish, a copy of its results (pinned) into the store.
+Also timed, for scale: the owner's publish, a copy of its results (pinned) into the store, on one
+thread and on ``--publish-threads`` (``NodeStore.write``; the distributed refresher uses up to 4).
 
 Per install it prints the training thread's time (what the GPU waits for when nothing else is queued)
 and the time until the copies have completed, medians over ``--repeats``, with their ratios and the
@@ -16,6 +17,7 @@ run of olmo-160m (about 72 MB: 18 blocks of 1024 x 1024), and the default of one
 a training process has under torchrun with several processes (OMP_NUM_THREADS=1).
 
     python3 bench/store_install.py [--blocks 18] [--dim 1024] [--repeats 30] [--torch-threads 1]
+                                   [--publish-threads 4]
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--torch-threads", type=int, default=1, help="torch's intra-op CPU threads")
+    parser.add_argument("--publish-threads", type=int, default=4, help="threads of the publish's copy")
     args = parser.parse_args()
-    for name in ("blocks", "dim", "repeats", "torch_threads"):
+    for name in ("blocks", "dim", "repeats", "torch_threads", "publish_threads"):
         if getattr(args, name) < 1:
             parser.error(f"Invalid --{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     torch.set_num_threads(args.torch_threads)
@@ -70,9 +73,9 @@ def main() -> None:
     side = streams.SideStream(device)
     expected = torch.stack(rows).to(device)
 
-    def publish() -> None:
+    def publish(threads: int) -> None:
         for b in range(count):
-            view[store.offset(b, 1):][:n * n].copy_(results[b])
+            store.write(b, 1, results[b], threads)
 
     def staged() -> None:
         target.index_copy_(0, index, streams.to_device(rows, device))
@@ -83,7 +86,10 @@ def main() -> None:
                 target[b].copy_(row, non_blocking=True)
         side.main_waits(side.record())
 
-    figures = {"publish": _time(publish, args.repeats), "staged": _time(staged, args.repeats)}
+    figures = {"publish, 1 thread": _time(lambda: publish(1), args.repeats),
+               f"publish, {args.publish_threads} threads": _time(lambda: publish(args.publish_threads), args.repeats),
+               "staged": _time(staged, args.repeats)}
+    assert torch.equal(view[store.offset(count - 1, 1):][:n * n], results[-1]), "the publish copied wrong data"
     assert torch.equal(target, expected), "the staged install copied wrong data"
     target.zero_()
     registration = streams.HostRegistration.register(view, "the benchmark's store", device)

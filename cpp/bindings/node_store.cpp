@@ -81,6 +81,16 @@ void init_node_store(nb::module_& m) {
           "(version, status, good_slot) of `block`: status 'none', 'ok', 'failed' or 'skipped'.")
       .def("write_slot", &NodeStore::write_slot, "block"_a, "The slot an ok version of `block` is written into.")
       .def(
+          "write",
+          [](NodeStore& s, std::int64_t block, int slot,
+             nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> source, int threads) {
+            nb::gil_scoped_release release;
+            s.write(block, slot, source.data(), static_cast<std::int64_t>(source.shape(0)), threads);
+          },
+          "block"_a, "slot"_a, "source"_a, "threads"_a,
+          "Copies the float32 vector `source` to the start of a block's slot, over `threads` threads (the "
+          "caller's among them; GIL released).")
+      .def(
           "publish",
           [](NodeStore& s, std::int64_t block, std::int64_t version, const std::string& status) {
             s.publish(block, version, status_arg(status));

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <fstream>
 #include <new>
+#include <system_error>
 #include <thread>
+#include <vector>
 
 #include "asteria/common/clock.h"
 
@@ -372,6 +374,37 @@ Published NodeStore::published(std::int64_t block) const {
 int NodeStore::write_slot(std::int64_t block) const {
   const Published p = published(block);
   return p.good_slot == 0 ? 1 : 0;
+}
+
+void NodeStore::write(std::int64_t block, int slot, const float* source, std::int64_t count, int threads) {
+  const std::int64_t capacity = control(block, "write").capacity;
+  float* target = data_ + offset(block, slot);
+  if (count < 0 || count > capacity) {
+    throw InvalidArgument("[NodeStore::write] Invalid count=" + std::to_string(count) + ": must be in [0, " +
+                          std::to_string(capacity) + "], block " + std::to_string(block) + "'s capacity");
+  }
+  if (threads < 1) {
+    throw InvalidArgument("[NodeStore::write] Invalid threads=" + std::to_string(threads) + ": must be >= 1");
+  }
+  if (count > 0 && source == nullptr) throw InvalidArgument("[NodeStore::write] Invalid source=null");
+  // Chunks of whole cache lines, at least 1 MiB each: a thread costs tens of microseconds to start.
+  constexpr std::int64_t kLine = 16, kMinChunk = (1 << 20) / sizeof(float);
+  const std::int64_t chunk = std::max(kMinChunk, (count / threads + kLine - 1) / kLine * kLine);
+  auto copy = [&](std::int64_t begin) {
+    std::memcpy(target + begin, source + begin, static_cast<std::size_t>(std::min(chunk, count - begin)) * sizeof(float));
+  };
+  std::vector<std::thread> helpers;
+  std::int64_t begin = chunk;
+  for (; begin < count; begin += chunk) {
+    try {
+      helpers.emplace_back(copy, begin);
+    } catch (const std::system_error&) {
+      break;  // no thread to be had: the caller copies the rest itself
+    }
+  }
+  for (std::int64_t rest = begin; rest < count; rest += chunk) copy(rest);
+  if (count > 0) copy(0);
+  for (std::thread& helper : helpers) helper.join();
 }
 
 void NodeStore::publish(std::int64_t block, std::int64_t version, VersionStatus status) {

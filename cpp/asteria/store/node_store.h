@@ -96,6 +96,10 @@ class NodeStore {
   Published published(std::int64_t block) const;
   // The slot an ok version of `block` is to be written into (the one not holding the good data).
   int write_slot(std::int64_t block) const;
+  // Copies `count` floats from `source` to the start of slot `slot` of `block`, split over `threads`
+  // threads, the caller's among them (the owner's publish of a result: one thread copies about
+  // 5 GB/s). Throws InvalidArgument for a bad block, slot, count (0..capacity) or thread count (>= 1).
+  void write(std::int64_t block, int slot, const float* source, std::int64_t count, int threads);
   // Publishes `version` of `block` with `status` (release). An ok version must have been written into
   // write_slot(block). Throws InvalidArgument unless version > the published one and status is not kNone.
   void publish(std::int64_t block, std::int64_t version, VersionStatus status);

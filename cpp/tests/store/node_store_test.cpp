@@ -116,6 +116,38 @@ TEST(NodeStoreTest, RejectsBadArguments) {
   }
 }
 
+TEST(NodeStoreTest, WriteCopiesIntoTheSlotOverSeveralThreadsAndRejectsBadArguments) {
+  // One block of three 1 MiB chunks and a bit, one small block; the guard floats after each copy stay.
+  const std::int64_t big = 3 * (1 << 18) + 37, small = 5;
+  auto store = NodeStore::private_memory({big + 1, small + 1});
+  std::vector<float> source(static_cast<std::size_t>(big));
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i % 1009) + 0.5f;
+  for (int threads : {1, 2, 3, 8}) {
+    for (int slot : {0, 1}) {
+      fill(store->slot(0, slot), big + 1, -1.0f);
+      store->write(0, slot, source.data(), big, threads);
+      EXPECT_TRUE(std::equal(source.begin(), source.end(), store->slot(0, slot))) << threads << " threads";
+      EXPECT_EQ(store->slot(0, slot)[big], -1.0f);
+    }
+  }
+  fill(store->slot(1, 0), small + 1, -1.0f);
+  store->write(1, 0, source.data(), small, 4);
+  EXPECT_TRUE(std::equal(source.begin(), source.begin() + small, store->slot(1, 0)));
+  EXPECT_EQ(store->slot(1, 0)[small], -1.0f);
+  store->write(1, 0, nullptr, 0, 1);  // nothing to copy
+  EXPECT_THROW(store->write(2, 0, source.data(), 1, 1), InvalidArgument);          // no such block
+  EXPECT_THROW(store->write(1, 2, source.data(), 1, 1), InvalidArgument);          // no such slot
+  EXPECT_THROW(store->write(1, 0, source.data(), small + 2, 1), InvalidArgument);  // over the capacity
+  EXPECT_THROW(store->write(1, 0, source.data(), -1, 1), InvalidArgument);
+  EXPECT_THROW(store->write(1, 0, nullptr, 1, 1), InvalidArgument);
+  try {
+    store->write(1, 0, source.data(), 1, 0);
+    FAIL() << "threads=0 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "Invalid threads=0", e.what());
+  }
+}
+
 TEST(NodeStoreTest, OpenChecksTheNameAndTheLayout) {
   Segment segment("layout", 2, {8, 8});
   EXPECT_THROW(NodeStore::create(segment.name, 2, {8, 8}), Error);  // exists already

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from asteria.config import RuntimeConfig
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
-from asteria.pipeline import streams
+from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import WorkerRefresher
 
@@ -42,6 +42,7 @@ STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # The engine never raises for failures itself: all ranks count them from the published statuses.
 _NO_ENGINE_BOUND = 1 << 30
+PUBLISH_THREADS = 4  # at most, for an owner's copy of its results into the node store
 
 
 class PeerError(RuntimeError):
@@ -93,6 +94,10 @@ class DistributedRefresher(WorkerRefresher):
                     self._registrations[id(d)] = registration
         # ---- the engine, for the blocks this rank owns
         self._start_workers(deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND)
+        # The owner's copies into the store run on a few threads of this rank's share of the CPUs (the
+        # training thread waits for them; the workers run at a lower priority).
+        share = len(cpus.allowed_cpus()) // max(1, topo.local_world_size)
+        self._copy_threads = max(1, min(PUBLISH_THREADS, share))
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
         self.snapshots: list[torch.Tensor | None] = []
@@ -258,8 +263,7 @@ class DistributedRefresher(WorkerRefresher):
                 if torch.equal(view[offset:offset + n * n].view(n, n), result[:n]):
                     self._counts["exchanges_skipped"] += 1
                     return "skipped"
-        offset = d.store.offset(unit.index, d.store.write_slot(unit.index))
-        view[offset:offset + unit.capacity].copy_(result.reshape(-1))
+        d.store.write(unit.index, d.store.write_slot(unit.index), result.reshape(-1), self._copy_threads)
         if d.shared:
             self._counts["bytes_intra_node_shared"] += unit.capacity * 4
         return "ok"
