@@ -391,7 +391,8 @@ void NodeStore::write(std::int64_t block, int slot, const float* source, std::in
   constexpr std::int64_t kLine = 16, kMinChunk = (1 << 20) / sizeof(float);
   const std::int64_t chunk = std::max(kMinChunk, (count / threads + kLine - 1) / kLine * kLine);
   auto copy = [&](std::int64_t begin) {
-    std::memcpy(target + begin, source + begin, static_cast<std::size_t>(std::min(chunk, count - begin)) * sizeof(float));
+    const auto floats = static_cast<std::size_t>(std::min(chunk, count - begin));
+    std::memcpy(target + begin, source + begin, floats * sizeof(float));
   };
   std::vector<std::thread> helpers;
   std::int64_t begin = chunk;
