@@ -10,15 +10,17 @@ modes (with one process there is nothing to wrap). Afterwards each run's summary
 metrics.jsonl are read and one table is printed; ``OUT/results.json`` and ``OUT/scaling.md`` hold it,
 ``OUT/<config>/<run>/`` the runs (with ``torchrun.log``).
 
-Columns: median and max step time of rank 0 over the steady steps (after the first f + 1: allocation,
-compilation, the bootstrap refresh) and their ratio; tokens/s = procs x batch x seq_len / median step;
+Columns: median and max step time of rank 0 over the steady steps (after the warm-up, (sync_refreshes + 1)
+x f steps, as ``asteria bench`` counts it: allocation, compilation and the refreshes used at their own
+step) and their ratio; the median CUDA-event time of those steps; rank 0's optimizer waits (count and
+seconds); tokens/s = procs x batch x seq_len / median step;
 scaling efficiency = tokens/s / (procs x tokens/s of the same config on 1 process); the optimizer's
 inter-node and intra-node bytes per step (measured: ``runtime_stats`` summed over ranks); the gradient
 reduction's bytes per step (computed from the algorithm, summed over ranks; see
 ``asteria/train/distributed.py``); replica max |diff| (DDP: every rank vs rank 0 after the last step;
 FSDP2 has no replicas); energy per step (NVML, summed over ranks' GPUs); final loss (mean of the last 10
-steps); time to a target loss (training wall clock at the first step whose trailing 10-step mean reaches
-it; default target: AdamW's final loss at the same procs and parallel mode).
+steps) and the last validation loss; time to a target loss (training wall clock at the first step whose
+trailing 10-step mean reaches it; default target: AdamW's final loss at the same procs and parallel mode).
 
 CPU (Gloo; 2 processes declared as 2 nodes of 1 rank, so the optimizer's exchange crosses "nodes"):
 
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 
 from asteria.train.model import PRESETS
-from asteria.train.report import load_run
+from asteria.train.report import load_run, steady_warmup
 
 CONFIGS = ("adamw", "soap-sync", "soap-async", "kl-shampoo-sync", "kl-shampoo-async")
 PARALLEL = ("ddp", "fsdp")
@@ -164,14 +166,18 @@ def launch(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> i
             return 124
 
 
-def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: int, seq_len: int,
-            warmup: int) -> dict[str, Any]:
-    """One row's own figures from a finished run (no cross-run ratios yet)."""
+def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """One row's own figures from a finished run (no cross-run ratios yet). Step times are those after the
+    run's warm-up, counted as ``asteria bench`` counts it: (sync_refreshes + 1) x f steps."""
     run = load_run(run_dir)
     s = run.summary
-    times = [r["step_time"] for r in run.records]
-    steady = times[warmup:] or times
+    settings = s.get("config", {})
+    warmup = steady_warmup(settings.get("precondition_frequency", 10), settings.get("sync_refreshes", 1))
+    steady_records = [r for r in run.records if r["step"] > warmup] or run.records
+    steady = [r["step_time"] for r in steady_records]
     median = statistics.median(steady)
+    gpu = [r["gpu_step_time"] for r in steady_records if r.get("gpu_step_time") is not None]
+    stats = s.get("runtime_stats") or {}
     dist = s.get("distributed")
     per_step = dist["optimizer_bytes"]["per_step"] if dist else {}
     grads = dist["gradient_bytes_per_step_computed"] if dist else None
@@ -180,6 +186,8 @@ def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: i
         "config": config, "procs": procs, "parallel": parallel, "run": str(run_dir), "device": s["device"],
         "steps": run.records[-1]["step"], "warmup_steps": warmup,
         "median_step_seconds": median, "max_step_seconds": max(steady), "max_over_median": max(steady) / median,
+        "gpu_median_step_seconds": statistics.median(gpu) if gpu else None,
+        "waits": stats.get("waits"), "wait_seconds": stats.get("wait_seconds"),
         "tokens_per_second": procs * batch_size * seq_len / median,
         "optimizer_inter_node_bytes_per_step": per_step.get("bytes_inter_node_sent") or 0.0,
         "optimizer_intra_node_bytes_per_step": per_step.get("bytes_intra_node_shared") or 0.0,
@@ -189,6 +197,7 @@ def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: i
         "replica_max_abs_diff": agreement["max_abs_diff"] if agreement else None,
         "energy_joules_per_step": s.get("energy_joules_per_step"),
         "final_loss": s["final_loss"],
+        "final_val_loss": s.get("final_val_loss"),
         "_run": run,
     }
 
@@ -218,22 +227,26 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value * scale, spec)
 
 
-COLUMNS = ("config", "procs", "parallel", "median ms", "max ms", "max/med", "tokens/s", "efficiency",
-           "opt inter MB/step", "opt intra MB/step", "grad MB/step (computed)", "grad inter MB/step",
-           "replica max abs diff", "J/step", "final loss", "target", "time to target s")
+COLUMNS = ("config", "procs", "parallel", "median ms", "max ms", "max/med", "GPU-event median ms", "waits (s)",
+           "tokens/s", "efficiency", "opt inter MB/step", "opt intra MB/step", "grad MB/step (computed)",
+           "grad inter MB/step", "replica max abs diff", "J/step", "final loss", "val loss", "target",
+           "time to target s")
 
 
 def cells(r: dict[str, Any]) -> list[str]:
     agreement = ("-" if r["procs"] == 1 else "n/a (FSDP2: no replicas)" if r["parallel"] == "fsdp"
                  else _fmt(r["replica_max_abs_diff"], ".3g"))
+    waits = "n/a" if r["waits"] is None else f"{r['waits']} ({r['wait_seconds']:.1f})"
     return [r["config"], str(r["procs"]), r["parallel"], _fmt(r["median_step_seconds"], ".1f", 1e3),
             _fmt(r["max_step_seconds"], ".1f", 1e3), _fmt(r["max_over_median"], ".2f"),
+            _fmt(r["gpu_median_step_seconds"], ".1f", 1e3), waits,
             _fmt(r["tokens_per_second"], ".0f"), _fmt(r["scaling_efficiency"], ".2f"),
             _fmt(r["optimizer_inter_node_bytes_per_step"], ".3f", 1e-6),
             _fmt(r["optimizer_intra_node_bytes_per_step"], ".3f", 1e-6),
             _fmt(r["gradient_bytes_per_step_computed"], ".2f", 1e-6),
             _fmt(r["gradient_inter_node_bytes_per_step_computed"], ".2f", 1e-6), agreement,
-            _fmt(r["energy_joules_per_step"], ".1f"), _fmt(r["final_loss"], ".4f"), _fmt(r["target_loss"], ".4f"),
+            _fmt(r["energy_joules_per_step"], ".1f"), _fmt(r["final_loss"], ".4f"), _fmt(r["final_val_loss"], ".4f"),
+            _fmt(r["target_loss"], ".4f"),
             _fmt(r["time_to_target_seconds"], ".1f")]
 
 
@@ -259,7 +272,9 @@ def markdown(results: dict[str, Any]) -> str:
              + (f", local world size {s['local_world_size']} (ranks per simulated node)" if s["local_world_size"]
                 else "") + ".",
              f"Command: `{results['command']}`", "",
-             "Step times are rank 0's, over the steady steps (after the first f + 1). Efficiency: tokens/s over procs "
+             "Step times are rank 0's, over the steady steps (after the warm-up, (sync_refreshes + 1) x f steps, as "
+             "asteria bench counts it); waits are rank 0's optimizer waits (count and seconds). Efficiency: tokens/s "
+             "over procs "
              "x the same config's 1-process tokens/s. Optimizer bytes are measured (runtime_stats summed over "
              "ranks); gradient bytes are computed from the reduction algorithm (ring model, fp32; DDP all-reduce, "
              "FSDP2 all-gathers and reduce-scatter), summed over ranks. Target: AdamW's final loss at the same "
@@ -333,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.nprocs = sorted(set(args.nprocs))
     args.out.mkdir(parents=True, exist_ok=True)
-    env, warmup = child_env(args.device), args.precondition_frequency + 1
+    env = child_env(args.device)
     rows, failures, skipped = [], [], []
     begun = time.monotonic()
     for procs in args.nprocs:
@@ -357,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                         failures.append({"config": config, "procs": procs, "parallel": parallel, "returncode": code,
                                          "log": str(run_dir / "torchrun.log")})
                         continue
-                rows.append(measure(run_dir, procs, parallel, config, args.batch_size, args.seq_len, warmup))
+                rows.append(measure(run_dir, procs, parallel, config, args.batch_size, args.seq_len))
     results = {
         "device": rows[0]["device"] if rows else ("cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)),
         "command": " ".join(["python3 bench/scaling.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -70,7 +70,8 @@ def fake_run(run_dir: Path, step_ms: list[float], losses: list[float], procs: in
     wall, lines = 0.0, []
     for step, (ms, loss) in enumerate(zip(step_ms, losses), start=1):
         wall += ms / 1e3
-        lines.append(json.dumps({"step": step, "loss": loss, "step_time": ms / 1e3, "wall": wall}))
+        lines.append(json.dumps({"step": step, "loss": loss, "step_time": ms / 1e3, "wall": wall,
+                                 "gpu_step_time": ms / 1e3 - 0.01}))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     distributed = None
     if procs > 1:
@@ -81,25 +82,31 @@ def fake_run(run_dir: Path, step_ms: list[float], losses: list[float], procs: in
             "replica_agreement": {"max_abs_diff": 0.0 if parallel == "ddp" else None},
         }
     summary = {"device": "cpu", "label": run_dir.parent.name, "final_loss": sum(losses[-10:]) / len(losses[-10:]),
-               "energy_joules_per_step": None, "distributed": distributed}
+               "final_val_loss": losses[-1] + 0.25, "energy_joules_per_step": None, "distributed": distributed,
+               # f = 1 with two sync refreshes: a warm-up of 3 steps, as asteria bench counts it
+               "config": {"precondition_frequency": 1, "sync_refreshes": 2},
+               "runtime_stats": {"waits": 2, "wait_seconds": 0.5} if "soap" in str(run_dir) else {}}
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
 def test_table_figures_from_finished_runs(scaling, tmp_path):
-    # f = 2: the first 3 steps are warm-up. Losses fall 1 per step from 10; AdamW ends lower.
+    # The first 3 steps are warm-up. Losses fall 1 per step from 10; AdamW ends lower.
     steps = 14
     fake_run(tmp_path / "adamw" / "p1", [500.0] * 3 + [100.0] * 11, [10.0 - 0.5 * i for i in range(steps)], 1, "single")
     fake_run(tmp_path / "soap" / "p1", [500.0] * 3 + [200.0] * 11, [10.0 - 0.2 * i for i in range(steps)], 1, "single")
     fake_run(tmp_path / "adamw" / "ddp-p2", [500.0] * 3 + [125.0] * 10 + [400.0],
              [10.0 - 0.5 * i for i in range(steps)], 2, "ddp")
-    rows = [scaling.measure(tmp_path / "adamw" / "p1", 1, "single", "adamw", 4, 32, warmup=3),
-            scaling.measure(tmp_path / "soap" / "p1", 1, "single", "soap-async", 4, 32, warmup=3),
-            scaling.measure(tmp_path / "adamw" / "ddp-p2", 2, "ddp", "adamw", 4, 32, warmup=3)]
+    rows = [scaling.measure(tmp_path / "adamw" / "p1", 1, "single", "adamw", 4, 32),
+            scaling.measure(tmp_path / "soap" / "p1", 1, "single", "soap-async", 4, 32),
+            scaling.measure(tmp_path / "adamw" / "ddp-p2", 2, "ddp", "adamw", 4, 32)]
     rows = scaling.finish_rows(rows, target_loss=None)
     single, soap, ddp = rows
     assert single["median_step_seconds"] == 0.1 and single["tokens_per_second"] == pytest.approx(4 * 32 / 0.1)
     assert ddp["median_step_seconds"] == 0.125 and ddp["max_step_seconds"] == 0.4
-    assert ddp["max_over_median"] == pytest.approx(3.2)
+    assert ddp["max_over_median"] == pytest.approx(3.2) and ddp["warmup_steps"] == 3
+    assert ddp["gpu_median_step_seconds"] == pytest.approx(0.115)
+    assert soap["waits"] == 2 and single["waits"] is None
+    assert single["final_val_loss"] == pytest.approx(10.0 - 0.5 * 13 + 0.25)
     assert ddp["tokens_per_second"] == pytest.approx(2 * 4 * 32 / 0.125)
     assert ddp["scaling_efficiency"] == pytest.approx(0.8) and single["scaling_efficiency"] == 1.0
     assert ddp["optimizer_inter_node_bytes_per_step"] == 3e6 and ddp["gradient_bytes_per_step_computed"] == 8e6
@@ -114,7 +121,8 @@ def test_table_figures_from_finished_runs(scaling, tmp_path):
     table = scaling.markdown(results).splitlines()
     body = [line for line in table if line.startswith("|")]
     assert len(body) == 2 + len(rows) and len({line.count("|") for line in body}) == 1
-    assert "| adamw | 2 | ddp | 125.0 | 400.0 | 3.20 | 2048 | 0.80 |" in table[-1]
+    assert "| adamw | 2 | ddp | 125.0 | 400.0 | 3.20 | 115.0 | n/a | 2048 | 0.80 |" in table[-1]
+    assert "| soap-async | 1 | single | 200.0 | 200.0 | 1.00 | 190.0 | 2 (0.5) |" in table[-2]
     text = scaling.format_table(results)
     assert text.startswith("device: cpu") and "soap-async" in text
 
