@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from asteria.train.model import PRESETS
-from asteria.train.report import load_run, steady_warmup
+from asteria.train.report import load_run, run_warmup
 
 CONFIGS = ("adamw", "soap-sync", "soap-async", "kl-shampoo-sync", "kl-shampoo-async")
 PARALLEL = ("ddp", "fsdp")
@@ -171,8 +171,7 @@ def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: i
     run's warm-up, counted as ``asteria bench`` counts it: (sync_refreshes + 1) x f steps."""
     run = load_run(run_dir)
     s = run.summary
-    settings = s.get("config", {})
-    warmup = steady_warmup(settings.get("precondition_frequency", 10), settings.get("sync_refreshes", 1))
+    warmup = run_warmup(run)
     steady_records = [r for r in run.records if r["step"] > warmup] or run.records
     steady = [r["step_time"] for r in steady_records]
     median = statistics.median(steady)

@@ -13,8 +13,9 @@ for the first ``sync_refreshes``):
    publish what they receive into their node's store.
 4. Step d: every rank reads version k of every block from its node's store (waiting, bounded, for the
    version word) and installs it. So every replica activates the same version at the same step.
-Before writing a store at step d, a rank waits until every local rank has read the versions of the
-previous due step (the two slots per block are then free to reuse).
+Before writing a store at step d, a rank waits until every local rank has read everything due by the
+previous step its sets were due (the slot written then holds an older version, so the two slots per
+block suffice); on a GPU a rank counts a step as read once its copies from the store have completed.
 
 With a staggered schedule (the default in Asteria mode) each step refreshes the factor sets of one phase
 of the interval, so the steps above run for those sets' blocks only: every replica has the same sets and

@@ -103,7 +103,6 @@ class HostRegistration:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ptr = tensor.data_ptr()
-        self.nbytes = tensor.numel() * tensor.element_size()
         self._open = True
 
     @classmethod

@@ -81,11 +81,16 @@ def steady_warmup(precondition_frequency: int, sync_refreshes: int) -> int:
     return precondition_frequency * (max(1, sync_refreshes) + 1)
 
 
-def steady_max_over_median(run: Run) -> float | None:
-    """Max over median step time of the steps after ``steady_warmup`` of the run's own configuration (as
-    ``asteria bench`` counts them); None when the run has no step past the warm-up."""
+def run_warmup(run: Run) -> int:
+    """``steady_warmup`` of the run's own configuration (one sync refresh for runs older than the setting)."""
     config = run.summary.get("config", {})
-    warmup = steady_warmup(config.get("precondition_frequency", 10), config.get("sync_refreshes", 1))
+    return steady_warmup(config.get("precondition_frequency", 10), config.get("sync_refreshes", 1))
+
+
+def steady_max_over_median(run: Run) -> float | None:
+    """Max over median step time of the steps after ``run_warmup`` (as ``asteria bench`` counts them);
+    None when the run has no step past the warm-up."""
+    warmup = run_warmup(run)
     times = [r["step_time"] for r in run.records if r["step"] > warmup and r.get("step_time")]
     return max(times) / statistics.median(times) if times else None
 
