@@ -131,6 +131,8 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
     for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.profile_steps is not None:
+        argv += ["--profile-steps", *map(str, args.profile_steps)]
     return argv
 
 
@@ -315,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lag-steps", type=int, default=None,
                         help="Asteria runs: use each refresh this many steps after its snapshot (RuntimeConfig."
                              "lag_steps) [default: S intervals]")
+    parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
+                        help="every run writes a torch.profiler trace of these steps per rank (asteria train "
+                             "--profile-steps): OUT/<config>/<run>/trace-rank<R>.json.gz")
     parser.add_argument("--eval-every", type=int, default=None, help="[default: once, at the last step]")
     parser.add_argument("--eval-batches", type=int, default=2)
     parser.add_argument("--max-bytes", type=int, default=2_000_000)

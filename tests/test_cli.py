@@ -3,6 +3,7 @@ clear errors for bad input. (Checkpoints and resume: test_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 
@@ -56,6 +57,17 @@ def test_train_follows_the_lr_schedule_and_clips_gradients(tmp_path):
     clipped = records(tmp_path / "clipped")
     assert clipped[0]["loss"] == pytest.approx(rows[0]["loss"])
     assert abs(clipped[-1]["loss"] - clipped[0]["loss"]) < 0.2 * abs(rows[-1]["loss"] - rows[0]["loss"])
+
+
+def test_profile_steps_trace_exactly_those_steps(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--optimizer", "soap", "--mode", "async", "--steps", "5", "--profile-steps", "2", "3",
+                 "--out", str(run), *TINY]) == 0
+    with gzip.open(run / "trace-rank0.json.gz", "rt") as handle:
+        names = {e.get("name") for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"}
+    assert {"step 2", "step 3"} <= names and not {"step 1", "step 4", "step 5"} & names
+    assert any(name.startswith("Optimizer.step") for name in names)  # the optimizer's own range is inside
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5]
 
 
 def test_report_table_target_and_energy(tmp_path):
@@ -221,6 +233,9 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["bench", "--seeds", "1", "1", "--out", "OUT"], "Invalid seeds=[1, 1]: must be distinct integers >= 0"),
         (["bench", "--seeds", "-1", "--out", "OUT"], "Invalid seeds=[-1]"),
         (["bench", "--seed", "0", "--seeds", "1", "--out", "OUT"], "Invalid seed=0 beside seeds=[1]"),
+        (["train", "--steps", "4", "--profile-steps", "0", "2", "--out", "OUT"],
+         "Invalid profile_steps=(0, 2): must be two steps FIRST LAST with 1 <= FIRST <= LAST <= steps (4)"),
+        (["train", "--steps", "4", "--profile-steps", "3", "5", "--out", "OUT"], "Invalid profile_steps=(3, 5)"),
         (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
         (["train", "--matmul-precision", "medium", "--out", "OUT"],
          "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),

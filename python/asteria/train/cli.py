@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--out", type=Path, required=True, help="run directory")
     train_p.add_argument("--resume", action="store_true",
                          help="continue from the newest complete checkpoint in --out (a fresh start if none)")
+    train_p.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
+                         help="write a torch.profiler trace of these steps per rank, OUT/trace-rank<R>.json.gz "
+                              "(a diagnostic that slows them; read it with bench/trace_steps.py)")
     demo_p = sub.add_parser("demo", help="AdamW vs Asteria Shampoo (async), with a report")
     _add_run_arguments(demo_p)
     demo_p.add_argument("--out", type=Path, default=Path("runs/demo"))
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
                              "runs on several processes (bench/scaling.py launches torchrun itself)")
         if args.command == "train":
-            summary = train(_run_config(args), args.out, resume=args.resume)
+            summary = train(_run_config(args), args.out, resume=args.resume,
+                            profile_steps=tuple(args.profile_steps) if args.profile_steps else None)
             if rank == "0":
                 resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
                 val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"

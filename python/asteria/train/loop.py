@@ -26,6 +26,7 @@ from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, local_opt
                                       resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
+from asteria.train.profiling import StepProfiler, check_profile_steps
 from asteria.train.provenance import software
 
 OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
@@ -246,10 +247,13 @@ def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
     return records
 
 
-def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False,
+          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
     """Trains and writes ``out/metrics.jsonl``, ``out/summary.json``, TensorBoard logs and, every
     ``cfg.checkpoint_every`` steps, ``out/checkpoints/step-N``. With ``resume`` it continues from the
-    newest complete checkpoint in ``out`` (or starts afresh when there is none).
+    newest complete checkpoint in ``out`` (or starts afresh when there is none). With ``profile_steps``
+    ``(FIRST, LAST)`` every rank writes a torch.profiler trace of those steps, ``out/trace-rank<R>.json.gz``
+    (a diagnostic: it slows the steps it covers; ``bench/trace_steps.py`` reads it).
 
     Under torchrun (``WORLD_SIZE`` > 1) every process calls this: it joins the process group (NCCL on
     GPUs, Gloo on the CPU), wraps the model (``cfg.parallel``: DDP or FSDP2), reads its own slice of each
@@ -257,6 +261,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     averaged and the energy summed over ranks), TensorBoard, the summary and shows the progress bar.
     Every rank returns the summary."""
     layout = resolve_layout(cfg.local_world_size)  # a bad environment or node size fails before anything runs
+    profile_steps = check_profile_steps(profile_steps, cfg.steps)
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     out.mkdir(parents=True, exist_ok=True)
     if not resume and checkpoint.published(out / "checkpoints"):
@@ -264,10 +269,10 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
                          f"continue it, or choose another --out")
     with deterministic_kernels(cfg.deterministic_kernels):
         if not layout.distributed:
-            return _train(cfg, out, progress, resume, None)
+            return _train(cfg, out, progress, resume, None, profile_steps)
         run = DistributedRun(layout, cfg.device, cfg.parallel)
         try:
-            summary = _train(cfg, out, progress, resume, run)
+            summary = _train(cfg, out, progress, resume, run, profile_steps)
         except BaseException:
             if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
                 run.shutdown()
@@ -294,7 +299,8 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
-def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None) -> dict[str, Any]:
+def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None,
+           profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
     from torch.utils.tensorboard import SummaryWriter
 
     lead = run is None or run.lead
@@ -332,6 +338,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
               if lead else None)
     energy, timer = EnergyMeter(device), StepTimer(device)
+    profiler = StepProfiler(profile_steps, out, run.layout.rank if run is not None else 0, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step, cursor, wall = loop["step"], loop["cursor"], loop["wall"]
@@ -344,29 +351,31 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         with (out / "metrics.jsonl").open("a") if lead else contextlib.nullcontext() as log:
             for step in bar:
                 t0 = time.perf_counter()
-                joules = energy.joules()
-                batch = data.batch(cursor + offset, cfg.batch_size).to(device, non_blocking=True)
-                cursor += cfg.batch_size * world
-                timer.begin()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = next_token_loss(net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
-                loss.backward()
-                checkpoint.fault_point("train-step", step)
-                if cfg.grad_clip > 0:
-                    clip_gradients(model, cfg.grad_clip)
-                lr = cfg.lr_at(step)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                gpu_seconds = timer.finish()
-                step_joules = None
-                if run is None:
-                    loss_value = loss.item()  # synchronizes, so the step time below is the whole step
-                else:  # the mean over ranks and the energy of all ranks' GPUs (one all-reduce)
-                    loss_value, step_joules = run.reduce_step(loss, None if joules is None
-                                                              else energy.joules() - joules)
-                step_time = time.perf_counter() - t0
+                # The range ends after the step's synchronization, so each profiled step holds its GPU work.
+                with profiler.step(step):  # a no-op outside --profile-steps
+                    joules = energy.joules()
+                    batch = data.batch(cursor + offset, cfg.batch_size).to(device, non_blocking=True)
+                    cursor += cfg.batch_size * world
+                    timer.begin()
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                        loss = next_token_loss(net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
+                    loss.backward()
+                    checkpoint.fault_point("train-step", step)
+                    if cfg.grad_clip > 0:
+                        clip_gradients(model, cfg.grad_clip)
+                    lr = cfg.lr_at(step)
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    gpu_seconds = timer.finish()
+                    step_joules = None
+                    if run is None:
+                        loss_value = loss.item()  # synchronizes, so the step time below is the whole step
+                    else:  # the mean over ranks and the energy of all ranks' GPUs (one all-reduce)
+                        loss_value, step_joules = run.reduce_step(loss, None if joules is None
+                                                                  else energy.joules() - joules)
+                    step_time = time.perf_counter() - t0
                 wall += step_time
                 if run is None and joules is not None:
                     step_joules = energy.joules() - joules
@@ -398,6 +407,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                         os.fsync(log.fileno())
                     _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall}, run)
     finally:
+        profiler.close()  # the trace of a range the run did not reach the end of
         if writer is not None:
             writer.close()
         if hooks is not None:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Where Asteria's loss gap to native mode comes from: one optimizer on olmo-160m (issue 5's settings,
+# 250 steps), per seed in three arms side by side, each a separate `asteria bench`:
+#   na/  native (sync) and Asteria with the newest-finished rule (--no-deterministic, the default bench);
+#   d<L>/ Asteria under the deterministic rule with --lag-steps L for each L in $LAGS (default 0: every
+#        version computed by the workers and used at its own step, as native mode does).
+# Native against d0 isolates the CPU arithmetic and the staggered schedule; d0 against the newest-finished
+# rule isolates how late the versions come. Pool the seeds with `asteria seeds OUT/na ...`.
+# Usage (inside bench/gpu_session.sh's `extra` stage, or alone): OUT=DIR OPT=kl-shampoo bash bench/loss_arms.sh SEEDS...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+OPT=${OPT:-kl-shampoo}
+CLI="python3 -m asteria.train.cli"
+COMMON="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision high --steps 250 --eval-every 250
+  --eval-batches 16 --max-bytes 40000000 --max-preconditioner-dim 1024"
+# shellcheck disable=SC2086
+$CLI bench $COMMON --no-deterministic --configs "$OPT-sync" "$OPT-async" --seeds "$@" --out "$OUT/na"
+for lag in ${LAGS:-0}; do
+  # shellcheck disable=SC2086
+  $CLI bench $COMMON --deterministic --lag-steps "$lag" --configs "$OPT-async" --seeds "$@" --out "$OUT/d$lag"
+done
