@@ -128,7 +128,7 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
         argv += ["--parallel", parallel]
         if args.local_world_size is not None:
             argv += ["--local-world-size", str(args.local_world_size)]
-    for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps"):
+    for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps", "prefetch"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.profile_steps is not None:
@@ -317,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lag-steps", type=int, default=None,
                         help="Asteria runs: use each refresh this many steps after its snapshot (RuntimeConfig."
                              "lag_steps) [default: S intervals]")
+    parser.add_argument("--prefetch", default=None, help="Asteria runs: where asteria.attach activates "
+                        "(asteria train --prefetch) [default: asteria train's]")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
                         help="every run writes a torch.profiler trace of these steps per rank (asteria train "
                              "--profile-steps): OUT/<config>/<run>/trace-rank<R>.json.gz")

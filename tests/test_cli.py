@@ -236,6 +236,8 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["train", "--steps", "4", "--profile-steps", "0", "2", "--out", "OUT"],
          "Invalid profile_steps=(0, 2): must be two steps FIRST LAST with 1 <= FIRST <= LAST <= steps (4)"),
         (["train", "--steps", "4", "--profile-steps", "3", "5", "--out", "OUT"], "Invalid profile_steps=(3, 5)"),
+        (["train", "--prefetch", "backward", "--out", "OUT"],
+         "Invalid prefetch='backward': must be one of ('forward_start', 'forward_end', 'step')"),
         (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
         (["train", "--matmul-precision", "medium", "--out", "OUT"],
          "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),

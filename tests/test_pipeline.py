@@ -258,16 +258,18 @@ class TiedFrozenUnused(torch.nn.Module):
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_attach_with_tied_frozen_and_unused_parameters(name):
-    def trained(attach: bool):
+    def trained(attach: str | None):
         model = TiedFrozenUnused()
         params = [p for p in model.parameters() if p.requires_grad]
         gen = torch.Generator().manual_seed(2)
         tokens = torch.randint(0, 10, (12, 8), generator=gen)
         with OPTIMIZERS[name](params, asteria.RuntimeConfig(staleness=1, workers=1)) as opt:
             before = hook_count(model)
-            handle = asteria.attach(model, opt) if attach else None
+            handle = asteria.attach(model, opt, prefetch=attach) if attach else None
             if handle is not None:
                 assert hook_count(model) == before + handle.num_hooks > before
+                assert (bool(model._forward_hooks), bool(model._forward_pre_hooks)) == \
+                    {"forward_end": (True, False), "forward_start": (False, True), "step": (False, False)}[attach]
             losses = []
             for step in range(9):
                 opt.zero_grad(set_to_none=True)
@@ -282,11 +284,12 @@ def test_attach_with_tied_frozen_and_unused_parameters(name):
                 assert hook_count(model) == before
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    plain_losses, plain = trained(False)
-    hooked_losses, hooked = trained(True)
-    assert plain_losses == hooked_losses
+    plain_losses, plain = trained(None)
     assert plain_losses[-1] < plain_losses[0] and plain_losses[-2] < plain_losses[1]
-    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+    for point in asteria.pipeline.hooks.PREFETCH_POINTS:  # the same bits wherever the activation runs
+        hooked_losses, hooked = trained(point)
+        assert plain_losses == hooked_losses, point
+        assert all(torch.equal(a, b) for a, b in zip(plain, hooked)), point
 
 
 @pytest.mark.parametrize("name", ["shampoo", "kl-shampoo"])
@@ -324,6 +327,9 @@ def test_attach_rejects_bad_arguments():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"Invalid drain_points=.*int >= 0"):
             asteria.attach(model, asteria.Shampoo(model.parameters()), drain_points=bad)
+    with pytest.raises(ValueError, match=r"Invalid prefetch='backward': must be one of \('forward_start', "
+                                         r"'forward_end', 'step'\)"):
+        asteria.attach(model, asteria.Shampoo(model.parameters()), prefetch="backward")
 
 
 def test_attach_spreads_a_few_drain_points_over_the_modules():

@@ -24,7 +24,8 @@ def scaling():
 def test_child_commands_environment_and_default_process_counts(scaling):
     args = scaling.build_parser().parse_args(["--out", "X", "--local-world-size", "1", "--model", "olmo-160m",
                                               "--workers", "3", "--max-preconditioner-dim", "1024",
-                                              "--lag-steps", "2", "--profile-steps", "40", "49"])
+                                              "--lag-steps", "2", "--profile-steps", "40", "49",
+                                              "--prefetch", "step"])
     args.device = "cuda"
     argv = scaling.train_command(args, "kl-shampoo-async", 2, "fsdp", Path("X/kl/fsdp-p2"))
     text = " ".join(argv)
@@ -32,7 +33,7 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     assert "asteria.train.cli train --out X/kl/fsdp-p2 --optimizer kl-shampoo --mode async" in text
     for option in ("--parallel fsdp", "--local-world-size 1", "--precondition-frequency 10", "--model olmo-160m",
                    "--workers 3", "--device cuda", "--eval-every 60", "--max-preconditioner-dim 1024",
-                   "--lag-steps 2", "--profile-steps 40 49"):
+                   "--lag-steps 2", "--profile-steps 40 49", "--prefetch step"):
         assert option in text, option
     single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
     assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single

@@ -4,8 +4,8 @@ Without hooks the optimizer does all of its pipeline work inside ``step()``: it 
 snapshots to the workers, then installs the preconditioner versions the schedule activates for the
 step. With ``attach``:
 
-- the end of the model's first forward of a step (a forward hook on the root module) prefetches the
-  next activation: the versions due are waited for and installed on the low-priority side stream while
+- the end of the model's first forward of a step (a forward hook on the root module; ``prefetch``
+  places it elsewhere) prefetches the next activation: the versions due are waited for and installed on the low-priority side stream while
   the backward pass runs, so ``step()`` finds them in place and the main stream waits only on the
   copies' events. For Shampoo that is the activation of the coming step (unless that step's own
   refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does it); for SOAP
@@ -62,12 +62,21 @@ class AttachHandle:
 
 
 DRAIN_POINTS = 8
+#: where the activation runs: a hook at the forward's start or end, or ``step()`` itself (after the backward)
+PREFETCH_POINTS = ("forward_start", "forward_end", "step")
 
 
-def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS) -> AttachHandle:
+def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
+           prefetch: str = "forward_end") -> AttachHandle:
     """Registers the prefetch and drain hooks of ``optimizer`` (an Asteria optimizer) on ``model``:
     one prefetch hook on the root module and drain hooks on ``drain_points`` (>= 0) of the modules that
     own parameters (all of them when there are fewer).
+
+    ``prefetch`` places the activation: ``"forward_end"`` (default; a forward hook), ``"forward_start"``
+    (a forward pre-hook) or ``"step"`` (no prefetch hook: ``step()`` activates, after the backward has
+    been queued). The host's part of an activation stalls the GPU only where the GPU runs out of queued
+    work meanwhile, so the best point is where the host is furthest ahead of the GPU; what is computed
+    is the same at every point.
 
     Works with any ``nn.Module``, including FSDP2-wrapped ones (the hooks are ordinary module hooks),
     models with tied, frozen or unused parameters, and models of which the optimizer sees only part.
@@ -82,8 +91,10 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS) -
                          "(asteria.Shampoo, asteria.SOAP or asteria.KLShampoo)")
     if not (isinstance(drain_points, int) and not isinstance(drain_points, bool) and drain_points >= 0):
         raise ValueError(f"Invalid drain_points={drain_points!r}: must be an int >= 0")
+    if prefetch not in PREFETCH_POINTS:
+        raise ValueError(f"Invalid prefetch={prefetch!r}: must be one of {PREFETCH_POINTS}")
 
-    def prefetch(module: nn.Module, args: Any, output: Any) -> None:
+    def prefetch_hook(module: nn.Module, *args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
             optimizer.prefetch()
 
@@ -96,7 +107,11 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS) -
         if isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(drain_in_backward)
 
-    handles = [model.register_forward_hook(prefetch)]
+    handles = []
+    if prefetch == "forward_end":
+        handles.append(model.register_forward_hook(prefetch_hook))
+    elif prefetch == "forward_start":
+        handles.append(model.register_forward_pre_hook(prefetch_hook))
     owners = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
     chosen = sorted({(i * len(owners)) // drain_points for i in range(drain_points)}) if owners else []
     for index in chosen:

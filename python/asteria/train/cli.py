@@ -34,6 +34,8 @@ HELP = {
                "one process); --no-stagger refreshes every set at the same step, as native mode does",
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
+    "prefetch": "where asteria.attach activates new preconditioner versions: forward_end, forward_start or step "
+                "(no hook: in step(), after the backward is queued); the same math at each, only the timing differs",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
     "model": "model preset (OLMo-2 architecture, random init)",
     "data": "a text file or a folder of them (default: the Python standard library's sources)",

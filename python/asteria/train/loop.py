@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 import asteria
+from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
@@ -84,6 +85,7 @@ class RunConfig:
     deterministic: bool = True
     lag_steps: int | None = None
     deterministic_kernels: bool = False
+    prefetch: str = "forward_end"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -129,6 +131,7 @@ class RunConfig:
         if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
             asteria.RuntimeConfig(staleness=self.staleness, deterministic=self.deterministic,
                                   lag_steps=self.lag_steps).activation_lag(self.precondition_frequency)
+        check(self.prefetch in PREFETCH_POINTS, "prefetch", f"must be one of {PREFETCH_POINTS}")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
 
@@ -319,7 +322,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
     opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size if run is not None else None)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
-    hooks = asteria.attach(model, opt) if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None
+    hooks = (asteria.attach(model, opt, prefetch=cfg.prefetch)
+             if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None)
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
     resumed_from = None
     if resume:

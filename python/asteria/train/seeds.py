@@ -111,7 +111,7 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str,
 POOLED_SETTINGS = ("seed", "eval_every", "checkpoint_every", "keep_checkpoints")
 #: pooled as well under the deterministic rule, where they change only the timing; under the newest-finished
 #: rule the timing decides which versions are used
-TIMING_SETTINGS = ("workers", "placement")
+TIMING_SETTINGS = ("workers", "placement", "prefetch")
 
 
 def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
