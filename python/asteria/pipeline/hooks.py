@@ -6,8 +6,8 @@ step. With ``attach``:
 
 - the end of the model's first forward of a step (a forward hook on the root module; ``prefetch``
   places it elsewhere) prefetches the next activation: the versions due are waited for and installed
-  on the low-priority side stream while the backward pass runs, so ``step()`` finds them in place and the main stream waits only on the
-  copies' events. For Shampoo that is the activation of the coming step (unless that step's own
+  on the low-priority side stream while the backward pass runs, so ``step()`` finds them in place and
+  the main stream waits only on the copies' events. For Shampoo that is the activation of the coming step (unless that step's own
   refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does it); for SOAP
   and KL-Shampoo, whose coming step reads the bases while accumulating, it is the activation of the
   step just done, which otherwise runs at the start of the next ``step()``. At the end of the forward,
