@@ -6,14 +6,15 @@ step. With ``attach``:
 
 - the end of the model's first forward of a step (a forward hook on the root module; ``prefetch``
   places it elsewhere) prefetches the next activation: the versions due are waited for and installed
-  on the low-priority side stream while the backward pass runs, so ``step()`` finds them in place and
-  the main stream waits only on the copies' events. For Shampoo that is the activation of the coming step (unless that step's own
-  refresh is used at once: staleness 0, or the bootstrap refresh — then ``step()`` does it); for SOAP
-  and KL-Shampoo, whose coming step reads the bases while accumulating, it is the activation of the
-  step just done, which otherwise runs at the start of the next ``step()``. At the end of the forward,
-  not its start: by then the forward's kernels are queued, so the host's part of an activation
-  (waiting for jobs, and on several ranks publishing into the node store and exchanging versions)
-  runs while the GPU computes instead of while it idles between steps;
+  on the low-priority side stream while the backward pass runs, so ``step()`` finds them in place
+  and the main stream waits only on the copies' events. For Shampoo that is the activation of the
+  coming step (unless that step's own refresh is used at once: staleness 0, or the bootstrap refresh
+  — then ``step()`` does it); for SOAP and KL-Shampoo, whose coming step reads the bases while
+  accumulating, it is the activation of the step just done, which otherwise runs at the start of the
+  next ``step()``. At the end of the forward, not its start: by then the forward's kernels are
+  queued, so the host's part of an activation (waiting for jobs, and on several ranks publishing into
+  the node store and exchanging versions) runs while the GPU computes instead of while it idles
+  between steps;
 - ``drain_points`` modules that own parameters, spread evenly over the model's module order, get a
   forward hook that drains finished transfers — snapshots whose device-to-host copy has completed go
   to the CPU workers at once (not at the next ``step()``), staging buffers whose copies have completed
