@@ -78,3 +78,39 @@ def test_kl_shampoo_matrix_estimates_match_the_general_formula():
         assert group.state[inv_sqrt_key(0)].shape == (group.batch, group.shape[0])
         for a, b in zip(fast, general):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("kind", [asteria.SOAP, asteria.KLShampoo, asteria.Shampoo])
+def test_native_refreshes_compute_in_float32_whatever_the_matmul_precision(kind, monkeypatch):
+    """Native mode's refreshes run with float32 matrix products (as the CPU workers compute) even when
+    the run allows TF32, and the run's own setting is back in force after each refresh."""
+    from conftest import small_mlp, train
+
+    seen = []
+    for name in ("qr_refresh", "eigenbasis", "inverse_root"):
+        def spy(*args, _original=getattr(F, name), **kwargs):
+            seen.append(torch.get_float32_matmul_precision())
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(F, name, spy)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        model = small_mlp()
+        opt = kind(model.parameters(), precondition_frequency=3, runtime=asteria.RuntimeConfig(mode="sync"))
+        train(model, opt, 8)
+        assert len(seen) >= 3 and set(seen) == {"highest"}
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_float32_matmuls_restores_the_precision_after_a_raise():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with pytest.raises(RuntimeError, match="inside"), F.float32_matmuls():
+            assert torch.get_float32_matmul_precision() == "highest"
+            raise RuntimeError("inside")
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -6,6 +6,9 @@ Functions ending in ``_`` update their first argument in place; the others alloc
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -155,6 +158,21 @@ def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float) -> t
     roots = ((vectors * powers.unsqueeze(-2)) @ vectors.mT).to(factor.dtype)
     usable = usable_input & finite_rows(roots)
     return torch.where(batch_view(usable, roots), roots, eye), usable
+
+
+@contextlib.contextmanager
+def float32_matmuls() -> Iterator[None]:
+    """Float32 matrix products inside (``torch.set_float32_matmul_precision("highest")``), the previous
+    precision restored after. For the native refreshes: with ``"high"`` a GPU computes the power step
+    of the warm-started eigenbasis refresh in TF32, whose rounding (about 1e-3 of the largest
+    eigenvalue) swamps the directions of the small eigenvalues, so each refresh would scramble the
+    basis there. The CPU workers compute in float32; so must the baseline they are compared with."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:

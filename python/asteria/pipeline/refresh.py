@@ -107,7 +107,10 @@ class Refresher(ABC):
 
 
 class SyncRefresher(Refresher):
-    """Every refresh computed at its own step on the parameter's device (torch eigh)."""
+    """Every refresh computed at its own step on the parameter's device (torch eigh), in float32 matrix
+    products whatever ``torch.set_float32_matmul_precision`` says: TF32's 10-bit mantissa would blur
+    the power step of an eigenbasis refresh, and the CPU workers compute it in float32 (see
+    ``float32_matmuls``)."""
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
@@ -119,6 +122,10 @@ class SyncRefresher(Refresher):
         self._seconds = 0.0
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
+        with F.float32_matmuls():
+            self._refresh(step, items)
+
+    def _refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
         started = time.perf_counter()
         results = []
         for index, version, request in items:
