@@ -83,6 +83,33 @@ def test_seeds_refuses_runs_of_other_settings_and_bad_paths(tmp_path, capsys):
     assert "Invalid results file" in capsys.readouterr().err
 
 
+def test_seeds_against_a_baseline_of_other_settings_pairs_every_config_with_its_native_run(tmp_path, capsys):
+    # The runs: native and Asteria staggered; the baseline: native unstaggered (seed 3 has no baseline).
+    staggered = CONFIG | {"stagger": True}
+    for seed, (sync, asyn) in {1: (1.02, 1.05), 2: (1.10, 1.09), 3: (1.3, 1.3)}.items():
+        write(tmp_path / "runs" / f"seed{seed}", seed, {"kl-shampoo-sync": sync, "kl-shampoo-async": asyn}, staggered)
+    for seed, native in {1: 1.00, 2: 1.12}.items():
+        write(tmp_path / "base" / f"seed{seed}", seed, {"kl-shampoo-sync": native, "adamw": 1.5})
+    assert main(["seeds", str(tmp_path / "runs"), "--baseline", str(tmp_path / "base"),
+                 "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "seeds.json").read_text())
+    assert summary["baseline_differs_in"] == {"stagger": [True, None]}
+    assert summary["configs"]["kl-shampoo-sync (baseline)"]["runs"] == {"1": 1, "2": 1}
+    assert set(summary["pairs"]) == {"kl-shampoo-sync", "kl-shampoo-async"}  # adamw has no native run
+    for label, deltas in (("kl-shampoo-sync", [1.02 / 1.00 - 1, 1.10 / 1.12 - 1]),
+                          ("kl-shampoo-async", [1.05 / 1.00 - 1, 1.09 / 1.12 - 1])):
+        pair = summary["pairs"][label]
+        assert pair["native"] == "kl-shampoo-sync (baseline)"
+        assert list(pair["final_val_loss"]["per_seed"].values()) == pytest.approx(deltas)
+    table = capsys.readouterr().out
+    assert "stagger: true against null" in table and "kl-shampoo-async vs kl-shampoo-sync (baseline)" in table
+    # Each side must agree within itself.
+    write(tmp_path / "base" / "seed5", 5, {"kl-shampoo-sync": 1.0}, CONFIG | {"steps": 100})
+    assert main(["seeds", str(tmp_path / "runs"), "--baseline", str(tmp_path / "base"),
+                 "--out", str(tmp_path / "out2")]) == 2
+    assert "steps: 250 in" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+
+
 def test_seeds_reads_each_file_once_and_refuses_malformed_results(tmp_path, capsys):
     write(tmp_path / "a" / "seed1", 1, {"shampoo-sync": 1.0, "shampoo-async": 1.01})
     # The same file reached through its folder and by its own path counts once.

@@ -17,7 +17,7 @@ import torch
 from asteria.train.bench import CONFIGS, format_table, run_bench
 from asteria.train.loop import RunConfig, train
 from asteria.train.report import write_report
-from asteria.train.seeds import gather, run_seeds, write_summary
+from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     seeds_p.add_argument("runs", type=Path, nargs="+",
                          help="bench output folders or results.json files (searched recursively; several runs of "
                               "one seed count as that seed once, at their mean)")
+    seeds_p.add_argument("--baseline", type=Path, nargs="+", default=None,
+                         help="bench results of other settings whose native configs every config of RUNS is "
+                              "compared with, paired by seed (the settings that differ are listed)")
     seeds_p.add_argument("--out", type=Path, required=True, help="where seeds.md and seeds.json go")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
@@ -161,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
         elif args.command == "seeds":
-            per_seed, devices, codes = gather(list(args.runs))
-            write_summary(per_seed, devices, args.out, codes)
+            per_seed, devices, codes, settings = gather(list(args.runs))
+            baseline = differences = baseline_codes = None
+            if args.baseline is not None:
+                baseline, more_devices, baseline_codes, baseline_settings = gather(list(args.baseline))
+                devices = list(dict.fromkeys(devices + more_devices))
+                differences = setting_differences(settings, baseline_settings)
+            write_summary(per_seed, devices, args.out, codes, baseline, differences, baseline_codes)
             print((args.out / "seeds.md").read_text())
             print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "sweep":

@@ -33,6 +33,8 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 #: the bound on Asteria's loss relative to native's that the verdict checks (1%)
 LOSS_TOLERANCE = 0.01
+#: how a baseline's configs are listed beside the runs compared with them
+BASELINE = " (baseline)"
 
 
 def _t95(df: int) -> float:
@@ -65,38 +67,50 @@ def _verdict(stats: dict[str, Any] | None) -> str | None:
     return "met" if high <= LOSS_TOLERANCE else "not met" if low > LOSS_TOLERANCE else "undecided"
 
 
-def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
+              baseline: dict[int, dict[str, list[dict[str, Any]]]] | None = None) -> dict[str, Any]:
     """Bench rows gathered per seed and config (seed -> label -> the rows of every run of it) into
     per-config statistics over the seeds (each seed counted once, at the mean of its runs) and per
-    native/Asteria pair, the per-seed relative differences."""
-    seeds = sorted(per_seed)
-    labels = list(dict.fromkeys(label for seed in seeds for label in per_seed[seed]))
+    native/Asteria pair, the per-seed relative differences. Without ``baseline`` each ``X-async`` config
+    is paired with the ``X-sync`` config of the same runs; with it, every config is paired with the
+    baseline runs' ``X-sync`` (listed as ``X-sync (baseline)``)."""
+    sides = {"": per_seed} | ({BASELINE: baseline} if baseline is not None else {})
+    seeds = sorted({seed for side in sides.values() for seed in side})
 
-    def seed_mean(seed: int, label: str, key: str) -> float | None:
-        values = [row[key] for row in per_seed[seed].get(label, []) if row.get(key) is not None]
+    def labels_of(side: dict[int, dict[str, list[dict[str, Any]]]]) -> list[str]:
+        return list(dict.fromkeys(label for seed in sorted(side) for label in side[seed]))
+
+    def seed_mean(side: dict[int, dict[str, list[dict[str, Any]]]], seed: int, label: str,
+                  key: str) -> float | None:
+        values = [row[key] for row in side.get(seed, {}).get(label, []) if row.get(key) is not None]
         return statistics.fmean(values) if values else None
 
     configs: dict[str, Any] = {}
-    for label in labels:
-        row: dict[str, Any] = {"runs": {str(s): len(per_seed[s][label]) for s in seeds if label in per_seed[s]}}
-        for key in ("final_loss", "final_val_loss"):
-            means = {str(s): seed_mean(s, label, key) for s in seeds if label in per_seed[s]}
-            row[key] = means
-            values = [v for v in means.values() if v is not None]
-            row[f"{key}_stats"] = spread_stats(values) if values else None
-        energy = [v for v in (seed_mean(s, label, "energy_vs_adamw") for s in seeds) if v is not None]
-        row["energy_vs_adamw_stats"] = spread_stats(energy) if energy else None
-        configs[label] = row
+    for suffix, side in sides.items():
+        for label in labels_of(side):
+            row: dict[str, Any] = {"runs": {str(s): len(side[s][label]) for s in sorted(side) if label in side[s]}}
+            for key in ("final_loss", "final_val_loss"):
+                means = {str(s): seed_mean(side, s, label, key) for s in sorted(side) if label in side[s]}
+                row[key] = means
+                values = [v for v in means.values() if v is not None]
+                row[f"{key}_stats"] = spread_stats(values) if values else None
+            energy = [v for v in (seed_mean(side, s, label, "energy_vs_adamw") for s in seeds) if v is not None]
+            row["energy_vs_adamw_stats"] = spread_stats(energy) if energy else None
+            configs[label + suffix] = row
     pairs: dict[str, Any] = {}
+    labels = labels_of(per_seed)
     for label in labels:
         native = label.replace("-async", "-sync")
-        if not label.endswith("-async") or native not in labels:
+        if baseline is None and (not label.endswith("-async") or native not in labels):
             continue
-        pair: dict[str, Any] = {"native": native}
+        if baseline is not None and native not in labels_of(baseline):
+            continue
+        reference = per_seed if baseline is None else baseline
+        pair: dict[str, Any] = {"native": native + ("" if baseline is None else BASELINE)}
         for key in ("final_loss", "final_val_loss"):
             deltas = {}
             for seed in seeds:
-                ours, theirs = seed_mean(seed, label, key), seed_mean(seed, native, key)
+                ours, theirs = seed_mean(per_seed, seed, label, key), seed_mean(reference, seed, native, key)
                 if ours is not None and theirs:
                     deltas[str(seed)] = ours / theirs - 1.0
             stats = spread_stats(list(deltas.values())) if deltas else None
@@ -150,10 +164,12 @@ def _some(files: list[str], shown: int = 3) -> str:
     return ", ".join(files[:shown]) + more
 
 
-def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str], dict[str, int]]:
+def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str], dict[str, int],
+                                      dict[str, Any]]:
     """Every ``asteria bench`` ``results.json`` at or below ``paths`` (several calls, machines or
     ``--seeds`` runs; each file once however it is reached), as seed -> label -> rows, the devices they
-    ran on, and how many files each code fingerprint wrote ("unknown" for results older than it)."""
+    ran on, how many files each code fingerprint wrote ("unknown" for results older than it), and the
+    settings the runs share (those that must agree for them to pool)."""
     files: list[Path] = []
     for path in paths:
         if not path.exists():
@@ -189,7 +205,16 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
                          f"{', '.join(POOLED_SETTINGS)} (and {', '.join(TIMING_SETTINGS)} under the deterministic "
                          f"rule): {' | '.join(parts)}; gather the runs of one setting at a time")
-    return per_seed, list(dict.fromkeys(devices)), dict(codes)
+    return per_seed, list(dict.fromkeys(devices)), dict(codes), first
+
+
+def setting_differences(runs: dict[str, Any], baseline: dict[str, Any]) -> dict[str, list[Any]]:
+    """The shared settings in which two sets of runs differ, timing-only settings left out: key -> [the runs'
+    value, the baseline's]."""
+    absent = "(absent)"
+    keys = sorted((runs.keys() | baseline.keys()) - set(TIMING_SETTINGS))
+    return {key: [runs.get(key, absent), baseline.get(key, absent)]
+            for key in keys if runs.get(key, absent) != baseline.get(key, absent)}
 
 
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
@@ -209,13 +234,16 @@ def _interval(stats: dict[str, Any] | None) -> str:
 
 def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
     seeds = summary["seeds"]
-    codes = summary.get("code") or {}
-    mixed = " (runs of different code are pooled: check that the math is the same)" if len(codes) > 1 else ""
-    lines = [f"# `asteria bench` over seeds {', '.join(map(str, seeds))} ({', '.join(devices)})", "",
-             *([f"Code: {', '.join(f'{code} ({n} results files)' for code, n in codes.items())}{mixed}.", ""]
-               if codes else []),
+    lines = [f"# `asteria bench` over seeds {', '.join(map(str, seeds))} ({', '.join(devices)})", ""]
+    for key, title in (("code", "Code"), ("baseline_code", "Code of the baseline runs")):
+        codes = summary.get(key) or {}
+        mixed = " (runs of different code are pooled: check that the math is the same)" if len(codes) > 1 else ""
+        if codes:
+            lines += [f"{title}: {', '.join(f'{code} ({n} results files)' for code, n in codes.items())}{mixed}.", ""]
+    lines += [
              "Each seed counts once, at the mean of its runs; mean ± sample standard deviation over the seeds. "
              "Final loss: the mean of the last 10 steps' training loss.", "",
+             *([_baseline_line(summary["baseline_differs_in"]), ""] if "baseline_differs_in" in summary else []),
              "| config | runs | final loss | val loss | energy/step vs AdamW |", "|---|---|---|---|---|"]
     for label, row in summary["configs"].items():
         lines.append(f"| {label} | {sum(row['runs'].values())} | {_fmt(row['final_loss_stats'], '.4f')} | "
@@ -237,6 +265,16 @@ def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _baseline_line(differences: dict[str, list[Any]]) -> str:
+    """What separates the runs from the baseline runs they are compared with."""
+    first = f"Every config is compared with the native config of the baseline runs (listed as `X-sync{BASELINE}`)"
+    if not differences:
+        return first + ", whose settings are the same."
+    listed = "; ".join(f"{key}: {json.dumps(ours)} against {json.dumps(theirs)}"
+                       for key, (ours, theirs) in differences.items())
+    return f"{first}. The two differ in these settings (runs against baseline): {listed}."
+
+
 def _fmt_se(stats: dict[str, Any] | None) -> str:
     if stats is None:
         return "n/a"
@@ -245,10 +283,16 @@ def _fmt_se(stats: dict[str, Any] | None) -> str:
 
 
 def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices: list[str], out: Path,
-                  codes: dict[str, int] | None = None) -> dict[str, Any]:
-    """``summarize`` (with the code fingerprints' counts, if given) into ``out/seeds.json`` and
-    ``out/seeds.md``."""
-    summary = summarize(per_seed) | {"code": codes or {}}
+                  codes: dict[str, int] | None = None,
+                  baseline: dict[int, dict[str, list[dict[str, Any]]]] | None = None,
+                  differences: dict[str, list[Any]] | None = None,
+                  baseline_codes: dict[str, int] | None = None) -> dict[str, Any]:
+    """``summarize`` (with the code fingerprints' counts, if given; against ``baseline``'s native runs,
+    whose settings differ from the runs' by ``differences`` and whose code is ``baseline_codes``) into
+    ``out/seeds.json`` and ``out/seeds.md``."""
+    summary = summarize(per_seed, baseline) | {"code": codes or {}}
+    if baseline is not None:
+        summary |= {"baseline_differs_in": differences or {}, "baseline_code": baseline_codes or {}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.json").write_text(json.dumps({"device": ", ".join(devices)} | summary, indent=2))
     (out / "seeds.md").write_text(format_markdown(summary, devices))
