@@ -221,3 +221,34 @@ def test_a_refused_page_lock_warns_falls_back_and_leaves_no_cuda_error():
     finally:
         first.close()
         first.close()  # idempotent
+
+
+def test_native_refresh_keeps_small_eigenvalue_directions_where_tf32_scrambles_them():
+    """Under ``set_float32_matmul_precision("high")`` a GPU computes float32 products in TF32; the warm-started
+    refresh's power step must not (``functional.float32_matmuls``, used by every native refresh): against a
+    float64 reference every column of the refreshed basis stays aligned, where TF32 leaves some of the
+    small-eigenvalue columns nearly orthogonal to theirs."""
+    from asteria.optim import functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    n = 256
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    factor = (q * torch.logspace(0, -4, n, dtype=torch.float64)) @ q.T
+    skew = torch.randn(n, n, dtype=torch.float64, generator=gen) * 1e-3
+    old = q @ torch.linalg.matrix_exp(skew - skew.T)  # last refresh's basis, slightly off
+    reference = F.qr_refresh(factor[None], old[None])[0][0]
+
+    def worst_alignment_loss(basis: torch.Tensor) -> float:
+        return float((1 - (basis[0].double().cpu() * reference).sum(0).abs()).max())
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with F.float32_matmuls():
+            exact = F.qr_refresh(factor.float()[None].cuda(), old.float()[None].cuda())[0]
+        blurred = F.qr_refresh(factor.float()[None].cuda(), old.float()[None].cuda())[0]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert worst_alignment_loss(exact) < 1e-4
+    if torch.cuda.get_device_capability() >= (8, 0):  # TF32 exists from Ampere on
+        assert worst_alignment_loss(blurred) > 0.1
