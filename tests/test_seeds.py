@@ -103,6 +103,7 @@ def test_seeds_against_a_baseline_of_other_settings_pairs_every_config_with_its_
         assert list(pair["final_val_loss"]["per_seed"].values()) == pytest.approx(deltas)
     table = capsys.readouterr().out
     assert "stagger: true against null" in table and "kl-shampoo-async vs kl-shampoo-sync (baseline)" in table
+    assert "Each config against the baseline's native config, paired by seed" in table
     # Each side must agree within itself.
     write(tmp_path / "base" / "seed5", 5, {"kl-shampoo-sync": 1.0}, CONFIG | {"steps": 100})
     assert main(["seeds", str(tmp_path / "runs"), "--baseline", str(tmp_path / "base"),

@@ -250,7 +250,10 @@ def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
                      f"{_fmt(row['final_val_loss_stats'], '.4f')} | {_fmt(row['energy_vs_adamw_stats'], '.3f')} |")
     if summary["pairs"]:
         tolerance = 100 * summary["loss_tolerance"]
-        lines += ["", "Asteria against native, paired by seed (async / sync - 1), validation loss; mean ± standard "
+        compared = ("Each config against the baseline's native config, paired by seed (config / native - 1)"
+                    if "baseline_differs_in" in summary else
+                    "Asteria against native, paired by seed (async / sync - 1)")
+        lines += ["", f"{compared}, validation loss; mean ± standard "
                   f"error and the 95% interval (Student's t) of the mean difference; within {tolerance:g}%: met when "
                   "the whole interval is at or below it, not met when the whole interval is above it:", "",
                   "| config | per seed | mean ± SE | 95% interval | seeds with Asteria behind | "
