@@ -70,8 +70,8 @@ PREFETCH_POINTS = ("forward_start", "forward_end", "step")
 def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
            prefetch: str = "forward_end") -> AttachHandle:
     """Registers the prefetch and drain hooks of ``optimizer`` (an Asteria optimizer) on ``model``:
-    one prefetch hook on the root module and drain hooks on ``drain_points`` (>= 0) of the modules that
-    own parameters (all of them when there are fewer).
+    one prefetch hook on the root module (none with ``prefetch="step"``) and drain hooks on
+    ``drain_points`` (>= 0) of the modules that own parameters (all of them when there are fewer).
 
     ``prefetch`` places the activation: ``"forward_end"`` (default; a forward hook), ``"forward_start"``
     (a forward pre-hook) or ``"step"`` (no prefetch hook: ``step()`` activates, after the backward has
