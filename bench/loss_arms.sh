@@ -4,8 +4,10 @@
 #   na/  native (sync) and Asteria with the newest-finished rule (--no-deterministic, the default bench);
 #   d<L>/ Asteria under the deterministic rule with --lag-steps L for each L in $LAGS (default 0: every
 #        version computed by the workers and used at its own step, as native mode does).
-# Native against d0 isolates the CPU arithmetic and the staggered schedule; d0 against the newest-finished
-# rule isolates how late the versions come. Pool the seeds with `asteria seeds OUT/na ...`.
+# Native against d0 isolates where the arithmetic runs (GPU or CPU, float32 in both since native refreshes
+# ignore TF32) and the staggered schedule; d0 against the newest-finished rule isolates how late the
+# versions come. Pool the seeds with `asteria seeds OUT/na ...`, and compare d0 with native through
+# `asteria seeds OUT/d0 --baseline OUT/na --out DIR`.
 # Usage (inside bench/gpu_session.sh's `extra` stage, or alone): OUT=DIR OPT=kl-shampoo bash bench/loss_arms.sh SEEDS...
 set -euo pipefail
 cd "$(dirname "$0")/.."
