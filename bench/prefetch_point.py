@@ -23,7 +23,8 @@ from asteria.train import cli
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--points", nargs="+", default=list(PREFETCH_POINTS), help=f"subset of {PREFETCH_POINTS}")
+    parser.add_argument("--points", nargs="+", default=list(PREFETCH_POINTS), choices=PREFETCH_POINTS,
+                        help=f"subset of {PREFETCH_POINTS}")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the arguments of asteria bench")
     args = parser.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -32,8 +33,6 @@ def main() -> None:
             parser.error(f"Invalid bench arguments: {name} is this script's own")
     results = {}
     for point in args.points:
-        if point not in PREFETCH_POINTS:
-            parser.error(f"Invalid point={point!r}: must be one of {PREFETCH_POINTS}")
         code = cli.main(["bench", *bench_args, "--prefetch", point, "--out", str(args.out / point)])
         if code != 0:
             raise SystemExit(f"asteria bench with --prefetch {point} failed (exit {code})")

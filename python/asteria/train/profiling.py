@@ -40,12 +40,15 @@ class StepProfiler:
         self._profiler: torch.profiler.profile | None = None
         self._stopped: torch.profiler.profile | None = None
 
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[None]:
-        """Runs one training step, inside the capture when ``step`` is in the range."""
+    def step(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """Runs one training step, inside the capture when ``step`` is in the range (outside it, a null
+        context: nothing on the training step's path)."""
         if self.range is None or not self.range[0] <= step <= self.range[1]:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._profiled(step)
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int) -> Iterator[None]:
         if self._profiler is None and self._stopped is None:
             self._profiler = torch.profiler.profile(activities=self.activities)
             self._profiler.__enter__()
