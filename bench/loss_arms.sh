@@ -9,17 +9,20 @@
 # versions come. Pool the seeds with `asteria seeds OUT/na ...`, and compare d0 with native through
 # `asteria seeds OUT/d0 --baseline OUT/na --out DIR`.
 # Usage (inside bench/gpu_session.sh's `extra` stage, or alone): OUT=DIR OPT=kl-shampoo bash bench/loss_arms.sh SEEDS...
-# LAGS=" " runs no d<L> arm; NA=0 skips the na arm (e.g. to add lag arms to seeds whose na arm exists).
+# LAGS=" " runs no d<L> arm; NA=0 skips the na arm (e.g. to add lag arms to seeds whose na arm exists);
+# NA_CONFIGS="$OPT-async" runs the na arm without its native config; ARGS adds bench options to every arm
+# (e.g. ARGS="--precondition-frequency 5"); ARM names the na arm's folder (default na).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 OPT=${OPT:-kl-shampoo}
 CLI="python3 -m asteria.train.cli"
 COMMON="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision high --steps 250 --eval-every 250
-  --eval-batches 16 --max-bytes 40000000 --max-preconditioner-dim 1024"
+  --eval-batches 16 --max-bytes 40000000 --max-preconditioner-dim 1024 ${ARGS:-}"
 if [[ "${NA:-1}" != 0 ]]; then
   # shellcheck disable=SC2086
-  $CLI bench $COMMON --no-deterministic --configs "$OPT-sync" "$OPT-async" --seeds "$@" --out "$OUT/na"
+  $CLI bench $COMMON --no-deterministic --configs ${NA_CONFIGS:-"$OPT-sync" "$OPT-async"} --seeds "$@" \
+    --out "$OUT/${ARM:-na}"
 fi
 for lag in ${LAGS:-0}; do
   # shellcheck disable=SC2086
