@@ -82,7 +82,9 @@ def train(args: argparse.Namespace, spec: str, seed: int = 0) -> str:
     stats = opt.runtime_stats() if runtime.mode == "async" else {}
     opt.close()
     return (f"{spec:14s} seed {seed}  final loss {sum(losses[-10:]) / 10:.4f}   max staleness seen "
-            f"{stats.get('max_staleness_seen', 0)}, superseded {stats.get('refreshes_superseded', 0)}")
+            f"{stats.get('max_staleness_seen', 0)}, superseded {stats.get('refreshes_superseded', 0)}, "
+            f"waits {stats.get('waits', 0)} ({stats.get('wait_seconds', 0.0):.2f} s), "
+            f"mean install delay {stats.get('install_delay_mean_steps', 0.0):.2f} steps")
 
 
 def main() -> None:

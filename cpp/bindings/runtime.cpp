@@ -267,7 +267,8 @@ void init_runtime(nb::module_& m) {
           "wait_paused",
           [](RefreshEngine& e, int count, double timeout_s) { e.wait_paused(count, seconds_arg(timeout_s, "timeout_s")); },
           "count"_a, "timeout_s"_a = 30.0, nb::call_guard<nb::gil_scoped_release>(),
-          "Test-only: blocks until at least `count` jobs wait in a 'pause' fault (TimeoutError after timeout_s).")
+          "Test-only: blocks until at least `count` jobs paused since the last release_pauses() wait in a 'pause' "
+          "fault (TimeoutError after timeout_s).")
       .def("release_pauses", &RefreshEngine::release_pauses, "Test-only: lets every job paused by a 'pause' fault go on.")
       .def("clear_faults", &RefreshEngine::clear_faults,
            "Disarms every injected fault and the random delay.")

@@ -83,6 +83,10 @@ struct RefreshEngine::Block {
   // Newest version submitted, any kind: an older job that starts later is superseded
   // (non-deterministic rule); guarded by mutex_.
   std::int64_t newest_submitted = 0;
+  // The block's last job and its place in the pool's queue (the deadline it was queued with);
+  // guarded by mutex_. A newer version submitted while that job is still queued takes its place.
+  std::optional<JobHandle> queued_job;
+  std::int64_t queued_deadline = 0;
 
   // The version activate() returned last (or the one given to set_basis); guarded by mutex_.
   std::int64_t activated = 0;
@@ -222,13 +226,22 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
     b.snapshots.acquire(version);
     b.snapshots.retire_through(version);
     registry_.note_snapshot(id, version, activation_step);
+    // The pool runs jobs by deadline. Under the non-deterministic rule a queued older job of the block
+    // will be superseded when it starts, so the new one is queued at that job's deadline (right behind
+    // it): otherwise a block whose versions keep being superseded while the workers are behind would
+    // move to the back of the queue with each new version, until the staleness bound made the training
+    // thread wait for it. The registry keeps the version's own activation step.
+    std::int64_t deadline = activation_step;
     {
       std::lock_guard lock(mutex_);
       b.newest_submitted = std::max(b.newest_submitted, version);
+      if (!config_.registry.deterministic && b.queued_job && b.queued_job->state() == JobState::kQueued) {
+        deadline = std::min(deadline, b.queued_deadline);
+      }
     }
     JobHandle job;
     try {
-      job = pool_->submit(activation_step, [this, id, version, spec, skip_tol, previous] {
+      job = pool_->submit(deadline, [this, id, version, spec, skip_tol, previous] {
         run_job(id, version, spec, skip_tol, previous);
       });
     } catch (const CancelledError& e) {
@@ -237,6 +250,8 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
       throw;
     }
     std::lock_guard lock(mutex_);
+    b.queued_job = job;
+    b.queued_deadline = deadline;
     if (b.kind == RefreshKind::kEigenbasis) {
       b.last_job = job;
       b.last_version = version;
@@ -588,7 +603,7 @@ void RefreshEngine::apply_fault(const Fault& fault, std::int64_t id, std::int64_
       paused_ += 1;
       fault_released_.notify_all();  // wakes wait_paused()
       fault_released_.wait(lock, [&] { return closing_ || pause_generation_ != generation; });
-      paused_ -= 1;
+      if (pause_generation_ == generation) paused_ -= 1;  // else release_pauses() reset the count
       if (closing_) throw CancelledError(where + "paused job ended by close() (fault injection)");
       return;
     }
@@ -607,6 +622,7 @@ void RefreshEngine::release_pauses() {
   {
     std::lock_guard lock(fault_mutex_);
     pause_generation_ += 1;
+    paused_ = 0;  // the released jobs no longer count, even before they wake
   }
   fault_released_.notify_all();
 }

@@ -115,7 +115,8 @@ class RefreshEngine {
   // starts them in that order); anything else throws InvalidArgument before any block is touched.
   // Under the non-deterministic rule a job that starts when a newer version of its block has been
   // submitted does not compute (it is superseded: the newer version would be activated first anyway),
-  // so that workers behind schedule catch up instead of computing versions no one will use.
+  // so that workers behind schedule catch up instead of computing versions no one will use; the newer
+  // version's job then takes the queue place of the block's older job still queued (its deadline).
   void submit(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step,
               const linalg::RootSpec& spec, double skip_tol = 0.0);
   // Seeds a kEigenbasis block's chain with the good basis `basis` (n x n, torch layout, copied) of
@@ -157,7 +158,8 @@ class RefreshEngine {
   void set_random_delay(std::chrono::nanoseconds max_delay, std::uint64_t seed);
   // Disarms every fault and the random delay (jobs already sleeping or hanging are not woken).
   void clear_faults();
-  // Blocks until at least `count` jobs wait in a kPause fault (TimeoutError after `timeout`).
+  // Blocks until at least `count` jobs paused since the last release_pauses() wait in their kPause
+  // fault (TimeoutError after `timeout`); jobs released before but not yet awake do not count.
   void wait_paused(int count, std::chrono::nanoseconds timeout);
   // Lets every job waiting in a kPause fault go on.
   void release_pauses();

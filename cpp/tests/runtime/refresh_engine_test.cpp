@@ -127,6 +127,52 @@ TEST(RefreshEngine, DeterministicJobsAreNeverSuperseded) {
   EXPECT_EQ(failures, 0);
 }
 
+// One worker, held by a paused job: block B's version 1 is queued (deadline 11), then block C's version 1
+// (deadline 12, paused when it starts), then B's version 2 (deadline 21). Returns B's newest good
+// version at the moment C's job has started.
+std::int64_t newest_of_b_when_c_starts(bool deterministic) {
+  constexpr int kDepth = 3, kN = 4;
+  EngineConfig c = config(/*staleness=*/3, /*workers=*/1);
+  c.registry.deterministic = deterministic;
+  RefreshEngine engine(c);
+  Rings held_rings(kDepth, kN), b_rings(kDepth, kN), c_rings(kDepth, kN);
+  const auto held = engine.add_block(held_rings.memory(kDepth));
+  const auto b = engine.add_block(b_rings.memory(kDepth));
+  const auto c_block = engine.add_block(c_rings.memory(kDepth));
+  const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
+  const auto submit = [&](std::int64_t block, Rings& rings, std::int64_t version, std::int64_t step) {
+    engine.begin_snapshot({block}, version, 1s);
+    fill_diagonal(rings.snapshot(version, kDepth), kN, 16.0f);
+    engine.submit({block}, version, step, spec);
+  };
+  engine.inject_fault(held, 1, FaultKind::kPause);
+  engine.inject_fault(c_block, 1, FaultKind::kPause);
+  submit(held, held_rings, 1, 10);
+  engine.wait_paused(1, 5s);  // the only worker now waits inside the held job
+  submit(b, b_rings, 1, 11);
+  submit(c_block, c_rings, 1, 12);
+  submit(b, b_rings, 2, 21);
+  engine.release_pauses();
+  engine.wait_paused(1, 5s);  // C's job has started: every job before it in the queue has ended
+  const std::int64_t newest = engine.status(b).newest_ok;
+  engine.release_pauses();
+  engine.drain(5s);
+  EXPECT_EQ(engine.status(b).newest_ok, 2);
+  EXPECT_EQ(engine.status(c_block).newest_ok, 1);
+  return newest;
+}
+
+TEST(RefreshEngine, NonDeterministicNewerVersionTakesTheQueuePlaceOfTheOneItSupersedes) {
+  // B's version 1 is superseded when it starts, and version 2 runs at its place, before C's job (without
+  // that, version 2 would wait behind C, and B would fall behind again with every version).
+  EXPECT_EQ(newest_of_b_when_c_starts(/*deterministic=*/false), 2);
+}
+
+TEST(RefreshEngine, DeterministicJobsKeepTheirOwnDeadlines) {
+  // Version 1 runs (never superseded), C's job next: its deadline 12 comes before version 2's 21.
+  EXPECT_EQ(newest_of_b_when_c_starts(/*deterministic=*/true), 1);
+}
+
 TEST(RefreshEngine, NonFiniteSnapshotFailsAndKeepsLastGoodThenRaises) {
   constexpr int kDepth = 1, kN = 3;
   RefreshEngine engine(config(/*staleness=*/0, /*workers=*/1, /*max_failures=*/2));
