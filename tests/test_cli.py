@@ -230,6 +230,11 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["sweep", "--optimizer", "adamw", "--out", "OUT"], "Invalid optimizer='adamw'"),
         (["sweep", "--staleness", "1", "-2", "--out", "OUT"], "Invalid staleness=-2"),
         (["bench", "--configs", "lion-async", "--out", "OUT"], "Invalid config='lion-async'"),
+        (["bench", "--configs", "soap-async-f0", "--out", "OUT"],
+         "Invalid config='soap-async-f0': must be one of ('adamw', "),
+        (["bench", "--configs", "adamw-f5", "--out", "OUT"], "Invalid config='adamw-f5'"),
+        (["bench", "--configs", "soap-async-fx", "--out", "OUT"],
+         "followed by -f<N> (N >= 1, its precondition_frequency)"),
         (["bench", "--seeds", "1", "1", "--out", "OUT"], "Invalid seeds=[1, 1]: must be distinct integers >= 0"),
         (["bench", "--seeds", "-1", "--out", "OUT"], "Invalid seeds=[-1]"),
         (["bench", "--seed", "0", "--seeds", "1", "--out", "OUT"], "Invalid seed=0 beside seeds=[1]"),
@@ -281,9 +286,13 @@ def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, mess
 
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), "--steps", "11", "--eval-every", "11",
-                 "--configs", "adamw", "soap-sync", "kl-shampoo-async", *TINY]) == 0
+                 "--configs", "adamw", "soap-sync", "kl-shampoo-async", "soap-async-f2", *TINY]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async"]
+    assert list(results["runs"]) == ["adamw", "soap-sync", "kl-shampoo-async", "soap-async-f2"]
+    # -f2: that config alone refreshes every 2 steps; its warm-up is (sync_refreshes + 1) x 2 steps
+    f2 = json.loads((tmp_path / "soap-async-f2" / "summary.json").read_text())
+    assert f2["config"]["precondition_frequency"] == 2 and f2["config"]["mode"] == "async"
+    assert results["runs"]["soap-async-f2"]["warmup_steps"] == 6
     assert results["config"]["precondition_frequency"] == 3 and results["config"]["seed"] == 0
     adamw, kl = results["runs"]["adamw"], results["runs"]["kl-shampoo-async"]
     assert adamw["median_step_vs_adamw"] == 1.0

@@ -111,6 +111,18 @@ def test_seeds_against_a_baseline_of_other_settings_pairs_every_config_with_its_
     assert "steps: 250 in" in capsys.readouterr().err and not (tmp_path / "out2").exists()
 
 
+def test_a_config_at_another_frequency_pairs_with_native_at_that_frequency_else_the_plain_one(tmp_path):
+    for seed, (sync, f5, sync_f5) in {1: (1.00, 0.90, 0.95), 2: (1.10, 1.00, 1.04)}.items():
+        write(tmp_path / "a" / f"seed{seed}", seed, {"soap-sync": sync, "soap-async-f5": f5, "adamw": 1.5})
+        write(tmp_path / "b" / f"seed{seed}", seed, {"soap-sync": sync, "soap-sync-f5": sync_f5, "soap-async-f5": f5})
+    for folder, native, reference in (("a", "soap-sync", (1.00, 1.10)), ("b", "soap-sync-f5", (0.95, 1.04))):
+        assert main(["seeds", str(tmp_path / folder), "--out", str(tmp_path / f"out-{folder}")]) == 0
+        pairs = json.loads((tmp_path / f"out-{folder}" / "seeds.json").read_text())["pairs"]
+        assert set(pairs) == {"soap-async-f5"} and pairs["soap-async-f5"]["native"] == native
+        deltas = [0.90 / reference[0] - 1, 1.00 / reference[1] - 1]
+        assert list(pairs["soap-async-f5"]["final_val_loss"]["per_seed"].values()) == pytest.approx(deltas)
+
+
 def test_seeds_reads_each_file_once_and_refuses_malformed_results(tmp_path, capsys):
     write(tmp_path / "a" / "seed1", 1, {"shampoo-sync": 1.0, "shampoo-async": 1.01})
     # The same file reached through its folder and by its own path counts once.

@@ -24,14 +24,21 @@ CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", 
            "kl-shampoo-async")
 
 
-def parse_config(label: str) -> tuple[str, str]:
-    """'soap-async' -> ('soap', 'async'); 'adamw' -> ('adamw', 'sync')."""
-    if label not in CONFIGS:
-        raise ValueError(f"Invalid config={label!r}: must be one of {CONFIGS}")
-    if label == "adamw":
-        return "adamw", "sync"
-    optimizer, mode = label.rsplit("-", 1)
-    return optimizer, mode
+def parse_config(label: str) -> tuple[str, str, int | None]:
+    """'soap-async' -> ('soap', 'async', None); 'adamw' -> ('adamw', 'sync', None). A second-order config
+    followed by ``-f<N>`` runs with ``precondition_frequency`` N instead of the bench's:
+    'soap-async-f5' -> ('soap', 'async', 5) (e.g. Asteria at f = 5 beside native at the bench's f)."""
+    base, frequency = label, None
+    head, sep, tail = label.rpartition("-f")
+    if sep and head in CONFIGS[1:] and tail.isascii() and tail.isdigit():
+        base, frequency = head, int(tail)
+    if base not in CONFIGS or (frequency is not None and frequency < 1):
+        raise ValueError(f"Invalid config={label!r}: must be one of {CONFIGS}, a second-order one optionally "
+                         "followed by -f<N> (N >= 1, its precondition_frequency), e.g. 'soap-async-f5'")
+    if base == "adamw":
+        return "adamw", "sync", None
+    optimizer, mode = base.rsplit("-", 1)
+    return optimizer, mode, frequency
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -59,18 +66,22 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
+    warmups: dict[str, int] = {}
     for label in labels:
-        optimizer, mode = parse_config(label)
+        optimizer, mode, frequency = parse_config(label)
         cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
-                                            "lr": base.lr or DEFAULT_LR[optimizer]}))
+                                            "lr": base.lr or DEFAULT_LR[optimizer],
+                                            "precondition_frequency": frequency or base.precondition_frequency}))
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
+        warmups[label] = warmup_steps(cfg.precondition_frequency, cfg.sync_refreshes)
     reference = runs.get("adamw")
-    warmup = warmup_steps(base.precondition_frequency, base.sync_refreshes)
-    ref_median = _profile([r["step_time"] for r in reference.records], warmup)["median"] if reference else None
+    ref_median = _profile([r["step_time"] for r in reference.records], warmups["adamw"])["median"] \
+        if reference else None
     rows = {}
     for label, run in runs.items():
         s, records = run.summary, run.records
+        warmup = warmups[label]
         wall = _profile([r["step_time"] for r in records], warmup)
         gpu = _profile([r["gpu_step_time"] for r in records], warmup) \
             if all("gpu_step_time" in r for r in records) else None
@@ -168,9 +179,10 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{r['waits'] if r['waits'] is not None else '-':>6} {delay:>6}")
     lines.append("delay: the mean number of steps by which a version's first use comes after native mode's "
                  "(the versions after the sync refreshes; 0 for native mode itself)")
-    lines.append(f"steady steps: after the first {next(iter(results['runs'].values()))['warmup_steps']} "
-                 "(allocation, compilation, the sync refreshes); slowest steady steps (step: ms):")
+    lines.append("steady steps: after the first (sync_refreshes + 1) x f of each config (allocation, compilation, "
+                 "the sync refreshes); slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
-        lines.append(f"  {label:<18} warm-up max {1e3 * r['warmup_max_step_seconds']:.0f} ms | {slowest}")
+        lines.append(f"  {label:<18} warm-up {r['warmup_steps']} steps, max {1e3 * r['warmup_max_step_seconds']:.0f} ms"
+                     f" | {slowest}")
     return "\n".join(lines)

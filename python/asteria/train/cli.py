@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p = sub.add_parser("bench", help="every optimizer x mode side by side: results.json, plots, a table")
     _add_run_arguments(bench_p, skip=("optimizer", "mode"))
     bench_p.add_argument("--out", type=Path, required=True)
-    bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {CONFIGS}")
+    bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                         help=f"subset of {CONFIGS}; a second-order config followed by -f<N> runs at "
+                              "precondition_frequency N instead of --precondition-frequency (e.g. soap-async-f5)")
     bench_p.add_argument("--seeds", type=int, nargs="+", default=None,
                          help="repeat the comparison for each of these seeds (in place of --seed) into OUT/seed<S>, "
                               "and write OUT/seeds.md: every config's loss over the seeds and Asteria's loss "

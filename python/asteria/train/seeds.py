@@ -5,7 +5,8 @@ One 250-step run of a 160M model differs from a repeat with other rounding by se
 so "Asteria's loss is within 1% of native's" can only be judged over seeds: each seed's ``asteria
 bench`` lands in ``DIR/seed<S>/``, and ``DIR/seeds.json`` and ``DIR/seeds.md`` gather every config's
 final and validation loss per seed, their mean and sample standard deviation, the energy per step
-relative to AdamW, and for every ``X-async`` run beside its ``X-sync`` run the relative difference
+relative to AdamW, and for every ``X-async`` run beside its ``X-sync`` run (``X-async-f<N>``, a run at
+another refresh frequency, beside ``X-sync-f<N>`` if there is one, else ``X-sync``) the relative difference
 (async / sync - 1) per seed with its mean, standard error, 95% interval, how many seeds had Asteria
 behind and whether the interval puts Asteria within 1% of native.
 
@@ -24,7 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from asteria.train.bench import run_bench
+from asteria.train.bench import parse_config, run_bench
 from asteria.train.loop import LEGACY_SETTINGS, RunConfig
 
 
@@ -100,12 +101,10 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
     pairs: dict[str, Any] = {}
     labels = labels_of(per_seed)
     for label in labels:
-        native = label.replace("-async", "-sync")
-        if baseline is None and (not label.endswith("-async") or native not in labels):
-            continue
-        if baseline is not None and native not in labels_of(baseline):
-            continue
         reference = per_seed if baseline is None else baseline
+        native = native_config(label, labels_of(reference), asteria_only=baseline is None)
+        if native is None:
+            continue
         pair: dict[str, Any] = {"native": native + ("" if baseline is None else BASELINE)}
         for key in ("final_loss", "final_val_loss"):
             deltas = {}
@@ -118,6 +117,22 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
                          "within_tolerance": _verdict(stats)}
         pairs[label] = pair
     return {"seeds": seeds, "configs": configs, "pairs": pairs, "loss_tolerance": LOSS_TOLERANCE}
+
+
+def native_config(label: str, available: list[str], asteria_only: bool) -> str | None:
+    """The native config among ``available`` that config ``label`` is compared with: 'X-async' -> 'X-sync'
+    (and, with ``asteria_only`` False, 'X-sync' -> 'X-sync'); 'X-async-fN' -> 'X-sync-fN' where such runs
+    exist, else 'X-sync' (native at the bench's own f). None: nothing to compare with (AdamW, a label
+    of no known config, or no such native run)."""
+    try:
+        optimizer, mode, frequency = parse_config(label)
+    except ValueError:
+        return None
+    if optimizer == "adamw" or (asteria_only and mode != "async"):
+        return None
+    plain = f"{optimizer}-sync"
+    candidates = ([f"{plain}-f{frequency}"] if frequency else []) + [plain]
+    return next((candidate for candidate in candidates if candidate in available), None)
 
 
 #: settings that change neither the optimizer's math nor the data, so runs differing only in them pool
