@@ -40,6 +40,36 @@ def test_lr_scheduler_drives_the_step_size(runtime):
         assert all(torch.equal(a, b) for a, b in zip(frozen, model.parameters()))
 
 
+@pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
+def test_step_with_a_closure_returns_its_loss_and_steps_as_without_one(optimizer):
+    """torch.optim's closure protocol: step(closure) evaluates the closure with autograd on (even under
+    no_grad), returns its loss, and takes the same step as a backward pass outside the call."""
+    x, y = regression_data()
+    runs = []
+    for with_closure in (False, True):
+        torch.manual_seed(0)
+        model = small_mlp()
+        losses = []
+        with optimizer(model.parameters(), lr=0.01, precondition_frequency=2,
+                       runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+            for _ in range(5):
+                def closure() -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = torch.nn.functional.mse_loss(model(x[:32]), y[:32])
+                    loss.backward()
+                    return loss
+                if with_closure:
+                    with torch.no_grad():
+                        losses.append(opt.step(closure))
+                else:
+                    losses.append(closure())
+                    assert opt.step() is None
+        runs.append(([float(loss) for loss in losses], [p.detach().clone() for p in model.parameters()]))
+    (plain_losses, plain_params), (closure_losses, closure_params) = runs
+    assert closure_losses == plain_losses and plain_losses[-1] < plain_losses[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, closure_params))
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES, ids=["sync", "async"])
 def test_parameters_without_gradient_are_left_alone(runtime):
     model = small_mlp()
