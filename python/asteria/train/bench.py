@@ -30,7 +30,7 @@ def parse_config(label: str) -> tuple[str, str, int | None]:
     'soap-async-f5' -> ('soap', 'async', 5) (e.g. Asteria at f = 5 beside native at the bench's f)."""
     base, frequency = label, None
     head, sep, tail = label.rpartition("-f")
-    if sep and head in CONFIGS[1:] and tail.isascii() and tail.isdigit():
+    if sep and head in CONFIGS and head != "adamw" and tail.isascii() and tail.isdigit():
         base, frequency = head, int(tail)
     if base not in CONFIGS or (frequency is not None and frequency < 1):
         raise ValueError(f"Invalid config={label!r}: must be one of {CONFIGS}, a second-order one optionally "
