@@ -64,7 +64,7 @@ def test_step_with_a_closure_returns_its_loss_and_steps_as_without_one(optimizer
                 else:
                     losses.append(closure())
                     assert opt.step() is None
-        runs.append(([float(loss) for loss in losses], [p.detach().clone() for p in model.parameters()]))
+        runs.append(([loss.detach().item() for loss in losses], [p.detach().clone() for p in model.parameters()]))
     (plain_losses, plain_params), (closure_losses, closure_params) = runs
     assert closure_losses == plain_losses and plain_losses[-1] < plain_losses[0]
     assert all(torch.equal(a, b) for a, b in zip(plain_params, closure_params))
