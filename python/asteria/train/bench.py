@@ -17,8 +17,7 @@ from typing import Any
 
 from asteria.train.loop import DEFAULT_LR, RunConfig, train
 from asteria.train.provenance import software
-from asteria.train.report import Run, load_run, plt, write_report
-from asteria.train.report import steady_warmup as warmup_steps
+from asteria.train.report import Run, load_run, plt, run_warmup, write_report
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")
@@ -66,7 +65,6 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
-    warmups: dict[str, int] = {}
     for label in labels:
         optimizer, mode, frequency = parse_config(label)
         cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
@@ -74,14 +72,13 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
                                             "precondition_frequency": frequency or base.precondition_frequency}))
         train(cfg, out / label, progress=progress)
         runs[label] = load_run(out / label)
-        warmups[label] = warmup_steps(cfg.precondition_frequency, cfg.sync_refreshes)
     reference = runs.get("adamw")
-    ref_median = _profile([r["step_time"] for r in reference.records], warmups["adamw"])["median"] \
+    ref_median = _profile([r["step_time"] for r in reference.records], run_warmup(reference))["median"] \
         if reference else None
     rows = {}
     for label, run in runs.items():
         s, records = run.summary, run.records
-        warmup = warmups[label]
+        warmup = run_warmup(run)  # each config's own: (sync_refreshes + 1) x its f
         wall = _profile([r["step_time"] for r in records], warmup)
         gpu = _profile([r["gpu_step_time"] for r in records], warmup) \
             if all("gpu_step_time" in r for r in records) else None
