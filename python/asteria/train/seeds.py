@@ -99,10 +99,10 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
             row["energy_vs_adamw_stats"] = spread_stats(energy) if energy else None
             configs[label + suffix] = row
     pairs: dict[str, Any] = {}
-    labels = labels_of(per_seed)
-    for label in labels:
-        reference = per_seed if baseline is None else baseline
-        native = native_config(label, labels_of(reference), asteria_only=baseline is None)
+    reference = per_seed if baseline is None else baseline
+    natives = labels_of(reference)
+    for label in labels_of(per_seed):
+        native = native_config(label, natives, asteria_only=baseline is None)
         if native is None:
             continue
         pair: dict[str, Any] = {"native": native + ("" if baseline is None else BASELINE)}
