@@ -3,10 +3,13 @@ stream timing. Skipped without a GPU."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import asteria
+from asteria import testing
 from asteria.pipeline import streams
 from asteria.pipeline.refresh import AsyncRefresher
 from conftest import regression_data, small_mlp
@@ -252,3 +255,50 @@ def test_native_refresh_keeps_small_eigenvalue_directions_where_tf32_scrambles_t
     assert worst_alignment_loss(exact) < 1e-4
     if torch.cuda.get_device_capability() >= (8, 0):  # TF32 exists from Ampere on
         assert worst_alignment_loss(blurred) > 0.1
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
+    """Version 3 (snapshotted at step 9) is held in the workers until the GPU, in step 10's backward pass,
+    has passed a 0.5 s sleep; a second 0.5 s sleep follows before the backward drain points. The training
+    thread reaches ``step()`` while the GPU still sleeps, so only the late activation, which waits for the
+    GPU to reach the next-to-last drain point, finds the version finished and installs it at step 10;
+    without it the version comes at step 11."""
+    model = small_mlp(sizes=SIZES).cuda()
+    x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+    runtime = asteria.RuntimeConfig(staleness=1, workers=2, deterministic=False, stagger=False)
+    with asteria.Shampoo(model.parameters(), lr=0.02, eps=1e-6, precondition_frequency=3, runtime=runtime) as opt:
+        hooks = asteria.attach(model, opt, late_activation=late)
+        engine, blocks = opt._refresher.engine, testing.engine_blocks(opt)
+        for block in blocks:
+            engine.inject_fault(block.id, 3, "pause")
+        slept = torch.cuda.Event()
+
+        def sleep_then_release(grad: torch.Tensor) -> None:  # runs first in the backward pass
+            torch.cuda._sleep(1_000_000_000)
+            slept.record()
+            torch.cuda._sleep(1_000_000_000)
+
+        def release() -> None:
+            engine.wait_paused(len(blocks), 30.0)
+            slept.synchronize()
+            engine.release_pauses()
+
+        releaser = threading.Thread(target=release)
+        for step in range(1, 12):
+            opt.zero_grad()
+            out = model(x[:64]) * 1.0
+            if step == 10:
+                releaser.start()
+                out.register_hook(sleep_then_release)
+            torch.nn.functional.mse_loss(out, y[:64]).backward()
+            opt.step()
+            torch.cuda.synchronize()
+            if step == 10:
+                releaser.join()
+                installed_at_10 = opt.runtime_stats()["install_delay_histogram"]
+        stats = opt.runtime_stats()
+        hooks.remove()
+    assert installed_at_10 == ([0, len(blocks)] if late else [])
+    assert stats["install_delay_histogram"] == ([0, len(blocks)] if late else [0, 0, len(blocks)])
+    assert not opt.late_activation

@@ -21,6 +21,7 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
+from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
                                       check_positive, validate_state_dict)
@@ -69,6 +70,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.start_preconditioning_step = start
         self._step = 0
         self._activated_step = 0  # the newest step whose activation has been done
+        #: set by ``asteria.attach(late_activation=True)``: ``step()``'s last activation waits for the GPU to
+        #: reach the end of the backward pass (``mark_backward``)
+        self.late_activation = False
+        self._backward = streams.BackwardMarks()
         self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
@@ -197,6 +202,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self._apply(group, keep, step)
             self._done_reading(group)
         self._tier.end_step()
+        self._backward.clear()
         self._step = step
         return loss
 
@@ -208,6 +214,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         (the schedule of the deterministic rule would give the same answer twice)."""
         again = self.runtime.mode == "async" and not self.runtime.deterministic
         if step >= 1 and (self._activated_step < step or again):
+            if again:
+                self._backward.wait()  # with late_activation: versions finished during the backward come too
             self._counting_installs(step, self._refresher.activate, step)
             self._activated_step = step
         self._refresher.ready()
@@ -244,6 +252,16 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._counting_installs(step, self._refresher.activate, step)
         self._activated_step = step
         self._tier.prefetch()
+
+    def mark_backward(self, device: torch.device) -> None:
+        """Notes how far the backward pass has been queued on ``device`` (called by the backward hooks of
+        ``asteria.attach``). With ``late_activation`` (``deterministic=False`` only), ``step()`` waits until
+        the GPU has reached the next-to-last such point before its last activation: the training thread
+        runs ahead of the GPU, and a version that finishes while the GPU still computes the backward pass
+        is then used at this step instead of the next one. The host waits for the GPU anyway at the step's
+        end when the loop reads the loss; the remaining backward keeps the GPU busy meanwhile."""
+        if self.late_activation:
+            self._backward.mark(device)
 
     def poll(self) -> None:
         """Hands finished snapshots to the workers and recycles finished staging buffers, without

@@ -25,8 +25,16 @@ step. With ``attach``:
   would cost the training thread, which launches the GPU's kernels, Python time on every layer
   (measured on an H200: several ms per step on a 160M-parameter model).
 
-The hooks never change what is computed: the same versions are installed for the same step, so a run
-with hooks is bitwise identical to one without (tested).
+- with ``late_activation=True`` (``deterministic=False`` only), the backward drains also mark how far the
+  backward pass has been queued, and ``step()`` waits until the GPU has reached the next-to-last mark
+  before its last activation. The training thread runs ahead of the GPU: it reaches ``step()`` while
+  the GPU still computes most of the backward pass, so without the wait a version that finishes during
+  the backward is used a step later. The host waits for the GPU anyway when the loop reads the loss;
+  the last stretch of the backward keeps the GPU busy while the host installs and queues the step.
+
+Under the deterministic rule the hooks never change what is computed: the same versions are installed
+for the same step, so a run with hooks is bitwise identical to one without (tested). Under
+``deterministic=False`` they only change when versions are found finished.
 """
 
 from __future__ import annotations
@@ -41,10 +49,12 @@ from torch.utils.hooks import RemovableHandle
 class AttachHandle:
     """The hooks ``attach`` registered; ``remove()`` takes every one of them off (idempotent)."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, handles: list[RemovableHandle]) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, handles: list[RemovableHandle],
+                 late_activation: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self._handles = handles
+        self._late = late_activation  # remove() turns the optimizer's late activation off again
 
     @property
     def num_hooks(self) -> int:
@@ -54,6 +64,9 @@ class AttachHandle:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._late:
+            self.optimizer.late_activation = False
+            self._late = False
 
     def __enter__(self) -> AttachHandle:
         return self
@@ -68,7 +81,7 @@ PREFETCH_POINTS = ("forward_start", "forward_end", "step")
 
 
 def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
-           prefetch: str = "forward_end") -> AttachHandle:
+           prefetch: str = "forward_end", late_activation: bool = False) -> AttachHandle:
     """Registers the prefetch and drain hooks of ``optimizer`` (an Asteria optimizer) on ``model``:
     one prefetch hook on the root module (none with ``prefetch="step"``) and drain hooks on
     ``drain_points`` (>= 0) of the modules that own parameters (all of them when there are fewer).
@@ -78,6 +91,12 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
     been queued). The host's part of an activation stalls the GPU only where the GPU runs out of queued
     work meanwhile, so the best point is where the host is furthest ahead of the GPU; what is computed
     is the same at every point.
+
+    ``late_activation=True`` (an optimizer with ``mode="async"`` and ``deterministic=False``, and
+    ``drain_points >= 1``) makes ``step()`` wait, before its last activation, until the GPU has reached
+    the next-to-last backward drain point, so versions that finish during the backward pass are used at
+    this step (see the module's docstring). Its cost is the GPU's idle time, if any, while the host
+    installs and queues the step after the wait.
 
     Works with any ``nn.Module``, including FSDP2-wrapped ones (the hooks are ordinary module hooks),
     models with tied, frozen or unused parameters, and models of which the optimizer sees only part.
@@ -94,6 +113,21 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
         raise ValueError(f"Invalid drain_points={drain_points!r}: must be an int >= 0")
     if prefetch not in PREFETCH_POINTS:
         raise ValueError(f"Invalid prefetch={prefetch!r}: must be one of {PREFETCH_POINTS}")
+    if not isinstance(late_activation, bool):
+        raise ValueError(f"Invalid late_activation={late_activation!r}: must be True or False")
+    if late_activation:
+        runtime = optimizer.runtime
+        if runtime.mode != "async" or runtime.deterministic:
+            raise ValueError(f"Invalid late_activation=True for an optimizer with mode={runtime.mode!r}, "
+                             f"deterministic={runtime.deterministic}: needs mode='async' and deterministic=False "
+                             "(the deterministic rule fixes each step's versions in advance, so waiting brings "
+                             "none sooner)")
+        if drain_points < 1:
+            raise ValueError(f"Invalid drain_points={drain_points!r} with late_activation=True: must be >= 1 "
+                             "(the backward drain points mark how far the backward pass has been queued)")
+        if optimizer.late_activation:
+            raise ValueError("Invalid late_activation=True: the optimizer is already attached with it; remove "
+                             "that handle first")
 
     def prefetch_hook(module: nn.Module, *args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
@@ -101,6 +135,7 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
 
     def drain_in_backward(grad: torch.Tensor) -> None:
         optimizer.poll()
+        optimizer.mark_backward(grad.device)
 
     def drain(module: nn.Module, args: Any, output: Any) -> None:
         optimizer.poll()
@@ -117,4 +152,6 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
     chosen = sorted({(i * len(owners)) // drain_points for i in range(drain_points)}) if owners else []
     for index in chosen:
         handles.append(owners[index].register_forward_hook(drain))
-    return AttachHandle(model, optimizer, handles)
+    if late_activation:
+        optimizer.late_activation = True
+    return AttachHandle(model, optimizer, handles, late_activation)

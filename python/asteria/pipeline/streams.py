@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,33 @@ class SideStream:
         """Makes the main stream wait for ``event`` (only that, not the whole side stream)."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class BackwardMarks:
+    """How far the backward pass has been queued: events recorded on the stream of the gradients by the
+    backward hooks of ``asteria.attach`` (nothing on the CPU, where every kernel has run when it returns).
+    ``wait()`` lets the host wait until the GPU has reached the next-to-last mark, so the host's next
+    decision is taken as late as the GPU's work allows while the last stretch of the backward still runs."""
+
+    def __init__(self) -> None:
+        self._events: collections.deque[torch.cuda.Event] = collections.deque(maxlen=2)
+
+    def mark(self, device: torch.device) -> None:
+        """Records the point the current stream of ``device`` has been queued to."""
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
+
+    def wait(self) -> None:
+        """Blocks until the GPU has passed the next-to-last mark (the only one, if one), then forgets the
+        marks; returns at once when there are none."""
+        if self._events:
+            self._events[0].synchronize()
+        self._events.clear()
+
+    def clear(self) -> None:
+        self._events.clear()
 
 
 def done(event: torch.cuda.Event | None) -> bool:

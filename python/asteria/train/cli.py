@@ -34,6 +34,8 @@ HELP = {
                "one process); --no-stagger refreshes every set at the same step, as native mode does",
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
+    "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
+                       "its last activation, so refreshes finished meanwhile are used a step sooner (async runs)",
     "prefetch": "where asteria.attach activates new preconditioner versions: forward_end, forward_start or step "
                 "(no hook: in step(), after the backward is queued); the same math at each, only the timing differs",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",
