@@ -279,9 +279,10 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
             slept.record()
             torch.cuda._sleep(1_000_000_000)
 
-        def release() -> None:
-            engine.wait_paused(len(blocks), 30.0)
+        def release() -> None:  # both workers hold a paused job; the other jobs wait in the queue
+            engine.wait_paused(2, 30.0)
             slept.synchronize()
+            testing.clear_faults(opt)  # the queued jobs then run through
             engine.release_pauses()
 
         releaser = threading.Thread(target=release)
