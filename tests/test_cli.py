@@ -244,7 +244,8 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["train", "--prefetch", "backward", "--out", "OUT"],
          "Invalid prefetch='backward': must be one of ('forward_start', 'forward_end', 'step')"),
         (["train", "--late-activation", "--out", "OUT"],
-         "Invalid late_activation=True: must be True or False, and True only with deterministic=False"),
+         "Invalid late_activation=True: must be None (on where allowed), True or False, and True only with "
+         "deterministic=False"),
         (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp')"),
         (["train", "--matmul-precision", "medium", "--out", "OUT"],
          "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),

@@ -187,7 +187,8 @@ def test_async_steps_never_make_the_training_thread_wait_for_the_gpu(optimizer, 
     x, y = (t.cuda() for t in regression_data(sizes=SIZES))
     runtime = asteria.RuntimeConfig(staleness=2, workers=2, deterministic=deterministic)
     with optimizer(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64, runtime=runtime) as opt:
-        hooks = asteria.attach(model, opt)
+        # Late activation waits for the GPU by design (its own test is below); everything else must not.
+        hooks = asteria.attach(model, opt, late_activation=False)
 
         def step() -> None:
             opt.zero_grad()
@@ -274,11 +275,6 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
             engine.inject_fault(block.id, 3, "pause")
         slept = torch.cuda.Event()
 
-        def sleep_then_release(grad: torch.Tensor) -> None:  # runs first in the backward pass
-            torch.cuda._sleep(1_000_000_000)
-            slept.record()
-            torch.cuda._sleep(1_000_000_000)
-
         def release() -> None:  # both workers hold a paused job; the other jobs wait in the queue
             engine.wait_paused(2, 30.0)
             slept.synchronize()
@@ -286,11 +282,17 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
             engine.release_pauses()
 
         releaser = threading.Thread(target=release)
+
+        def sleep_then_release(grad: torch.Tensor) -> None:  # runs first in the backward pass
+            torch.cuda._sleep(1_000_000_000)
+            slept.record()
+            releaser.start()  # after the record: an event not yet recorded counts as complete
+            torch.cuda._sleep(1_000_000_000)
+
         for step in range(1, 12):
             opt.zero_grad()
             out = model(x[:64]) * 1.0
             if step == 10:
-                releaser.start()
                 out.register_hook(sleep_then_release)
             torch.nn.functional.mse_loss(out, y[:64]).backward()
             opt.step()

@@ -347,23 +347,30 @@ def test_attach_spreads_a_few_drain_points_over_the_modules():
     assert counts[50] == (11, list(range(10)))       # never more than one per module
 
 
-def test_late_activation_is_refused_where_it_cannot_bring_a_version_sooner():
+def test_late_activation_is_on_by_default_where_allowed_and_refused_elsewhere():
     model = small_mlp()
     nondet = asteria.RuntimeConfig(workers=1, deterministic=False)
-    with pytest.raises(ValueError, match=r"Invalid late_activation=1: must be True or False"):
+    with pytest.raises(ValueError, match=r"Invalid late_activation=1: must be None, True or False"):
         asteria.attach(model, asteria.Shampoo(model.parameters(), runtime=nondet), late_activation=1)
     for runtime, text in ((asteria.RuntimeConfig(mode="sync"), "mode='sync', deterministic=True"),
                           (asteria.RuntimeConfig(workers=1), "mode='async', deterministic=True")):
-        with pytest.raises(ValueError, match=rf"Invalid late_activation=True for an optimizer with {text}: "
-                                             r"needs mode='async' and deterministic=False"):
-            asteria.attach(model, asteria.SOAP(model.parameters(), runtime=runtime), late_activation=True)
+        with asteria.SOAP(model.parameters(), runtime=runtime) as opt:
+            with pytest.raises(ValueError, match=rf"Invalid late_activation=True for an optimizer with {text}: "
+                                                 r"needs mode='async' and deterministic=False"):
+                asteria.attach(model, opt, late_activation=True)
+            with asteria.attach(model, opt):  # the default leaves it off there
+                assert not opt.late_activation
     with asteria.KLShampoo(model.parameters(), runtime=nondet) as opt:
         with pytest.raises(ValueError, match=r"Invalid drain_points=0 with late_activation=True: must be >= 1"):
             asteria.attach(model, opt, drain_points=0, late_activation=True)
         assert not opt.late_activation and hook_count(model) == 0  # a refused attach leaves nothing behind
-        handle = asteria.attach(model, opt, late_activation=True)
-        plain = asteria.attach(model, opt)  # a second attach without it neither refuses nor turns it off
+        with asteria.attach(model, opt, drain_points=0):  # no backward drain points: the default is off
+            assert not opt.late_activation
+        with asteria.attach(model, opt, late_activation=False):
+            assert not opt.late_activation
+        handle = asteria.attach(model, opt)  # on by default under deterministic=False
         assert opt.late_activation
+        plain = asteria.attach(model, opt)  # a second default attach neither refuses nor takes it over
         with pytest.raises(ValueError, match="already attached with it; remove that handle first"):
             asteria.attach(model, opt, late_activation=True)
         plain.remove()
@@ -381,7 +388,8 @@ def test_late_activation_trains_on_the_cpu_where_no_wait_is_needed(name):
     model, data = small_mlp(sizes=SIZES), regression_data(sizes=SIZES)
     runtime = asteria.RuntimeConfig(staleness=2, workers=2, deterministic=False)
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:
-        with asteria.attach(model, opt, late_activation=True):
+        with asteria.attach(model, opt) as handle:
+            assert opt.late_activation and handle.num_hooks > 1
             losses = train(model, opt, 15, data=data)
         stats = opt.runtime_stats()
     assert losses[-1] < losses[0] and stats["refreshes"] > 0 and stats["max_staleness_seen"] <= 2

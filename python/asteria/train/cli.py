@@ -22,7 +22,7 @@ from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int}
-OPTIONAL_FLAGS = {"stagger"}  # None (the library's choice), True or False
+OPTIONAL_FLAGS = {"stagger", "late_activation"}  # None (the library's choice), True or False
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
@@ -35,7 +35,8 @@ HELP = {
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
-                       "its last activation, so refreshes finished meanwhile are used a step sooner (async runs)",
+                       "its last activation, so refreshes finished meanwhile are used a step sooner (default: on "
+                       "for --no-deterministic async runs)",
     "prefetch": "where asteria.attach activates new preconditioner versions: forward_end, forward_start or step "
                 "(no hook: in step(), after the backward is queued); the same math at each, only the timing differs",
     "matmul_precision": "float32 matrix products: 'highest' (float32) or 'high' (TF32 tensor cores on GPUs)",

@@ -44,7 +44,7 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "stagger", "lag_steps")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
-                   "lag_steps": None}
+                   "lag_steps": None, "late_activation": False}
 
 
 @dataclass(kw_only=True)
@@ -86,7 +86,7 @@ class RunConfig:
     lag_steps: int | None = None
     deterministic_kernels: bool = False
     prefetch: str = "forward_end"
-    late_activation: bool = False
+    late_activation: bool | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -133,8 +133,9 @@ class RunConfig:
             asteria.RuntimeConfig(staleness=self.staleness, deterministic=self.deterministic,
                                   lag_steps=self.lag_steps).activation_lag(self.precondition_frequency)
         check(self.prefetch in PREFETCH_POINTS, "prefetch", f"must be one of {PREFETCH_POINTS}")
-        check(isinstance(self.late_activation, bool) and not (self.late_activation and self.deterministic),
-              "late_activation", "must be True or False, and True only with deterministic=False "
+        check((self.late_activation is None or isinstance(self.late_activation, bool))
+              and not (self.late_activation and self.deterministic), "late_activation",
+              "must be None (on where allowed), True or False, and True only with deterministic=False "
               "(--no-deterministic: the deterministic rule fixes each step's versions in advance)")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
         check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
@@ -327,7 +328,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size if run is not None else None)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
     hooks = (asteria.attach(model, opt, prefetch=cfg.prefetch,
-                            late_activation=cfg.late_activation and cfg.mode == "async")
+                            late_activation=cfg.late_activation if cfg.mode == "async" else False)
              if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None)
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
     resumed_from = None
