@@ -391,5 +391,7 @@ def test_late_activation_trains_on_the_cpu_where_no_wait_is_needed(name):
         with asteria.attach(model, opt) as handle:
             assert opt.late_activation and handle.num_hooks > 1
             losses = train(model, opt, 15, data=data)
+            assert opt.runtime_stats()["late_activation"]
         stats = opt.runtime_stats()
+        assert not stats["late_activation"]  # the handle's removal turned it off
     assert losses[-1] < losses[0] and stats["refreshes"] > 0 and stats["max_staleness_seen"] <= 2

@@ -378,12 +378,13 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     def runtime_stats(self) -> dict[str, Any]:
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy
         fraction, bytes copied between tiers, install delays, and skipped non-finite gradient steps.
-        ``lag_steps`` is the deterministic rule's steps from a snapshot to its use (None: not that rule)."""
+        ``lag_steps`` is the deterministic rule's steps from a snapshot to its use (None: not that rule);
+        ``late_activation`` whether ``step()`` waits for the end of the backward pass (``asteria.attach``)."""
         runtime = self.runtime
         deterministic = runtime.mode == "async" and runtime.deterministic
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
                  "lag_steps": self._refresher.lag if deterministic else None,
-                 "blas_core": _core.blas_core()}
+                 "late_activation": self.late_activation, "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())
         stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))
