@@ -395,3 +395,71 @@ def test_late_activation_trains_on_the_cpu_where_no_wait_is_needed(name):
         stats = opt.runtime_stats()
         assert not stats["late_activation"]  # the handle's removal turned it off
     assert losses[-1] < losses[0] and stats["refreshes"] > 0 and stats["max_staleness_seen"] <= 2
+
+
+def test_split_for_stagger_keeps_every_set_within_an_even_share():
+    from asteria.optim.groups import ShapeGroup, split_for_stagger
+
+    def group(batch: int, shape: tuple[int, ...], tag: str) -> ShapeGroup:
+        return ShapeGroup(0, shape, torch.device("cpu"), [f"{tag}{i}" for i in range(batch)],
+                          [torch.zeros(1)] * batch)
+
+    big, wide, small, flat = group(48, (8, 6), "b"), group(5, (6, 6), "w"), group(2, (4, 4), "s"), group(7, (6,), "f")
+    dims = lambda g: [] if g is flat else list(g.shape)  # noqa: E731 - the 1-D group has no factor sets
+    # Work: 48 (512 + 216) + 5 (216 + 216) + 2 (64 + 64) = 37360; an even share of 10 steps is 3736, so a
+    # part of `big` holds at most 3736 // 512 = 7 blocks: 48 blocks in 7 parts of 6 or 7.
+    out = split_for_stagger([big, wide, small, flat], 10, dims)
+    parts = [g for g in out if g.blocks[0].startswith("b")]
+    assert [g.batch for g in parts] == [7, 7, 7, 6, 7, 7, 7]
+    assert [b for g in parts for b in g.blocks] == big.blocks  # consecutive runs, in order
+    assert all(g.shape == (8, 6) and g.group_index == 0 and len(g.params) == g.batch for g in parts)
+    assert out[-3:] == [wide, small, flat]  # within the share, or without sets: the same objects
+    assert max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 10
+    assert split_for_stagger([big], 1, dims) == [big]  # one step per interval: nothing to spread
+    lone = group(3, (10, 10), "l")  # a single block above the share stays a group of one
+    assert [g.batch for g in split_for_stagger([lone, small], 10, dims)] == [1, 1, 1, 2]
+
+
+def refresh_loads(opt) -> list[float]:
+    """The refresh work (batch x dim^3) the schedule brings at each step of one interval after the
+    sync refreshes."""
+    sets = [s for s, _ in opt._set_groups]
+    f = opt.precondition_frequency
+    first = opt.schedule.start + opt.runtime.sync_refreshes * f
+    return [sum(sets[i].batch * sets[i].dim**3 for i, _ in opt.schedule.due(step)) for step in range(first, first + f)]
+
+
+@pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)
+def test_stagger_split_evens_out_the_refresh_bursts_without_changing_the_math(kind):
+    """24 layers of 16 x 16 (one group of 24 blocks per shape) at f = 10: staggered whole, each of the
+    group's sets brings a third of an interval's refresh work on one step; split, no step carries more
+    than twice an even share. In native mode (unstaggered) the split changes only the batching: the same
+    parameters after training."""
+    sizes = (16,) * 25 + (4,)
+
+    def make(split: bool, mode: str = "async"):
+        model = small_mlp(sizes=sizes)
+        runtime = asteria.RuntimeConfig(mode=mode, staleness=1, workers=1, stagger_split=split)
+        return model, kind(model.parameters(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=16,
+                           runtime=runtime)
+
+    loads = {}
+    for split in (False, True):
+        _, opt = make(split)
+        with opt:
+            loads[split] = refresh_loads(opt)
+    even = sum(loads[False]) / len(loads[False])
+    assert sum(loads[True]) == sum(loads[False])
+    assert max(loads[False]) > 3 * even and max(loads[True]) <= 2 * even
+    runs = []
+    for split in (False, True):
+        model, opt = make(split, mode="sync")
+        with opt:
+            train(model, opt, 25, data=regression_data(sizes=sizes))
+            runs.append((len(opt._groups), [p.detach().clone() for p in model.parameters()]))
+    assert runs[1][0] > runs[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    # A checkpoint of one batching does not load into the other, and the error says why.
+    (_, whole), (_, split) = make(False), make(True)
+    with whole, split, pytest.raises(ValueError, match="RuntimeConfig.stagger_split differ"):
+        split.load_state_dict(whole.state_dict())

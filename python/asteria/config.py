@@ -98,6 +98,12 @@ class RuntimeConfig:
             (the native baseline refreshes everything together); on several ranks only where every rank
             has the same factor sets (DDP), as a block's replicas must refresh it at the same step.
             Deterministic either way.
+        stagger_split: also split the shape groups whose factor sets would carry more than an even share
+            (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
+            it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
+            160M-parameter model) otherwise brings most of a step's jobs at once. Only the batching
+            changes, not the math; smaller groups mean more, smaller kernels per step. Needs ``stagger``
+            not False; off by default.
         sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
             eigendecomposition, then the first refreshes after it) are waited for at their own step
             (lag 0) under either rule, so that training does not run S intervals on the grafting
@@ -125,6 +131,7 @@ class RuntimeConfig:
     deterministic: bool = True
     lag_steps: int | None = None
     stagger: bool | None = None
+    stagger_split: bool = False
     sync_refreshes: int = 2
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
@@ -159,6 +166,9 @@ class RuntimeConfig:
                "finished version: leave lag_steps=None")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")
+        _check(isinstance(self.stagger_split, bool), "stagger_split", self.stagger_split, "must be a bool")
+        _check(not (self.stagger_split and self.stagger is False), "stagger_split", self.stagger_split,
+               "splits groups for the staggered schedule: needs stagger=None or True, not False")
         _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
                "must be an int >= 0")
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)

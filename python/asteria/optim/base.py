@@ -19,7 +19,7 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
-from asteria.optim.groups import ShapeGroup, build_shape_groups
+from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -82,6 +82,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                                     or (memory.placement == "auto" and memory.gpu_budget is not None)):
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
+        if self.runtime.stagger_split:
+            self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []
         for group in self._groups:
@@ -140,6 +142,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         """Allocates ``group.state`` and returns the group's factor sets (one per mode, or none)."""
 
     @abstractmethod
+    def _refresh_dims(self, group: ShapeGroup) -> list[int]:
+        """The dimensions of the factor sets ``_init_group`` makes for ``group`` (one per mode by default),
+        known before any state is allocated."""
+        return list(group.shape)
+
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         """Updates the group's statistics from ``grads`` (zero in blocks that are not kept)."""
 

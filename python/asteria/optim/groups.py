@@ -3,6 +3,7 @@ so that every per-step operation is one batched kernel instead of a loop over bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -114,3 +115,27 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
                 groups[key].blocks.append(block)
                 groups[key].params.append(param)
     return list(groups.values())
+
+
+def split_for_stagger(groups: list[ShapeGroup], interval: int,
+                      refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[ShapeGroup]:
+    """Splits the groups whose factor sets carry more than an even share of an interval's refresh work
+    (1 / ``interval`` of all sets' batch x dim^3) into near-equal runs of consecutive blocks, so that the
+    staggered schedule can spread the work evenly: a set is refreshed whole at its one step of the
+    interval, and one large set would otherwise bring most of a step's jobs at once.
+    ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none).
+    Only the batching changes, not the math; a group that fits stays as it is."""
+    worst = {id(group): max((dim**3 for dim in refresh_dims(group)), default=0) for group in groups}
+    total = sum(group.batch * sum(dim**3 for dim in refresh_dims(group)) for group in groups)
+    share = total / interval
+    out: list[ShapeGroup] = []
+    for group in groups:
+        per_block = worst[id(group)]
+        if per_block == 0 or group.batch * per_block <= share:
+            out.append(group)
+            continue
+        parts = -(-group.batch // max(1, int(share // per_block)))
+        bounds = [round(i * group.batch / parts) for i in range(parts + 1)]
+        out += [ShapeGroup(group.group_index, group.shape, group.device, group.blocks[a:b], group.params[a:b])
+                for a, b in zip(bounds, bounds[1:])]
+    return out

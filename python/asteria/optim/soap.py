@@ -87,6 +87,9 @@ class SOAP(EigenbasisOptimizer):
     def _rotated(self, group: ShapeGroup) -> bool:
         return group.order >= 2 or (group.order == 1 and self.precondition_1d)
 
+    def _refresh_dims(self, group: ShapeGroup) -> list[int]:
+        return list(group.shape) if self._rotated(group) else []
+
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
         group.state[EXP_AVG] = torch.zeros((batch, *group.shape), device=device)

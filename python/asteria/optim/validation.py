@@ -79,7 +79,8 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
                          f"mode {opt.runtime.mode!r}")
     if state_dict["layout"] != opt._layout():
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
-                         f"{opt._layout()} (parameters or max_preconditioner_dim differ)")
+                         f"{opt._layout()} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
+                         "RuntimeConfig.stagger_split differ)")
     step = state_dict["step"]
     check_arg(is_int(step) and step >= 0, "state_dict['step']", step, "must be an int >= 0")
     for key, expected, what in (("groups", len(opt._groups), "shape group"),

@@ -32,6 +32,8 @@ HELP = {
                       "step, waited for if need be; later ones follow the staleness rule",
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
                "one process); --no-stagger refreshes every set at the same step, as native mode does",
+    "stagger_split": "split shape groups whose factor sets would carry more than 1/f of an interval's refresh work, "
+                     "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches)",
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "

@@ -41,10 +41,10 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger", "lag_steps")
+                     "stagger", "lag_steps", "stagger_split")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
-                   "lag_steps": None, "late_activation": False}
+                   "lag_steps": None, "late_activation": False, "stagger_split": False}
 
 
 @dataclass(kw_only=True)
@@ -65,6 +65,7 @@ class RunConfig:
     staleness: int = 5
     sync_refreshes: int = 2
     stagger: bool | None = None
+    stagger_split: bool = False
     precondition_frequency: int = 10
     max_preconditioner_dim: int = 2048
     workers: int | None = None
@@ -106,6 +107,9 @@ class RunConfig:
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
         check(self.stagger is None or isinstance(self.stagger, bool), "stagger", "must be None, True or False")
+        check(isinstance(self.stagger_split, bool) and not (self.stagger_split and self.stagger is False),
+              "stagger_split", "must be True or False, and True only where the schedule is staggered (not with "
+              "--no-stagger)")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
         check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
@@ -190,6 +194,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
                                     lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
                                     sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
+                                    # where the schedule is staggered: async mode, or native with --stagger
+                                    stagger_split=cfg.stagger_split and (cfg.mode == "async" or cfg.stagger is True),
                                     memory=memory, local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
