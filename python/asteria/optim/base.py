@@ -141,12 +141,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         """Allocates ``group.state`` and returns the group's factor sets (one per mode, or none)."""
 
-    @abstractmethod
     def _refresh_dims(self, group: ShapeGroup) -> list[int]:
         """The dimensions of the factor sets ``_init_group`` makes for ``group`` (one per mode by default),
         known before any state is allocated."""
         return list(group.shape)
 
+    @abstractmethod
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         """Updates the group's statistics from ``grads`` (zero in blocks that are not kept)."""
 
