@@ -168,6 +168,16 @@ def test_a_setting_newer_than_the_results_counts_as_what_runs_had_before_it(tmp_
     capsys.readouterr()
     assert main(["seeds", str(tmp_path / "old"), str(tmp_path / "lag"), "--out", str(tmp_path / "out2")]) == 2
     assert "lag_steps: null in" in capsys.readouterr().err
+    # Late activation: the default (None) is on under the newest-finished rule, so it pools with runs that
+    # asked for it; runs from before it existed had it off.
+    newest = CONFIG | {"deterministic": False}
+    write(tmp_path / "auto" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, newest | {"late_activation": None})
+    write(tmp_path / "asked" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.02}, newest | {"late_activation": True})
+    write(tmp_path / "before" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.03}, newest)
+    assert main(["seeds", str(tmp_path / "auto"), str(tmp_path / "asked"), "--out", str(tmp_path / "out3")]) == 0
+    capsys.readouterr()
+    assert main(["seeds", str(tmp_path / "auto"), str(tmp_path / "before"), "--out", str(tmp_path / "out4")]) == 2
+    assert "late_activation: true in" in capsys.readouterr().err
 
 
 def test_t_quantiles_past_the_table_continue_it():

@@ -148,6 +148,8 @@ def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
     value runs had before it existed (as for resuming a checkpoint)."""
     before = {f.name: f.default for f in fields(RunConfig)} | LEGACY_SETTINGS
     config = {k: v for k, v in before.items() if k not in config} | config
+    if config.get("late_activation") is None:  # the default: on exactly where allowed (the newest-finished rule)
+        config["late_activation"] = not config.get("deterministic", True)
     pooled = POOLED_SETTINGS + (TIMING_SETTINGS if config.get("deterministic", True) else ())
     return {k: v for k, v in config.items() if k not in pooled}
 
