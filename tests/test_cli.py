@@ -182,6 +182,7 @@ def test_sweep_with_newest_finished_activation(tmp_path):
                  "--optimizer", "shampoo", "--mode", "async", "--no-deterministic", *BASE]) == 0
     summary = json.loads((tmp_path / "S3" / "summary.json").read_text())
     assert summary["config"]["deterministic"] is False and summary["runtime_stats"]["max_staleness_seen"] <= 3
+    assert summary["late_activation"] is True  # on by default under the newest-finished rule
     assert "newest finished version" in (tmp_path / "sweep.md").read_text()
 
 

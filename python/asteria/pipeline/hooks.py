@@ -54,6 +54,8 @@ class AttachHandle:
         self.model = model
         self.optimizer = optimizer
         self._handles = handles
+        #: whether this handle turned the optimizer's late activation on (kept after ``remove()``)
+        self.late_activation = late_activation
         self._late = late_activation  # remove() turns the optimizer's late activation off again
 
     @property

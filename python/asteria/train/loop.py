@@ -430,6 +430,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
             hooks.remove()
     summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameters, resumed_from)
     summary["energy_device"] = energy.nvml_device  # the GPU whose counter was read (its PCI bus id)
+    # What the run's hooks did (removed by now, so the optimizer's own flag is off again).
+    summary["late_activation"] = hooks is not None and hooks.late_activation
     summary["software"] = software()
     summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
                               if run is not None else None)
