@@ -16,18 +16,6 @@ from asteria.train.model import PRESETS, build_model
 KINDS = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}
 
 
-def loads(opt: asteria.optim.base.SecondOrderOptimizer) -> list[tuple[int, float]]:
-    """(jobs, work / 1024^3) at each step of the first interval after the sync refreshes."""
-    sets = [s for s, _ in opt._set_groups]
-    f = opt.precondition_frequency
-    first = opt.schedule.start + opt.runtime.sync_refreshes * f
-    out = []
-    for step in range(first, first + f):
-        due = [sets[index] for index, _ in opt.schedule.due(step)]
-        out.append((sum(s.batch for s in due), sum(s.batch * s.dim**3 for s in due) / 1024**3))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="olmo-160m", choices=sorted(PRESETS))
@@ -43,10 +31,11 @@ def main() -> None:
             runtime = asteria.RuntimeConfig(mode="async", workers=1, stagger_split=split)
             with KINDS[name](model.named_parameters(), max_preconditioner_dim=args.max_preconditioner_dim,
                              precondition_frequency=args.frequency, runtime=runtime) as opt:
-                per_step, groups = loads(opt), len(opt._groups)
-            work = [w for _, w in per_step]
+                per_step = opt.schedule.interval_loads([(s.batch, s.dim) for s, _ in opt._set_groups])
+                groups = len(opt._groups)
+            work = [w / 1024**3 for _, w in per_step]
             mean = sum(work) / len(work)
-            cells = " ".join(f"{jobs}/{w:.1f}" for jobs, w in per_step)
+            cells = " ".join(f"{jobs}/{w:.1f}" for (jobs, _), w in zip(per_step, work))
             print(f"{name:>10} {'split' if split else 'whole':>5} ({groups:2d} groups): {cells} | "
                   f"busiest {max(work):.1f} = {max(work) / mean:.2f}x the mean {mean:.1f}")
 

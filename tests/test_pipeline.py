@@ -421,13 +421,9 @@ def test_split_for_stagger_keeps_every_set_within_an_even_share():
     assert [g.batch for g in split_for_stagger([lone, small], 10, dims)] == [1, 1, 1, 2]
 
 
-def refresh_loads(opt) -> list[float]:
-    """The refresh work (batch x dim^3) the schedule brings at each step of one interval after the
-    sync refreshes."""
-    sets = [s for s, _ in opt._set_groups]
-    f = opt.precondition_frequency
-    first = opt.schedule.start + opt.runtime.sync_refreshes * f
-    return [sum(sets[i].batch * sets[i].dim**3 for i, _ in opt.schedule.due(step)) for step in range(first, first + f)]
+def refresh_loads(opt) -> list[int]:
+    """The refresh work (batch x dim^3) the schedule brings at each step of one steady interval."""
+    return [work for _, work in opt.schedule.interval_loads([(s.batch, s.dim) for s, _ in opt._set_groups])]
 
 
 @pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)

@@ -83,6 +83,16 @@ class RefreshSchedule:
         """``(set index, version)`` of every set refreshed at ``step``."""
         return [(i, self.version_at(step, i)) for i in range(len(self.phases)) if self.is_refresh_step(step, i)]
 
+    def interval_loads(self, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Per step of the first interval after the aligned refreshes (every set refreshes once in it), the
+        blocks refreshed and their work (sum of batch x dim^3), for sets of ``sizes`` (batch, dim)."""
+        first = self.start + self.aligned * self.interval
+        loads = []
+        for step in range(first, first + self.interval):
+            due = [sizes[index] for index, _ in self.due(step)]
+            loads.append((sum(batch for batch, _ in due), sum(batch * dim**3 for batch, dim in due)))
+        return loads
+
 
 class InstallDelays:
     """How many steps after native mode's each version is first used. Native mode uses a version
