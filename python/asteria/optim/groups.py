@@ -125,12 +125,11 @@ def split_for_stagger(groups: list[ShapeGroup], interval: int,
     interval, and one large set would otherwise bring most of a step's jobs at once.
     ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none).
     Only the batching changes, not the math; a group that fits stays as it is."""
-    worst = {id(group): max((dim**3 for dim in refresh_dims(group)), default=0) for group in groups}
-    total = sum(group.batch * sum(dim**3 for dim in refresh_dims(group)) for group in groups)
-    share = total / interval
+    cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
+    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / interval
     out: list[ShapeGroup] = []
-    for group in groups:
-        per_block = worst[id(group)]
+    for group, c in zip(groups, cubes):
+        per_block = max(c, default=0)
         if per_block == 0 or group.batch * per_block <= share:
             out.append(group)
             continue

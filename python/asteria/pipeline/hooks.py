@@ -120,12 +120,11 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
         raise ValueError(f"Invalid prefetch={prefetch!r}: must be one of {PREFETCH_POINTS}")
     if late_activation is not None and not isinstance(late_activation, bool):
         raise ValueError(f"Invalid late_activation={late_activation!r}: must be None, True or False")
+    runtime = optimizer.runtime
     if late_activation is None:
-        runtime = optimizer.runtime
         late_activation = (runtime.mode == "async" and not runtime.deterministic and drain_points >= 1
                            and not optimizer.late_activation)
     if late_activation:
-        runtime = optimizer.runtime
         if runtime.mode != "async" or runtime.deterministic:
             raise ValueError(f"Invalid late_activation=True for an optimizer with mode={runtime.mode!r}, "
                              f"deterministic={runtime.deterministic}: needs mode='async' and deterministic=False "
