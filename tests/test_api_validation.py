@@ -87,7 +87,7 @@ def test_non_floating_parameters_are_refused(optimizer):
     ({"max_consecutive_failures": 1.5}, "Invalid max_consecutive_failures=1.5"),
     ({"max_nonfinite_grad_steps": 0}, "Invalid max_nonfinite_grad_steps=0"),
     ({"local_world_size": 0}, "Invalid local_world_size=0"),
-    ({"stagger_split": 1}, "Invalid stagger_split=1: must be a bool"),
+    ({"stagger_split": 1}, "Invalid stagger_split=1: must be None or a bool"),
     ({"stagger_split": True, "stagger": False}, "Invalid stagger_split=True: splits groups for the staggered "
                                                 "schedule: needs stagger=None or True, not False"),
 ])

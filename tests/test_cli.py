@@ -245,7 +245,7 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
         (["train", "--prefetch", "backward", "--out", "OUT"],
          "Invalid prefetch='backward': must be one of ('forward_start', 'forward_end', 'step')"),
         (["train", "--no-stagger", "--stagger-split", "--out", "OUT"],
-         "Invalid stagger_split=True: must be True or False, and True only where the schedule is staggered"),
+         "Invalid stagger_split=True: must be None, True or False, and True only where the schedule is staggered"),
         (["train", "--late-activation", "--out", "OUT"],
          "Invalid late_activation=True: must be None (on where allowed), True or False, and True only with "
          "deterministic=False"),

@@ -82,3 +82,19 @@ def test_a_non_finite_gradient_is_left_where_it_is():
     clip_gradients(model, 1.0)
     assert torch.equal(model[1].grad, torch.full((2,), 30.0))
     assert torch.isnan(model[0].grad[0]) and model[0].grad[1] == 1.0
+
+
+@pytest.mark.parametrize("mode, optimizer, refused", [("async", "shampoo", True), ("sync", "soap", False),
+                                                      ("async", "adamw", False)])
+def test_a_checkpoint_from_before_the_split_resumes_with_whole_groups(mode, optimizer, refused):
+    """A manifest without stagger_split kept its groups whole; the default now splits them where one process
+    staggers (Asteria mode), so that resume needs --no-stagger-split there and nothing elsewhere."""
+    cfg = RunConfig(mode=mode, optimizer=optimizer)
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stagger_split"}
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    if refused:
+        with pytest.raises(CheckpointError, match=r"stagger_split=False \(this run: True\)"):
+            check_resumable(manifest, cfg, Path("old"))
+    else:
+        check_resumable(manifest, cfg, Path("old"))
+    check_resumable(manifest, dataclasses.replace(cfg, stagger_split=False), Path("old"))

@@ -460,3 +460,17 @@ def test_stagger_split_evens_out_the_refresh_bursts_without_changing_the_math(ki
     (_, whole), (_, split) = make(False), make(True)
     with whole, split, pytest.raises(ValueError, match="RuntimeConfig.stagger_split differ"):
         split.load_state_dict(whole.state_dict())
+
+
+@pytest.mark.parametrize("runtime, split", [
+    ({"mode": "async"}, True), ({"mode": "async", "stagger": False}, False), ({"mode": "sync"}, False),
+    ({"mode": "sync", "stagger": True}, True), ({"mode": "async", "stagger_split": False}, False),
+], ids=["async", "async-unstaggered", "sync", "sync-staggered", "async-whole"])
+def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
+    """``stagger_split=None`` (the default) splits the groups exactly where the schedule is staggered on one
+    process (several ranks: ``tests/distributed``); runtime_stats reports the outcome."""
+    sizes = (16,) * 25 + (4,)
+    with asteria.Shampoo(small_mlp(sizes=sizes).parameters(), lr=0.01, precondition_frequency=10,
+                         max_preconditioner_dim=16, runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
+        assert opt.stagger_split is split and opt.runtime_stats()["stagger_split"] is split
+        assert len(opt._groups) == (10 if split else 4)  # the 24 weights and the 24 biases in four runs each

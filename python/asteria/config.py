@@ -102,8 +102,9 @@ class RuntimeConfig:
             (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
             it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
             160M-parameter model) otherwise brings most of a step's jobs at once. Only the batching
-            changes, not the math; smaller groups mean more, smaller kernels per step. Needs ``stagger``
-            not False; off by default.
+            changes, not the math; smaller groups mean more, smaller kernels per step. ``None``: on
+            wherever the schedule is staggered on one process (async mode by default); on several ranks
+            only when asked. True needs ``stagger`` not False.
         sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
             eigendecomposition, then the first refreshes after it) are waited for at their own step
             (lag 0) under either rule, so that training does not run S intervals on the grafting
@@ -131,7 +132,7 @@ class RuntimeConfig:
     deterministic: bool = True
     lag_steps: int | None = None
     stagger: bool | None = None
-    stagger_split: bool = False
+    stagger_split: bool | None = None
     sync_refreshes: int = 2
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
@@ -166,8 +167,9 @@ class RuntimeConfig:
                "finished version: leave lag_steps=None")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
                "must be None or a bool")
-        _check(isinstance(self.stagger_split, bool), "stagger_split", self.stagger_split, "must be a bool")
-        _check(not (self.stagger_split and self.stagger is False), "stagger_split", self.stagger_split,
+        _check(self.stagger_split is None or isinstance(self.stagger_split, bool), "stagger_split",
+               self.stagger_split, "must be None or a bool")
+        _check(not (self.stagger_split is True and self.stagger is False), "stagger_split", self.stagger_split,
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
         _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
                "must be an int >= 0")
@@ -186,6 +188,10 @@ class RuntimeConfig:
                "use 'auto' or 'device', or mode='async'")
         _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
+
+    def stagger_wanted(self) -> bool:
+        """``stagger`` resolved before the ranks are consulted: its value, or whether the mode is async."""
+        return self.stagger if self.stagger is not None else self.mode == "async"
 
     def activation_lag(self, interval: int) -> int:
         """Steps from a version's snapshot to its first use under the deterministic rule, for refreshes

@@ -112,9 +112,10 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard
 
 def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None = None,
                    stagger: bool = False) -> dict[str, torch.Tensor]:
-    """The reference: one process on the full batches."""
+    """The reference: one process on the full batches (its groups whole, as on several ranks by default)."""
     net = model()
-    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps, stagger=stagger) as opt:
+    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps, stagger=stagger,
+                   stagger_split=False) as opt:
         train(net, opt, data(steps), None)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 

@@ -82,7 +82,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                                     or (memory.placement == "auto" and memory.gpu_budget is not None)):
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
-        if self.runtime.stagger_split:
+        #: the shape groups are split for the stagger (``RuntimeConfig.stagger_split`` resolved)
+        self.stagger_split = self._splits_groups()
+        if self.stagger_split:
             self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []
@@ -117,6 +119,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.close()
             raise
 
+    def _splits_groups(self) -> bool:
+        """``RuntimeConfig.stagger_split``, or for None whether the schedule is staggered on one process."""
+        if self.runtime.stagger_split is not None:
+            return self.runtime.stagger_split
+        from asteria.distributed import topology
+
+        return self.runtime.stagger_wanted() and topology(self.runtime) is None
+
     def _staggered(self, sets: list[FactorSet]) -> bool:
         """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode).
         On several ranks the replicas of a block must refresh it at the same step, so the schedule is
@@ -125,7 +135,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         from asteria.distributed import topology
         from asteria.distributed.topology import same_on_every_rank
 
-        wanted = self.runtime.stagger if self.runtime.stagger is not None else self.runtime.mode == "async"
+        wanted = self.runtime.stagger_wanted()
         topo = topology(self.runtime)
         if topo is None or not wanted:
             return wanted
@@ -386,12 +396,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy
         fraction, bytes copied between tiers, install delays, and skipped non-finite gradient steps.
         ``lag_steps`` is the deterministic rule's steps from a snapshot to its use (None: not that rule);
-        ``late_activation`` whether ``step()`` waits for the end of the backward pass (``asteria.attach``)."""
+        ``late_activation`` whether ``step()`` waits for the end of the backward pass (``asteria.attach``);
+        ``stagger_split`` whether the shape groups were split for the stagger (``RuntimeConfig.stagger_split``)."""
         runtime = self.runtime
         deterministic = runtime.mode == "async" and runtime.deterministic
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
                  "lag_steps": self._refresher.lag if deterministic else None,
-                 "late_activation": self.late_activation, "blas_core": _core.blas_core()}
+                 "late_activation": self.late_activation, "stagger_split": self.stagger_split,
+                 "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())
         stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))

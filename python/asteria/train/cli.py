@@ -22,7 +22,7 @@ from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int}
-OPTIONAL_FLAGS = {"stagger", "late_activation"}  # None (the library's choice), True or False
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation"}  # None (the library's choice), True or False
 HELP = {
     "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
                      "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
@@ -33,7 +33,8 @@ HELP = {
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
                "one process); --no-stagger refreshes every set at the same step, as native mode does",
     "stagger_split": "split shape groups whose factor sets would carry more than 1/f of an interval's refresh work, "
-                     "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches)",
+                     "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches; "
+                     "default: wherever one process staggers)",
     "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
                              "config differ only by the activation timing of --no-deterministic",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import asteria
@@ -65,7 +66,7 @@ class RunConfig:
     staleness: int = 5
     sync_refreshes: int = 2
     stagger: bool | None = None
-    stagger_split: bool = False
+    stagger_split: bool | None = None
     precondition_frequency: int = 10
     max_preconditioner_dim: int = 2048
     workers: int | None = None
@@ -107,9 +108,10 @@ class RunConfig:
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
         check(self.stagger is None or isinstance(self.stagger, bool), "stagger", "must be None, True or False")
-        check(isinstance(self.stagger_split, bool) and not (self.stagger_split and self.stagger is False),
-              "stagger_split", "must be True or False, and True only where the schedule is staggered (not with "
-              "--no-stagger)")
+        check((self.stagger_split is None or isinstance(self.stagger_split, bool))
+              and not (self.stagger_split and self.stagger is False),
+              "stagger_split", "must be None, True or False, and True only where the schedule is staggered (not "
+              "with --no-stagger)")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
         check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
@@ -195,7 +197,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                     lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
                                     sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
                                     # where the schedule is staggered: async mode, or native with --stagger
-                                    stagger_split=cfg.stagger_split and (cfg.mode == "async" or cfg.stagger is True),
+                                    stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
+                                    else None,
                                     memory=memory, local_world_size=local_world_size)
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -203,14 +206,30 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                 max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime)
 
 
+def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
+    """Whether a run's optimizer splits its shape groups for the stagger, from the run's settings (a
+    ``RunConfig`` as a dict) as ``make_optimizer`` and the runtime resolve them: ``stagger_split`` where the
+    schedule is staggered (async mode, or native with ``--stagger``); None there means on one process."""
+    split, stagger = config.get("stagger_split"), config.get("stagger")
+    if config.get("optimizer") == "adamw" or not (config.get("mode") == "async" or stagger is True):
+        return False
+    if split is not None:
+        return split
+    return processes == 1 and (stagger if stagger is not None else config.get("mode") == "async")
+
+
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
     """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
-    newer than the checkpoint counts as its default)."""
-    saved = manifest.config
+    newer than the checkpoint counts as its default; ``stagger_split`` as it resolves)."""
     defaults = {f.name: f.default for f in fields(RunConfig)}
     defaults |= LEGACY_SETTINGS
-    diffs = [f"{name}={saved.get(name, defaults[name])!r} (this run: {getattr(cfg, name)!r})"
-             for name in RESUME_MUST_MATCH if saved.get(name, defaults[name]) != getattr(cfg, name)]
+    saved = {name: manifest.config.get(name, defaults[name]) for name in RESUME_MUST_MATCH}
+    this = {name: getattr(cfg, name) for name in RESUME_MUST_MATCH}
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    saved["stagger_split"] = resolved_stagger_split(saved, processes)
+    this["stagger_split"] = resolved_stagger_split(this, processes)
+    diffs = [f"{name}={saved[name]!r} (this run: {this[name]!r})" for name in RESUME_MUST_MATCH
+             if saved[name] != this[name]]
     if diffs:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
                               "; resume only with the settings it was saved with")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria.train.bench import parse_config, run_bench
-from asteria.train.loop import LEGACY_SETTINGS, RunConfig
+from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
 
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
@@ -150,6 +150,8 @@ def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
     config = {k: v for k, v in before.items() if k not in config} | config
     if config.get("late_activation") is None:  # the default: on exactly where allowed (the newest-finished rule)
         config["late_activation"] = not config.get("deterministic", True)
+    if config.get("stagger_split") is None:  # the default: on where the schedule is staggered (bench: one process)
+        config["stagger_split"] = resolved_stagger_split(config, processes=1)
     pooled = POOLED_SETTINGS + (TIMING_SETTINGS if config.get("deterministic", True) else ())
     return {k: v for k, v in config.items() if k not in pooled}
 
