@@ -131,6 +131,8 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
     for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps", "prefetch"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.stagger_split is not None:
+        argv += ["--stagger-split" if args.stagger_split else "--no-stagger-split"]
     if args.profile_steps is not None:
         argv += ["--profile-steps", *map(str, args.profile_steps)]
     return argv
@@ -319,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "lag_steps) [default: S intervals]")
     parser.add_argument("--prefetch", default=None, help="Asteria runs: where asteria.attach activates "
                         "(asteria train --prefetch) [default: asteria train's]")
+    parser.add_argument("--stagger-split", action=argparse.BooleanOptionalAction, default=None,
+                        help="Asteria runs: split the shape groups for the stagger (asteria train --stagger-split) "
+                             "[default: asteria train's, on one process only]")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
                         help="every run writes a torch.profiler trace of these steps per rank (asteria train "
                              "--profile-steps): OUT/<config>/<run>/trace-rank<R>.json.gz")

@@ -25,7 +25,7 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     args = scaling.build_parser().parse_args(["--out", "X", "--local-world-size", "1", "--model", "olmo-160m",
                                               "--workers", "3", "--max-preconditioner-dim", "1024",
                                               "--lag-steps", "2", "--profile-steps", "40", "49",
-                                              "--prefetch", "step"])
+                                              "--prefetch", "step", "--stagger-split"])
     args.device = "cuda"
     argv = scaling.train_command(args, "kl-shampoo-async", 2, "fsdp", Path("X/kl/fsdp-p2"))
     text = " ".join(argv)
@@ -33,11 +33,13 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     assert "asteria.train.cli train --out X/kl/fsdp-p2 --optimizer kl-shampoo --mode async" in text
     for option in ("--parallel fsdp", "--local-world-size 1", "--precondition-frequency 10", "--model olmo-160m",
                    "--workers 3", "--device cuda", "--eval-every 60", "--max-preconditioner-dim 1024",
-                   "--lag-steps 2", "--profile-steps 40 49", "--prefetch step"):
+                   "--lag-steps 2", "--profile-steps 40 49", "--prefetch step", "--stagger-split"):
         assert option in text, option
     single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
     assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single
     assert "--optimizer adamw --mode sync" in single
+    args.stagger_split = False
+    assert "--no-stagger-split" in scaling.train_command(args, "soap-async", 2, "ddp", Path("X/soap/ddp-p2"))
     env = scaling.child_env("cuda")
     assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == \
         ("0", "1", "1")
