@@ -211,3 +211,26 @@ def test_runs_record_the_software_that_made_them():
     info = software()
     assert re.fullmatch(r"[0-9a-f]{12}", info["code"]) and info["code"] == code_fingerprint()
     assert info["asteria"] == asteria.__version__ and info["torch"] == torch.__version__
+
+
+def test_native_runs_pool_across_settings_only_asteria_mode_reads(tmp_path, capsys):
+    """Native-only results pool although their Asteria-mode settings differ (late activation, the rule,
+    split groups: nothing a native run reads), and pair with Asteria runs of one setting; two files whose
+    Asteria runs differ in such a setting are still refused."""
+    newest = CONFIG | {"deterministic": False}
+    write(tmp_path / "native" / "a", 1, {"soap-sync": 1.00}, CONFIG | {"late_activation": False})
+    write(tmp_path / "native" / "b", 2, {"soap-sync": 1.10}, newest | {"stagger_split": None, "staleness": 3})
+    write(tmp_path / "asteria" / "seed1", 1, {"soap-async": 0.98}, newest | {"late_activation": None})
+    write(tmp_path / "asteria" / "seed2", 2, {"soap-async": 1.09}, newest | {"late_activation": None})
+    assert main(["seeds", str(tmp_path / "native"), str(tmp_path / "asteria"), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "seeds.json").read_text())
+    pair = summary["pairs"]["soap-async"]["final_val_loss"]["per_seed"]
+    assert list(pair.values()) == pytest.approx([0.98 / 1.00 - 1, 1.09 / 1.10 - 1])
+    # The same native runs as a baseline: no difference reported for settings they do not read.
+    assert main(["seeds", str(tmp_path / "asteria"), "--baseline", str(tmp_path / "native"),
+                 "--out", str(tmp_path / "out2")]) == 0
+    assert json.loads((tmp_path / "out2" / "seeds.json").read_text())["baseline_differs_in"] == {}
+    write(tmp_path / "asteria" / "seed3", 3, {"soap-async": 1.0}, newest | {"late_activation": False})
+    capsys.readouterr()
+    assert main(["seeds", str(tmp_path / "native"), str(tmp_path / "asteria"), "--out", str(tmp_path / "out3")]) == 2
+    assert "late_activation: true in" in capsys.readouterr().err

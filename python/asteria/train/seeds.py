@@ -141,11 +141,18 @@ POOLED_SETTINGS = ("seed", "eval_every", "checkpoint_every", "keep_checkpoints")
 #: pooled as well under the deterministic rule, where they change only the timing; under the newest-finished
 #: rule the timing decides which versions are used
 TIMING_SETTINGS = ("workers", "placement", "prefetch")
+#: settings that only Asteria-mode runs read: a results file of native and AdamW runs alone pools across
+#: them (so native runs pool across sessions whose Asteria defaults differ)
+ASTERIA_ONLY_SETTINGS = ("staleness", "deterministic", "lag_steps", "late_activation", "workers", "placement",
+                         "prefetch")
+#: read by native runs too when they are staggered (``--stagger``), else by Asteria-mode runs only
+STAGGER_SETTINGS = ("sync_refreshes", "stagger_split")
 
 
-def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings that must agree for runs to pool; a setting newer than the results file counts as the
-    value runs had before it existed (as for resuming a checkpoint)."""
+def _math_settings(config: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+    """The settings that must agree for runs to pool, for a results file of the configs ``labels``; a
+    setting newer than the results file counts as the value runs had before it existed (as for resuming a
+    checkpoint)."""
     before = {f.name: f.default for f in fields(RunConfig)} | LEGACY_SETTINGS
     config = {k: v for k, v in before.items() if k not in config} | config
     if config.get("late_activation") is None:  # the default: on exactly where allowed (the newest-finished rule)
@@ -153,6 +160,8 @@ def _math_settings(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("stagger_split") is None:  # the default: on where the schedule is staggered (bench: one process)
         config["stagger_split"] = resolved_stagger_split(config, processes=1)
     pooled = POOLED_SETTINGS + (TIMING_SETTINGS if config.get("deterministic", True) else ())
+    if not any(parse_config(label)[1] == "async" for label in labels):
+        pooled += ASTERIA_ONLY_SETTINGS + (STAGGER_SETTINGS if config.get("stagger") is not True else ())
     return {k: v for k, v in config.items() if k not in pooled}
 
 
@@ -202,38 +211,39 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         results = _read_results(file)
         if results is None:
             continue
-        settings[file] = _math_settings(results["config"])
+        settings[file] = _math_settings(results["config"], list(results["runs"]))
         for label, row in results["runs"].items():
             per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
         devices.append(results["device"])
         codes[_code_of(results)] += 1
     if not per_seed:
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: no `asteria bench` results.json at or below them")
-    # Runs of other settings (steps, staggering, ...) are other experiments: never pooled.
-    first = next(iter(settings.values()))
-    differ = sorted({key for config in settings.values() for key in first.keys() | config.keys()
-                     if config.get(key, "(absent)") != first.get(key, "(absent)")})
+    # Runs of other settings (steps, staggering, ...) are other experiments: never pooled. A setting a file
+    # leaves out (one its runs do not read) agrees with every value.
+    shared: dict[str, Any] = {}
+    holders_of: dict[str, dict[str, list[str]]] = {}
+    for file, config in settings.items():
+        for key, value in config.items():
+            shared.setdefault(key, value)
+            holders_of.setdefault(key, {}).setdefault(json.dumps(value), []).append(str(file))
+    differ = sorted(key for key, holders in holders_of.items() if len(holders) > 1)
     if differ:
         parts = []
         for key in differ:
-            holders: dict[str, list[str]] = {}
-            for file, config in settings.items():
-                value = json.dumps(config[key]) if key in config else "(absent)"
-                holders.setdefault(value, []).append(str(file))
+            holders = holders_of[key]
             parts.append(f"{key}: " + "; ".join(f"{value} in {_some(files)}" for value, files in holders.items()))
         raise ValueError(f"Invalid runs={[str(p) for p in paths]}: their settings differ in more than "
                          f"{', '.join(POOLED_SETTINGS)} (and {', '.join(TIMING_SETTINGS)} under the deterministic "
                          f"rule): {' | '.join(parts)}; gather the runs of one setting at a time")
-    return per_seed, list(dict.fromkeys(devices)), dict(codes), first
+    return per_seed, list(dict.fromkeys(devices)), dict(codes), shared
 
 
 def setting_differences(runs: dict[str, Any], baseline: dict[str, Any]) -> dict[str, list[Any]]:
-    """The shared settings in which two sets of runs differ, timing-only settings left out: key -> [the runs'
-    value, the baseline's]."""
-    absent = "(absent)"
-    keys = sorted((runs.keys() | baseline.keys()) - set(TIMING_SETTINGS))
-    return {key: [runs.get(key, absent), baseline.get(key, absent)]
-            for key in keys if runs.get(key, absent) != baseline.get(key, absent)}
+    """The shared settings in which two sets of runs differ, timing-only settings left out (and those one
+    side does not read, e.g. Asteria's against a baseline of native runs alone): key -> [the runs' value,
+    the baseline's]."""
+    keys = sorted((runs.keys() & baseline.keys()) - set(TIMING_SETTINGS))
+    return {key: [runs[key], baseline[key]] for key in keys if runs[key] != baseline[key]}
 
 
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
