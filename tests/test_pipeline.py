@@ -453,7 +453,7 @@ def test_stagger_split_evens_out_the_refresh_bursts_without_changing_the_math(ki
         model, opt = make(split, mode="sync")
         with opt:
             train(model, opt, 25, data=regression_data(sizes=sizes))
-            runs.append((len(opt._groups), [p.detach().clone() for p in model.parameters()]))
+            runs.append((len(opt._set_groups), [p.detach().clone() for p in model.parameters()]))
     assert runs[1][0] > runs[0][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     # A checkpoint of one batching does not load into the other, and the error says why.
@@ -467,10 +467,34 @@ def test_stagger_split_evens_out_the_refresh_bursts_without_changing_the_math(ki
     ({"mode": "sync", "stagger": True}, True), ({"mode": "async", "stagger_split": False}, False),
 ], ids=["async", "async-unstaggered", "sync", "sync-staggered", "async-whole"])
 def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
-    """``stagger_split=None`` (the default) splits the groups exactly where the schedule is staggered on one
-    process (several ranks: ``tests/distributed``); runtime_stats reports the outcome."""
+    """``stagger_split=None`` (the default) splits the large factor sets exactly where the schedule is
+    staggered on one process (several ranks: ``tests/distributed``); runtime_stats reports the outcome. The
+    preconditioners stay on the device here, so the shape groups stay whole and only the refreshed sets are
+    cut: the 24 weights' two sets and the 24 biases' set into four runs each."""
     sizes = (16,) * 25 + (4,)
     with asteria.Shampoo(small_mlp(sizes=sizes).parameters(), lr=0.01, precondition_frequency=10,
                          max_preconditioner_dim=16, runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
         assert opt.stagger_split is split and opt.runtime_stats()["stagger_split"] is split
-        assert len(opt._groups) == (10 if split else 4)  # the 24 weights and the 24 biases in four runs each
+        assert len(opt._groups) == 4 and len(opt._set_groups) == (15 if split else 6)
+
+
+@pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)
+def test_split_sets_on_whole_groups_train_as_split_groups_do(kind, tmp_path):
+    """On the device the sets are cut into views of whole groups (one batch per shape for the step's
+    math); with an NVMe tier (which moves whole sets) the groups themselves are cut. Both give the same
+    refresh units in the same order, so the staggered schedule and, under the deterministic rule, every
+    parameter are the same, bit for bit."""
+    sizes = (16,) * 25 + (4,)
+    runs = []
+    for memory in (asteria.MemoryConfig(), asteria.MemoryConfig(nvme_dir=str(tmp_path))):
+        model = small_mlp(sizes=sizes)
+        runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger_split=True, memory=memory)
+        with kind(model.parameters(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=16,
+                  runtime=runtime) as opt:
+            train(model, opt, 35, data=regression_data(sizes=sizes))
+            runs.append((len(opt._groups), [(s.batch, s.dim) for s, _ in opt._set_groups], list(opt.schedule.phases),
+                         [p.detach().clone() for p in model.parameters()], opt.runtime_stats()["refreshes"]))
+    (sliced_groups, *sliced), (split_groups, *split) = runs
+    assert sliced_groups < split_groups
+    assert sliced[0] == split[0] and sliced[1] == split[1] and sliced[3] == split[3] > 0
+    assert all(torch.equal(a, b) for a, b in zip(sliced[2], split[2]))

@@ -101,10 +101,11 @@ class RuntimeConfig:
         stagger_split: also split the shape groups whose factor sets would carry more than an even share
             (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
             it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
-            160M-parameter model) otherwise brings most of a step's jobs at once. Only the batching
-            changes, not the math; smaller groups mean more, smaller kernels per step. ``None``: on
-            wherever the schedule is staggered on one process (async mode by default); on several ranks
-            only when asked. True needs ``stagger`` not False.
+            160M-parameter model) otherwise brings most of a step's jobs at once. Only what a refresh
+            covers changes, not the math: preconditioners on the device are refreshed in runs of blocks
+            (views of the whole group, which the step still computes as one batch); the other placements
+            split the shape groups. ``None``: on wherever the schedule is staggered on one process (async
+            mode by default); on several ranks only when asked. True needs ``stagger`` not False.
         sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
             eigendecomposition, then the first refreshes after it) are waited for at their own step
             (lag 0) under either rule, so that training does not run S intervals on the grafting

@@ -19,7 +19,7 @@ from asteria import _core
 from asteria.config import RuntimeConfig
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
-from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger
+from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -82,17 +82,30 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                                     or (memory.placement == "auto" and memory.gpu_budget is not None)):
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
-        #: the shape groups are split for the stagger (``RuntimeConfig.stagger_split`` resolved)
+        #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split`` resolved)
         self.stagger_split = self._splits_groups()
-        if self.stagger_split:
+        # Where the preconditioners stay on the device, only the refresh units are split (views of the
+        # groups' tensors): the step's math keeps one batch per shape. The other tiers move whole sets,
+        # so there the shape groups themselves are split.
+        runs = None
+        if self.stagger_split and self._resident_from_start():
+            runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims)
+        elif self.stagger_split:
             self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
+        #: the factor sets the schedule refreshes (slices of the groups' sets when split), with their groups
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
+        #: the groups' own sets, whose tensors the tiers hold (the same as ``_set_groups`` unless sliced)
+        self._home_sets: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []
-        for group in self._groups:
+        for index, group in enumerate(self._groups):
             group.state[NONFINITE_STREAK] = torch.zeros(group.batch, dtype=torch.int32, device=group.device)
             group.state[NONFINITE_TOTAL] = torch.zeros(group.batch, dtype=torch.int64, device=group.device)
             group_sets.append(self._init_group(group))
-            self._set_groups += [(fset, group) for fset in group_sets[-1]]
+            self._home_sets += [(fset, group) for fset in group_sets[-1]]
+            if runs is None or len(runs[index]) == 1:
+                self._set_groups += [(fset, group) for fset in group_sets[-1]]
+            else:  # run by run, each run's modes together: the order the split groups would have
+                self._set_groups += [(fset.slice(a, b), group) for a, b in runs[index] for fset in group_sets[-1]]
         self._group_index = {id(group): index for index, group in enumerate(self._groups)}
         self._tier = PreconditionerTier(self.placement, group_sets)
         self._reading: dict[int, list[Tensor]] = {}
@@ -126,6 +139,13 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         from asteria.distributed import topology
 
         return self.runtime.stagger_wanted() and topology(self.runtime) is None
+
+    def _resident_from_start(self) -> bool:
+        """Whether the preconditioners in use stay where they are allocated, on the parameters' device: no
+        host placement, no NVMe tier, and no GPU budget that could move them to the host."""
+        memory = self.runtime.memory
+        return (self.placement == "device" and memory.nvme_dir is None
+                and not (memory.placement == "auto" and memory.gpu_budget is not None))
 
     def _staggered(self, sets: list[FactorSet]) -> bool:
         """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode).

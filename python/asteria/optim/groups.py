@@ -117,24 +117,37 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
     return list(groups.values())
 
 
-def split_for_stagger(groups: list[ShapeGroup], interval: int,
-                      refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[ShapeGroup]:
-    """Splits the groups whose factor sets carry more than an even share of an interval's refresh work
-    (1 / ``interval`` of all sets' batch x dim^3) into near-equal runs of consecutive blocks, so that the
-    staggered schedule can spread the work evenly: a set is refreshed whole at its one step of the
-    interval, and one large set would otherwise bring most of a step's jobs at once.
-    ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none).
-    Only the batching changes, not the math; a group that fits stays as it is."""
+def stagger_runs(groups: list[ShapeGroup], interval: int,
+                 refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[list[tuple[int, int]]]:
+    """Per group, the runs ``[a, b)`` of consecutive blocks that the staggered schedule should refresh as
+    separate factor sets so that it can spread the work evenly: a group whose sets carry more than an even
+    share of an interval's refresh work (1 / ``interval`` of all sets' batch x dim^3) is cut into near-equal
+    runs; a group that fits is one run. A set is refreshed whole at its one step of the interval, and one
+    large set would otherwise bring most of a step's jobs at once. ``refresh_dims(group)`` gives the
+    dimensions of the group's factor sets (none: the group has none)."""
     cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
     share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / interval
-    out: list[ShapeGroup] = []
+    runs: list[list[tuple[int, int]]] = []
     for group, c in zip(groups, cubes):
         per_block = max(c, default=0)
         if per_block == 0 or group.batch * per_block <= share:
-            out.append(group)
+            runs.append([(0, group.batch)])
             continue
         parts = -(-group.batch // max(1, int(share // per_block)))
         bounds = [round(i * group.batch / parts) for i in range(parts + 1)]
+        runs.append(list(zip(bounds, bounds[1:])))
+    return runs
+
+
+def split_for_stagger(groups: list[ShapeGroup], interval: int,
+                      refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[ShapeGroup]:
+    """The groups cut into the runs of ``stagger_runs``, each a shape group of its own (for preconditioners
+    that the tiers move set by set: host, device views, NVMe). Only the batching changes, not the math."""
+    out: list[ShapeGroup] = []
+    for group, runs in zip(groups, stagger_runs(groups, interval, refresh_dims)):
+        if len(runs) == 1:
+            out.append(group)
+            continue
         out += [ShapeGroup(group.group_index, group.shape, group.device, group.blocks[a:b], group.params[a:b])
-                for a, b in zip(bounds, bounds[1:])]
+                for a, b in runs]
     return out

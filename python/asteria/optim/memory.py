@@ -49,11 +49,11 @@ class MemoryTiers:
         memory = self.runtime.memory
         if memory.placement != "auto" or self.placement != "device" or memory.gpu_budget is None:
             return
-        if not any(s.device.type == "cuda" for s, _ in self._set_groups):
+        if not any(s.device.type == "cuda" for s, _ in self._home_sets):
             return
         if self.memory_report()["device"]["total"] <= memory.gpu_budget:
             return
-        for fset, group in self._set_groups:
+        for fset, group in self._home_sets:
             key = next(k for k, t in group.state.items() if t is fset.preconditioners)
             group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
         self.placement = "host"
@@ -75,8 +75,8 @@ class MemoryTiers:
             return
         check_arg(self.runtime.mode == "async", "memory.nvme_dir", memory.nvme_dir,
                   "the NVMe tier needs mode='async' (the native sync mode keeps everything on the device)")
-        on_host = [fset for fset, _ in self._set_groups if fset.preconditioners.device.type == "cpu"]
-        check_arg(bool(on_host) or not self._set_groups, "memory.nvme_dir", memory.nvme_dir,
+        on_host = [fset for fset, _ in self._home_sets if fset.preconditioners.device.type == "cpu"]
+        check_arg(bool(on_host) or not self._home_sets, "memory.nvme_dir", memory.nvme_dir,
                   f"the NVMe tier pages host-resident preconditioners, and placement {self.placement!r} keeps them on "
                   "the GPU: use placement='host'")
         check_arg(self.placement in ("host", "device"), "memory.nvme_dir", memory.nvme_dir,
@@ -104,7 +104,7 @@ class MemoryTiers:
             return
         keys = {}
         chosen_ids = {id(fset) for fset in chosen}
-        for fset, group in self._set_groups:
+        for fset, group in self._home_sets:
             if id(fset) in chosen_ids:
                 keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
         self._tier.page(chosen, memory.nvme_dir, self.runtime.timeout_s)
@@ -141,7 +141,7 @@ class MemoryTiers:
         refresh buffers), ``nvme`` (nothing in this release); with the placement, the peak staging
         bytes and the bytes staged to the device so far."""
         tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
-        homes = {id(fset.preconditioners) for fset, _ in self._set_groups}
+        homes = {id(fset.preconditioners) for fset, _ in self._home_sets}
         for index, group in enumerate(self._groups):
             for key, tensor in group.state.items():
                 # Preconditioners in host memory count as host state even for CPU parameters (the host

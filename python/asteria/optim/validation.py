@@ -85,7 +85,8 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     check_arg(is_int(step) and step >= 0, "state_dict['step']", step, "must be an int >= 0")
     for key, expected, what in (("groups", len(opt._groups), "shape group"),
                                 ("param_groups", len(opt.param_groups), "param group"),
-                                ("versions", len(opt._set_groups), "factor set")):
+                                ("versions", len(opt._set_groups), "factor set refreshed (the sets are split for "
+                                 "the stagger or not: RuntimeConfig.stagger_split differ?)")):
         value = state_dict[key]
         check_arg(isinstance(value, (list, tuple)) and len(value) == expected, f"state_dict[{key!r}]",
                   f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",

@@ -57,6 +57,22 @@ class FactorSet:
     def describe(self, block: int) -> str:
         return f"block {block} of {self.name}"
 
+    def slice(self, start: int, stop: int) -> FactorSet:
+        """Blocks ``[start, stop)`` as a set of their own on views of this set's tensors, so that what is
+        installed into it lands in this set's preconditioners: the unit the staggered schedule refreshes
+        when a large set is split (``RuntimeConfig.stagger_split``) while the math keeps reading the whole."""
+        permute = None
+        if self.permute is not None:
+            whole = self.permute
+
+            def permute(blocks: Tensor, order: Tensor) -> None:
+                whole(blocks + start, order)
+
+        return FactorSet(name=f"{self.name}, blocks {start}-{stop - 1}", factors=self.factors[start:stop],
+                         preconditioners=self.preconditioners[start:stop], installed=self.installed[start:stop],
+                         exponent=self.exponent, block_params=self.block_params[start:stop], kind=self.kind,
+                         permute=permute, versions=self.versions[start:stop])
+
 
 @dataclass(frozen=True)
 class RootRequest:
