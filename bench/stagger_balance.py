@@ -1,5 +1,5 @@
 """How evenly the staggered schedule spreads the refresh work over the steps of an interval, with the
-shape groups whole and split (``RuntimeConfig(stagger_split=True)``): per step of one interval after the
+large factor sets whole and split (``RuntimeConfig(stagger_split=True)``): per step of one interval after the
 sync refreshes, the jobs (blocks refreshed) and their work (sum of dim^3, in units of 1024^3), and the
 busiest step against the mean. Builds the optimizers on the CPU without training (nothing is timed).
 
@@ -32,11 +32,11 @@ def main() -> None:
             with KINDS[name](model.named_parameters(), max_preconditioner_dim=args.max_preconditioner_dim,
                              precondition_frequency=args.frequency, runtime=runtime) as opt:
                 per_step = opt.schedule.interval_loads([(s.batch, s.dim) for s, _ in opt._set_groups])
-                groups = len(opt._groups)
+                sets = len(opt._set_groups)
             work = [w / 1024**3 for _, w in per_step]
             mean = sum(work) / len(work)
             cells = " ".join(f"{jobs}/{w:.1f}" for (jobs, _), w in zip(per_step, work))
-            print(f"{name:>10} {'split' if split else 'whole':>5} ({groups:2d} groups): {cells} | "
+            print(f"{name:>10} {'split' if split else 'whole':>5} ({sets:2d} sets): {cells} | "
                   f"busiest {max(work):.1f} = {max(work) / mean:.2f}x the mean {mean:.1f}")
 
 
