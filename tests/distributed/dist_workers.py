@@ -120,6 +120,23 @@ def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None 
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
+def split_run(shard: tuple[int, int] | None, steps: int = 9) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Shampoo at f = 4, where the 20 square blocks' sets carry more than a step's share of an interval,
+    with ``stagger_split=True`` (lag 1): the parameters after ``steps``, the shape groups and the refreshed
+    sets. Under DDP (``shard``) the shape groups themselves are cut; one process slices its sets instead."""
+    net = model()
+    if shard is not None:
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, timeout_s=20.0, stagger=True,
+                                    stagger_split=True, lag_steps=1, local_world_size=LOCAL if shard else None)
+    with asteria.Shampoo(net.parameters(), lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=4,
+                         runtime=runtime) as opt:
+        train(net, opt, data(steps), shard)
+        groups, sets = len(opt._groups), len(opt._set_groups)
+    module = net.module if shard is not None else net
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, groups, sets
+
+
 def segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("asteria-")}
 
@@ -157,6 +174,7 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
         except ValueError as error:
             result["runs"][(kind, staleness, lag_steps)]["foreign_load"] = str(error)
         opt.close()
+    result["split"] = split_run((rank, world))
     try:
         optimizer("shampoo", model().parameters(), 1, deterministic=False)
         result["nondeterministic"] = "accepted"

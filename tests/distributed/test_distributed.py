@@ -84,6 +84,14 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         assert result["segment_visible"] is False
         assert "Invalid deterministic=False" in result["nondeterministic"]
         assert "Invalid stagger=True: the ranks' factor sets differ" in result["uneven_stagger"]
+    # Split sets asked for on several ranks: the groups are cut there, the sets sliced on one process; the
+    # same refresh units, and the replicas end where one process ends.
+    reference, groups, sets = W.split_run(None)
+    for result in results:
+        params, rank_groups, rank_sets = result["split"]
+        assert rank_sets == sets and rank_groups > groups
+        for name, value in reference.items():
+            torch.testing.assert_close(params[name], value, **TOLS["shampoo"], msg=f"split {name}")
     for kind, staleness, steps, lag_steps, stagger in runs:
         per_rank = [r["runs"][(kind, staleness, lag_steps)] for r in results]
         reference = W.single_process(kind, staleness, steps, lag_steps, stagger)

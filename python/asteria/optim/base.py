@@ -84,11 +84,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
         #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split`` resolved)
         self.stagger_split = self._splits_groups()
-        # Where the preconditioners stay on the device, only the refresh units are split (views of the
-        # groups' tensors): the step's math keeps one batch per shape. The other tiers move whole sets,
-        # so there the shape groups themselves are split.
+        # Where the preconditioners stay on the device of one process, only the refresh units are split
+        # (views of the groups' tensors): the step's math keeps one batch per shape. The other tiers move
+        # whole sets, and on several ranks the refresher shares out whole groups' blocks, so there the shape
+        # groups themselves are split.
         runs = None
-        if self.stagger_split and self._resident_from_start():
+        if self.stagger_split and self._resident_from_start() and self._one_process():
             runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims)
         elif self.stagger_split:
             self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
@@ -132,13 +133,16 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.close()
             raise
 
+    def _one_process(self) -> bool:
+        from asteria.distributed import topology
+
+        return topology(self.runtime) is None
+
     def _splits_groups(self) -> bool:
         """``RuntimeConfig.stagger_split``, or for None whether the schedule is staggered on one process."""
         if self.runtime.stagger_split is not None:
             return self.runtime.stagger_split
-        from asteria.distributed import topology
-
-        return self.runtime.stagger_wanted() and topology(self.runtime) is None
+        return self.runtime.stagger_wanted() and self._one_process()
 
     def _resident_from_start(self) -> bool:
         """Whether the preconditioners in use stay where they are allocated, on the parameters' device: no
