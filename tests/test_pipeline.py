@@ -7,6 +7,7 @@ import torch
 
 import asteria
 from asteria import testing
+from asteria.errors import RefreshError
 from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
 from conftest import regression_data, small_mlp, train
 
@@ -498,3 +499,49 @@ def test_split_sets_on_whole_groups_train_as_split_groups_do(kind, tmp_path):
     assert sliced_groups < split_groups
     assert sliced[0] == split[0] and sliced[1] == split[1] and sliced[3] == split[3] > 0
     assert all(torch.equal(a, b) for a, b in zip(sliced[2], split[2]))
+
+
+@pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)
+def test_sliced_sets_resume_bit_for_bit(kind):
+    """A checkpoint of sliced sets (each slice's versions, the refreshes in flight) resumes exactly."""
+    sizes = (16,) * 25 + (4,)
+    data = regression_data(sizes=sizes)
+
+    def make():
+        model = small_mlp(sizes=sizes)
+        runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=2, stagger_split=True)
+        return model, kind(model.parameters(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=16,
+                           runtime=runtime)
+
+    model, opt = make()
+    with opt:
+        assert len(opt._set_groups) > 2 * len(opt._groups)  # sliced
+        train(model, opt, 17, data=data)
+        saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+        continued = train(model, opt, 12, data=data)
+        reference = [p.detach().clone() for p in model.parameters()]
+    model2, opt2 = make()
+    with opt2:
+        with torch.no_grad():
+            for p, q in zip(model2.parameters(), params):
+                p.copy_(q)
+        opt2.load_state_dict(saved)
+        assert train(model2, opt2, 12, data=data) == continued
+    assert all(torch.equal(a, b) for a, b in zip(reference, model2.parameters()))
+
+
+def test_fault_injection_finds_the_blocks_of_sliced_sets():
+    """``asteria.testing`` reads the mode from a sliced set's name too ("..., mode 1, blocks 6-11"); a
+    parameter whose jobs keep failing is named with its block's place in the shape group."""
+    sizes = (16,) * 25 + (4,)
+    model = small_mlp(sizes=sizes)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger_split=True)
+    with asteria.Shampoo(list(model.named_parameters()), lr=0.01, precondition_frequency=10,
+                         max_preconditioner_dim=16, runtime=runtime) as opt:
+        blocks = testing.engine_blocks(opt, "20.weight")
+        assert sorted(b.mode for b in blocks) == [0, 1]
+        assert all(b.factor.startswith("block 10 of ") and ", blocks 6-11" in b.factor for b in blocks)
+        testing.inject_fault(opt, "20.weight", "throw")
+        with pytest.raises(RefreshError, match=r"refresh of block 10 of param group 0, blocks \(16, 16\), mode \d, "
+                                               r"blocks 6-11 of parameter '20.weight' failed"):
+            train(model, opt, 40, data=regression_data(sizes=sizes))

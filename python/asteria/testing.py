@@ -12,6 +12,8 @@ a NaN, which the engine's quality gate rejects), ``"hang"`` (it blocks until ``o
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +47,7 @@ def engine_blocks(opt: SecondOrderOptimizer, param: str | None = None) -> list[E
     _engine(opt)
     out = []
     for fset, ids in zip(refresher.sets, refresher.ids):
-        mode = int(fset.name.rsplit("mode ", 1)[1])
+        mode = int(re.search(r"mode (\d+)", fset.name).group(1))  # "..., mode 1" or "..., mode 1, blocks 0-5"
         for block, block_id in enumerate(ids):
             if param is None or fset.block_params[block] == param:
                 out.append(EngineBlock(block_id, fset.block_params[block], fset.describe(block), mode))

@@ -26,6 +26,7 @@ class FactorSet:
             (b,) block indices and (b, n) the old basis' column order the new one follows, so that
             state kept in the eigenbasis (SOAP's second moment) can follow the reordering.
         versions: per block, the version in use (0: none yet), kept on the host.
+        offset: where the set's first block sits in its shape group (a slice of a larger set: ``slice``).
     """
 
     name: str
@@ -37,6 +38,7 @@ class FactorSet:
     kind: str = "root"
     permute: Callable[[Tensor, Tensor], None] | None = None
     versions: list[int] = field(default_factory=list)
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -55,7 +57,8 @@ class FactorSet:
         return self.factors.device
 
     def describe(self, block: int) -> str:
-        return f"block {block} of {self.name}"
+        """Block ``block`` of this set, named by its place in the shape group."""
+        return f"block {self.offset + block} of {self.name}"
 
     def slice(self, start: int, stop: int) -> FactorSet:
         """Blocks ``[start, stop)`` as a set of their own on views of this set's tensors, so that what is
@@ -71,7 +74,7 @@ class FactorSet:
         return FactorSet(name=f"{self.name}, blocks {start}-{stop - 1}", factors=self.factors[start:stop],
                          preconditioners=self.preconditioners[start:stop], installed=self.installed[start:stop],
                          exponent=self.exponent, block_params=self.block_params[start:stop], kind=self.kind,
-                         permute=permute, versions=self.versions[start:stop])
+                         permute=permute, versions=self.versions[start:stop], offset=self.offset + start)
 
 
 @dataclass(frozen=True)
