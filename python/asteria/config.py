@@ -98,7 +98,7 @@ class RuntimeConfig:
             (the native baseline refreshes everything together); on several ranks only where every rank
             has the same factor sets (DDP), as a block's replicas must refresh it at the same step.
             Deterministic either way.
-        stagger_split: also split the shape groups whose factor sets would carry more than an even share
+        stagger_split: also cut the factor sets that would carry more than an even share
             (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
             it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
             160M-parameter model) otherwise brings most of a step's jobs at once. Only what a refresh
