@@ -322,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefetch", default=None, help="Asteria runs: where asteria.attach activates "
                         "(asteria train --prefetch) [default: asteria train's]")
     parser.add_argument("--stagger-split", action=argparse.BooleanOptionalAction, default=None,
-                        help="Asteria runs: split the shape groups for the stagger (asteria train --stagger-split) "
-                             "[default: asteria train's, on one process only]")
+                        help="Asteria runs: split the large factor sets for the stagger (asteria train "
+                             "--stagger-split) [default: asteria train's, on one process only]")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
                         help="every run writes a torch.profiler trace of these steps per rank (asteria train "
                              "--profile-steps): OUT/<config>/<run>/trace-rank<R>.json.gz")

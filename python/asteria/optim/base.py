@@ -78,18 +78,22 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
-        if group_bytes is None and (self.placement != "device" or memory.nvme_dir is not None
-                                    or (memory.placement == "auto" and memory.gpu_budget is not None)):
+        if group_bytes is None and not self._resident_from_start():
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
-        #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split`` resolved)
-        self.stagger_split = self._splits_groups()
+        from asteria.distributed import topology
+
+        one_process = topology(self.runtime) is None
+        #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split``; None: wherever
+        #: the schedule is staggered on one process)
+        self.stagger_split = (self.runtime.stagger_split if self.runtime.stagger_split is not None
+                              else self.runtime.stagger_wanted() and one_process)
         # Where the preconditioners stay on the device of one process, only the refresh units are split
         # (views of the groups' tensors): the step's math keeps one batch per shape. The other tiers move
         # whole sets, and on several ranks the refresher shares out whole groups' blocks, so there the shape
         # groups themselves are split.
         runs = None
-        if self.stagger_split and self._resident_from_start() and self._one_process():
+        if self.stagger_split and one_process and self._resident_from_start():
             runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims)
         elif self.stagger_split:
             self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
@@ -132,17 +136,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         except BaseException:
             self.close()
             raise
-
-    def _one_process(self) -> bool:
-        from asteria.distributed import topology
-
-        return topology(self.runtime) is None
-
-    def _splits_groups(self) -> bool:
-        """``RuntimeConfig.stagger_split``, or for None whether the schedule is staggered on one process."""
-        if self.runtime.stagger_split is not None:
-            return self.runtime.stagger_split
-        return self.runtime.stagger_wanted() and self._one_process()
 
     def _resident_from_start(self) -> bool:
         """Whether the preconditioners in use stay where they are allocated, on the parameters' device: no
@@ -421,7 +414,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         fraction, bytes copied between tiers, install delays, and skipped non-finite gradient steps.
         ``lag_steps`` is the deterministic rule's steps from a snapshot to its use (None: not that rule);
         ``late_activation`` whether ``step()`` waits for the end of the backward pass (``asteria.attach``);
-        ``stagger_split`` whether the shape groups were split for the stagger (``RuntimeConfig.stagger_split``)."""
+        ``stagger_split`` whether the large factor sets are split for the stagger (``RuntimeConfig.stagger_split``)."""
         runtime = self.runtime
         deterministic = runtime.mode == "async" and runtime.deterministic
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,

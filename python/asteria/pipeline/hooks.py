@@ -56,19 +56,17 @@ class AttachHandle:
         self._handles = handles
         #: whether this handle turned the optimizer's late activation on (kept after ``remove()``)
         self.late_activation = late_activation
-        self._late = late_activation  # remove() turns the optimizer's late activation off again
 
     @property
     def num_hooks(self) -> int:
         return len(self._handles)
 
     def remove(self) -> None:
+        if self.late_activation and self._handles:  # late activation needs a drain hook: not yet removed
+            self.optimizer.late_activation = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._late:
-            self.optimizer.late_activation = False
-            self._late = False
 
     def __enter__(self) -> AttachHandle:
         return self

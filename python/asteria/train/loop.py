@@ -213,9 +213,8 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
     split, stagger = config.get("stagger_split"), config.get("stagger")
     if config.get("optimizer") == "adamw" or not (config.get("mode") == "async" or stagger is True):
         return False
-    if split is not None:
-        return split
-    return processes == 1 and (stagger if stagger is not None else config.get("mode") == "async")
+    # Here the schedule is staggered unless --no-stagger (async mode's default).
+    return split if split is not None else processes == 1 and stagger is not False
 
 
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
