@@ -134,6 +134,17 @@ def test_the_last_of_several_caps_restores(restore_torch_threads):
     assert torch.get_num_threads() == 3
 
 
+@pytest.mark.parametrize("first_closed", ["older", "newer"])
+def test_caps_of_different_counts_restore_in_any_order(restore_torch_threads, first_closed):
+    torch.set_num_threads(2)
+    older, newer = cpus.TorchThreadCap(1, []), cpus.TorchThreadCap(3, [])
+    assert torch.get_num_threads() == 3
+    (older if first_closed == "older" else newer).restore()
+    assert torch.get_num_threads() == (3 if first_closed == "older" else 1)  # the live cap's count
+    (newer if first_closed == "older" else older).restore()
+    assert torch.get_num_threads() == 2  # the count before the first cap
+
+
 @pytest.mark.parametrize("value", [0, -1, "all", 1.5, True])
 def test_runtime_config_rejects_bad_torch_threads(value):
     with pytest.raises(ValueError, match=f"Invalid torch_threads={value!r}"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,6 +49,7 @@ class MemoryConfig:
     group_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        _plain_fields(self)
         for name in ("gpu_budget", "host_budget", "nvme_budget", "group_bytes"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value > 0), name, value,
@@ -144,6 +146,7 @@ class RuntimeConfig:
     local_world_size: int | None = None
 
     def __post_init__(self) -> None:
+        _plain_fields(self)
         _check(self.mode in MODES, "mode", self.mode, f"must be one of {MODES}")
         _check(_is_int(self.staleness) and self.staleness >= 0, "staleness", self.staleness, "must be an int >= 0")
         _check(self.workers is None or (_is_int(self.workers) and self.workers >= 1), "workers", self.workers,
@@ -174,7 +177,7 @@ class RuntimeConfig:
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
         _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
                "must be an int >= 0")
-        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+        _check(isinstance(self.timeout_s, numbers.Real) and not isinstance(self.timeout_s, bool)
                and math.isfinite(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
         _check(_is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
@@ -225,4 +228,20 @@ class RuntimeConfig:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars (also inside a tuple or list) turned into Python ones, as the
+    optimizers and the C++ runtime store and pass them."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, numbers.Number) and hasattr(value, "item") and not isinstance(value, bool):
+        return value.item()
+    return value
+
+
+def _plain_fields(config: Any) -> None:
+    """Turns NumPy scalars in ``config``'s fields into Python ones."""
+    for name in config.__dataclass_fields__:
+        setattr(config, name, plain(getattr(config, name)))

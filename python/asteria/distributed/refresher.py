@@ -53,6 +53,8 @@ class PeerError(RuntimeError):
 class DistributedRefresher(WorkerRefresher):
     """Refreshes each block on its owner's C++ workers and shares the result with every replica."""
 
+    STATE_KEYS = ("distributed", "scheduled", "consecutive_failures")
+
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int, groups: list[Any],
                  topo: Topology) -> None:
         super().__init__(sets, config, interval)
@@ -491,7 +493,7 @@ class DistributedRefresher(WorkerRefresher):
                               "requests": {index: (r.scale, r.eps, r.skip_tol) for index, r in requests.items()}})
         return {"distributed": self.identity(), "newest_versions": list(self._newest_versions),
                 "scheduled": scheduled,
-                "consecutive_failures": [c.copy() for c in self._consecutive]}
+                "consecutive_failures": [c.tolist() for c in self._consecutive]}  # ints: weights_only loads
 
     def load_state(self, state: dict[str, Any]) -> None:
         saved = state.get("distributed")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from asteria import _core
-from asteria.config import RuntimeConfig
+from asteria.config import RuntimeConfig, plain
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
@@ -60,15 +60,20 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         check_count(max_preconditioner_dim, "max_preconditioner_dim")
         check_count(precondition_frequency, "precondition_frequency")
         check_count(start_preconditioning_step, "start_preconditioning_step", optional=True)
+        max_preconditioner_dim, precondition_frequency, start_preconditioning_step = plain(
+            (max_preconditioner_dim, precondition_frequency, start_preconditioning_step))
         start = precondition_frequency if start_preconditioning_step is None else start_preconditioning_step
         check_arg(runtime is None or isinstance(runtime, RuntimeConfig), "runtime", runtime,
                   "must be None or an asteria.RuntimeConfig")
-        super().__init__(params, defaults)
+        super().__init__(params, {k: plain(v) for k, v in defaults.items()})
         self.runtime = runtime or RuntimeConfig()
         self.max_preconditioner_dim = max_preconditioner_dim
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
         self._step = 0
+        #: what the refresh engine has seen ("": nothing, no step and no checkpoint loaded): only then may an
+        #: async optimizer load a state_dict (its engine cannot go back to earlier versions)
+        self._used = ""
         self._activated_step = 0  # the newest step whose activation has been done
         #: set by ``asteria.attach(late_activation=True)``: ``step()``'s last activation waits for the GPU to
         #: reach the end of the backward pass (``mark_backward``)
@@ -193,6 +198,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if getattr(self, "_groups", None) is not None:
             raise ValueError("Invalid add_param_group after construction: an Asteria optimizer batches its blocks "
                              "when it is built; create a new optimizer with every param group instead")
+        param_group.update({k: plain(v) for k, v in param_group.items() if k not in ("params", "param_names")})
+        betas = param_group.get("betas")
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            for key in getattr(self, "_follows_beta2", ()):  # defaults that follow this group's betas[1]
+                param_group.setdefault(key, betas[1])
         super().add_param_group(param_group)
         try:
             self.check_hyperparameters(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]")
@@ -238,6 +248,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._tier.end_step()
         self._backward.clear()
         self._step = step
+        self._used = "stepped"
         return loss
 
     def _activate(self, step: int) -> None:
@@ -363,7 +374,23 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         """The optimizer's full state: step, hyperparameters, every shape group's batched tensors
         (factors, preconditioners in use, moments, counters), the version each block uses, and the
         refreshes scheduled but not yet in use (as their snapshots, recomputed on load). With
-        ``deterministic=True`` a run resumed from it continues bit for bit."""
+        ``deterministic=True`` a run resumed from it continues bit for bit. Runs torch's state-dict
+        hooks (``register_state_dict_pre_hook`` / ``_post_hook``)."""
+        for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
+
+    def _bound(self) -> dict[str, int | None]:
+        """The staleness bound and the deterministic rule's lag (None: not that rule) a checkpoint's
+        refreshes in flight were scheduled under."""
+        deterministic = self.runtime.mode == "async" and self.runtime.deterministic
+        return {"staleness": self.runtime.staleness, "lag_steps": self._refresher.lag if deterministic else None}
+
+    def _state_dict(self) -> dict[str, Any]:
         param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(g["params"])))}
                         for g in self.param_groups]
         return {
@@ -379,12 +406,26 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
             "distributed": self._refresher.identity(),
+            "bound": self._bound(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
-        ``ValueError`` naming what differs otherwise, before anything is changed."""
+        ``ValueError`` naming what differs otherwise, before anything is changed. In async mode the
+        optimizer must be fresh (built, not yet stepped or loaded): its refresh engine cannot go back to
+        earlier versions, so a resume builds a new optimizer. Its staleness (and the deterministic rule's
+        lag) may grow on resume, not shrink: the refreshes in flight were scheduled under the saved bound.
+        Runs torch's load-state-dict hooks (``register_load_state_dict_pre_hook`` / ``_post_hook``)."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         validate_state_dict(self, state_dict)
+        if self.runtime.mode == "async" and self._used:
+            done = f"stepped (step {self._step})" if self._used == "stepped" else self._used
+            raise ValueError(f"Invalid load_state_dict into an async {type(self).__name__} that has already {done}: "
+                             "its refresh engine cannot go back to earlier versions; build a new optimizer and "
+                             "load the state_dict into it")
         for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
             paged = self._paged_keys.get(index, {})
             for key, tensor in saved.items():
@@ -398,7 +439,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]
         self._activated_step = state_dict["activated_step"]
+        self._used = "loaded a state_dict" if self.runtime.mode == "async" else ""
         self._refresher.load_state(state_dict["refresher"])
+        for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it owns refresh workers, host "
+                        "buffers and device state; save its state_dict() and load it into a new optimizer")
 
     # ---- reporting and life cycle ---------------------------------------------------------------
     def staleness(self) -> int:

@@ -55,7 +55,8 @@ class ShapeGroup:
         """
         present = [param.grad is not None for param in self.params]
         views = [
-            block.view(local(param.grad)) if param.grad is not None else torch.zeros(self.shape, device=self.device)
+            block.view(dense(local(param.grad), block.name)) if param.grad is not None
+            else torch.zeros(self.shape, device=self.device)
             for block, param in zip(self.blocks, self.params)
         ]
         grads = torch.stack(views).to(torch.float32)
@@ -68,20 +69,44 @@ class ShapeGroup:
     def param_views(self) -> list[Tensor]:
         """Each block's view of its parameter (of its local shard for a DTensor)."""
         if any(hasattr(param, "device_mesh") for param in self.params):
-            return [block.view(local(param.detach())) for block, param in zip(self.blocks, self.params)]
+            return [block.view(contiguous(local(param.detach()), block.name)) for block, param in
+                    zip(self.blocks, self.params)]
         pointers = tuple(param.data_ptr() for param in self.params)
         if self._param_views is None or self._param_views[0] != pointers:
-            views = [block.view(param.detach()) for block, param in zip(self.blocks, self.params)]
+            views = [block.view(contiguous(param.detach(), block.name)) for block, param in
+                     zip(self.blocks, self.params)]
             self._param_views = (pointers, views)
         return self._param_views[1]
 
     def gather_params(self) -> Tensor:
-        return torch.stack(self.param_views()).to(torch.float32)
+        """A stacked copy of the blocks, in float32 or wider: float64 parameters keep their precision
+        (an update of lr 0 leaves them bit for bit), half-precision ones are updated in float32."""
+        stacked = torch.stack(self.param_views())
+        return stacked.to(torch.promote_types(stacked.dtype, torch.float32))
 
     def scatter_params_(self, values: Tensor) -> None:
-        """Writes (B, *shape) values back into the parameters' blocks."""
-        targets = self.param_views()
-        torch._foreach_copy_(targets, list(values.to(targets[0].dtype).unbind(0)))
+        """Writes (B, *shape) values back into the parameters' blocks, each in its own dtype."""
+        torch._foreach_copy_(self.param_views(), list(values.unbind(0)))
+
+
+def dense(grad: Tensor, name: str) -> Tensor:
+    """``grad`` as a dense tensor the blocks can view (a contiguous copy when it is strided otherwise);
+    raises ``ValueError`` for a sparse gradient."""
+    if grad.layout != torch.strided:
+        raise ValueError(f"Invalid gradient of {name}: layout {grad.layout} is not supported (sparse gradients, "
+                         "e.g. from nn.Embedding(sparse=True)); Asteria needs dense gradients")
+    return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def contiguous(param: Tensor, name: str) -> Tensor:
+    """``param`` itself; raises ``ValueError`` when its storage is no longer contiguous (for instance
+    ``model.to(memory_format=torch.channels_last)`` after the optimizer was built): the updates are
+    written through views."""
+    if not param.is_contiguous():
+        raise ValueError(f"Invalid parameter {name}: it is not contiguous (strides {tuple(param.stride())}), "
+                         "as when its memory format changed after the optimizer was built; Asteria updates "
+                         "parameters through views: change the format before building the optimizer")
+    return param
 
 
 def preconditioner_bytes(shape: tuple[int, ...]) -> int:

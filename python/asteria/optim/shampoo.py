@@ -39,7 +39,8 @@ class Shampoo(SecondOrderOptimizer):
         precondition_frequency: steps between refreshes (f).
         start_preconditioning_step: first refresh step (default: f); before it, the grafting direction.
         grafting: ``"adam"`` (per-block norm of the Adam direction) or ``"none"``.
-        grafting_beta2: Adam grafting's second-moment decay (default: ``betas[1]``).
+        grafting_beta2: Adam grafting's second-moment decay (default: ``betas[1]``, a param group's own
+            when it sets ``betas``).
         grafting_eps: Adam grafting's epsilon.
         runtime: an ``asteria.RuntimeConfig``; ``None`` for the defaults (async, staleness 5).
     """
@@ -60,6 +61,8 @@ class Shampoo(SecondOrderOptimizer):
         runtime: RuntimeConfig | None = None,
     ) -> None:
         check_betas(betas)
+        #: param groups with their own betas and no grafting_beta2 take their betas[1] (``add_param_group``)
+        self._follows_beta2 = ("grafting_beta2",) if grafting_beta2 is None else ()
         grafting_beta2 = betas[1] if grafting_beta2 is None else grafting_beta2
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)

@@ -38,7 +38,8 @@ class SOAP(EigenbasisOptimizer):
         params: parameters or param groups.
         lr: learning rate.
         betas: (beta1, beta2) of Adam in the eigenbasis.
-        shampoo_beta: decay of the factors (default: ``betas[1]``).
+        shampoo_beta: decay of the factors (default: ``betas[1]``, a param group's own when it sets
+            ``betas``).
         eps: Adam's epsilon (a floor under the root of the second moment).
         weight_decay: decoupled weight decay.
         max_preconditioner_dim: largest factor dimension; larger dimensions are split into blocks.
@@ -67,6 +68,8 @@ class SOAP(EigenbasisOptimizer):
         runtime: RuntimeConfig | None = None,
     ) -> None:
         check_betas(betas)
+        #: param groups with their own betas and no shampoo_beta take their betas[1] (``add_param_group``)
+        self._follows_beta2 = ("shampoo_beta",) if shampoo_beta is None else ()
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         self.precondition_1d = precondition_1d

@@ -7,6 +7,7 @@ full before ``load_state_dict`` changes anything.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -22,13 +23,20 @@ def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 
 def is_int(value: Any) -> bool:
-    """An int that is not a bool (``True`` is an int in Python, never a count here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (a Python or NumPy one) that is not a bool (``True`` is an int in Python, never a count
+    here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_real(value: Any) -> bool:
-    """A finite int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (Python or NumPy) that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_scalar_tensor(value: Any) -> bool:
+    """A one-element real tensor that needs no gradient (torch's optimizers accept one as ``lr``)."""
+    return (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
+            and not value.requires_grad)
 
 
 def check_nonnegative(value: Any, name: str) -> None:
@@ -77,6 +85,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     if state_dict["runtime_mode"] != opt.runtime.mode:
         raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                          f"mode {opt.runtime.mode!r}")
+    check_bound(opt, state_dict.get("bound"))
     if state_dict["layout"] != opt._layout():
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                          f"{opt._layout()} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
@@ -91,8 +100,11 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         check_arg(isinstance(value, (list, tuple)) and len(value) == expected, f"state_dict[{key!r}]",
                   f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",
                   f"must be a list of {expected} entries, one per {what} of this optimizer")
-    check_arg(isinstance(state_dict["refresher"], dict), "state_dict['refresher']",
-              type(state_dict["refresher"]).__name__, "must be a dict")
+    refresher = state_dict["refresher"]
+    check_arg(isinstance(refresher, dict) and all(key in refresher for key in opt._refresher.STATE_KEYS),
+              "state_dict['refresher']", f"{type(refresher).__name__} with keys "
+              f"{sorted(refresher) if isinstance(refresher, dict) else '?'}",
+              f"must be a dict with the keys {list(opt._refresher.STATE_KEYS)}")
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
@@ -118,6 +130,26 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
 
 
+def check_bound(opt: Any, saved: Any) -> None:
+    """An async checkpoint's refreshes in flight were scheduled under its staleness bound and lag (ring
+    slots and activation steps): resuming with a smaller one would make them late. ``saved`` is the
+    checkpoint's ``bound`` entry (None: written before it was recorded; not checked)."""
+    if saved is None or opt.runtime.mode != "async":
+        return
+    check_arg(isinstance(saved, dict) and is_int(saved.get("staleness")), "state_dict['bound']", saved,
+              "must be a dict with the staleness (an int) and lag_steps the checkpoint was written with")
+    mine = opt._bound()
+    if mine["staleness"] < saved["staleness"]:
+        raise ValueError(f"Invalid state_dict: saved with staleness={saved['staleness']}, this optimizer has "
+                         f"staleness={mine['staleness']}; the refreshes in flight were scheduled under the saved "
+                         f"bound: resume with staleness >= {saved['staleness']}")
+    if saved.get("lag_steps") is not None and mine["lag_steps"] is not None and mine["lag_steps"] < saved["lag_steps"]:
+        raise ValueError(f"Invalid state_dict: saved under the deterministic rule with a lag of {saved['lag_steps']} "
+                         f"steps, this optimizer's is {mine['lag_steps']}; the refreshes in flight were scheduled "
+                         f"{saved['lag_steps']} steps after their snapshots: resume with lag_steps >= "
+                         f"{saved['lag_steps']} (or the staleness that gives it)")
+
+
 def describe_layout(identity: dict[str, Any] | None) -> str:
     """A rank layout recorded in a checkpoint, in words."""
     if identity is None:
@@ -128,7 +160,10 @@ def describe_layout(identity: dict[str, Any] | None) -> str:
 
 def check_common_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
     """The hyperparameters every Asteria optimizer has: lr, betas, eps and weight_decay."""
-    check_nonnegative(hyper["lr"], key_name(where, "lr"))
+    lr = hyper["lr"]
+    value = float(lr) if is_scalar_tensor(lr) else lr
+    check_arg(is_real(value) and value >= 0, key_name(where, "lr"), lr,
+              "must be a finite number >= 0 (or a one-element tensor holding one)")
     check_betas(hyper["betas"], key_name(where, "betas"))
     check_positive(hyper["eps"], key_name(where, "eps"))
     check_nonnegative(hyper["weight_decay"], key_name(where, "weight_decay"))

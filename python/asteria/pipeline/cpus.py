@@ -109,34 +109,54 @@ class TorchThreadCap:
 
     ``setting`` is ``RuntimeConfig.torch_threads``: ``"auto"`` caps the threads at the cores left to the
     training process when the workers are pinned (nothing changes otherwise, or if torch already uses
-    fewer), ``"keep"`` changes nothing, an int sets exactly that many. With several optimizers alive the
-    count goes back only when the last of them closes."""
+    fewer), ``"keep"`` changes nothing, an int sets exactly that many. With several optimizers alive, the
+    count in force is what the live caps make of the count found before the first of them, applied in
+    the order they were made; it follows as they close, in any order, and the last one to close puts
+    that first count back. Nothing is changed once someone else has changed the count since."""
 
     _live: list[TorchThreadCap] = []  # caps not yet restored, oldest first
+    _original: int | None = None      # the count found when the first live cap was made
+    _last_set: int | None = None      # the count the caps left in force
 
     def __init__(self, setting: int | str, worker_cpus: list[int]) -> None:
-        self.previous: int | None = None
-        self.applied: int | None = None
+        self.previous: int | None = None  # the count this cap found, when it changed it
+        self.applied: int | None = None   # the count it set then
         if setting == "keep" or (setting == "auto" and not worker_cpus):
             return
-        target = training_cores(worker_cpus, *local_layout()) if setting == "auto" else int(setting)
+        self.exact = setting != "auto"
+        self.target = int(setting) if self.exact else training_cores(worker_cpus, *local_layout())
         current = torch.get_num_threads()
-        if target < current or (setting != "auto" and target != current):
-            self.previous, self.applied = current, target
-            torch.set_num_threads(target)
-        TorchThreadCap._live.append(self)
+        cls = TorchThreadCap
+        if not cls._live:
+            cls._original = cls._last_set = current
+        cls._live.append(self)
+        wanted = self._rule(current)
+        if wanted != current:
+            self.previous, self.applied = current, wanted
+            torch.set_num_threads(wanted)
+            cls._last_set = wanted
+
+    def _rule(self, count: int) -> int:
+        """The count this cap makes of ``count``: its own (an int setting), or at most its own (auto)."""
+        return self.target if self.exact else min(count, self.target)
 
     def restore(self) -> None:
-        """Puts the previous count back, unless someone has changed it since or another cap is still live
-        (that one then restores it when it closes)."""
-        if self not in TorchThreadCap._live:
+        """Puts back the count the remaining caps make of the original one (the original itself after the
+        last), unless someone else has changed it since. Idempotent."""
+        cls = TorchThreadCap
+        if self not in cls._live:
             return
-        TorchThreadCap._live.remove(self)
-        if self.previous is not None:
-            if TorchThreadCap._live:
-                heir = TorchThreadCap._live[0]
-                if heir.previous is None:  # it found the count already capped: it restores ours instead
-                    heir.previous, heir.applied = self.previous, torch.get_num_threads()
-            elif torch.get_num_threads() == self.applied:
-                torch.set_num_threads(self.previous)
+        cls._live.remove(self)
         self.previous = self.applied = None
+        current = torch.get_num_threads()
+        if cls._original is not None and current == cls._last_set:
+            wanted = cls._original
+            for cap in cls._live:
+                wanted = cap._rule(wanted)
+            if wanted != current:
+                torch.set_num_threads(wanted)
+            cls._last_set = wanted
+        else:  # changed by someone else: theirs to keep, and no cap restores over it
+            cls._original = cls._last_set = None
+        if not cls._live:
+            cls._original = cls._last_set = None

@@ -34,6 +34,9 @@ BACKLOG_FRACTION = 0.05     # ...and this fraction of the training time it spans
 class Refresher(ABC):
     """Computes and installs preconditioners for a fixed list of factor sets."""
 
+    #: the keys of ``state()``, checked before a checkpoint is loaded (``validate_state_dict``)
+    STATE_KEYS: tuple[str, ...] = ()
+
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         self.sets = sets
         self.config = config
@@ -112,6 +115,8 @@ class SyncRefresher(Refresher):
     the power step of an eigenbasis refresh, and the CPU workers compute it in float32 (see
     ``float32_matmuls``)."""
 
+    STATE_KEYS = ("newest_versions", "consecutive_failures")
+
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self._refreshes = 0
@@ -178,7 +183,7 @@ class SyncRefresher(Refresher):
 
     def state(self, step: int) -> dict[str, Any]:
         return {"newest_versions": list(self._newest_versions),
-                "consecutive_failures": [c.copy() for c in self._consecutive]}
+                "consecutive_failures": [c.tolist() for c in self._consecutive]}  # ints: weights_only loads
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._newest_versions = list(state["newest_versions"])
@@ -302,6 +307,8 @@ class WorkerRefresher(Refresher):
 
 class AsyncRefresher(WorkerRefresher):
     """Refreshes on the C++ workers with deterministic or bounded-staleness activation."""
+
+    STATE_KEYS = ("newest_versions", "scheduled")
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)

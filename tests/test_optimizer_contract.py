@@ -1,0 +1,242 @@
+"""What a user of torch.optim expects of an optimizer, and what Asteria's must therefore do: checkpoints that
+load with ``torch.load(weights_only=True)`` and torch's state-dict hooks, a clear refusal where a load
+cannot work (into an async optimizer that has run, or with a smaller staleness) before anything changes,
+no silent copies, float64 parameters kept at their precision, per-group betas, NumPy and tensor
+hyperparameters, sparse and strided gradients."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import asteria
+from conftest import small_mlp, train
+
+OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
+
+
+def runtime(mode: str = "async", **kwargs) -> asteria.RuntimeConfig:
+    if mode == "sync":
+        return asteria.RuntimeConfig(mode="sync", **kwargs)
+    return asteria.RuntimeConfig(mode="async", workers=1, worker_cpus="any", **kwargs)
+
+
+def make(optimizer, mode: str = "async", **kwargs):
+    model = small_mlp()
+    return model, optimizer(model.parameters(), precondition_frequency=2, runtime=runtime(mode, **kwargs))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_checkpoint_loads_with_weights_only(optimizer, mode):
+    model, opt = make(optimizer, mode, staleness=1) if mode == "async" else make(optimizer, mode)
+    with opt:
+        train(model, opt, 5)
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    model2, opt2 = make(optimizer, mode, staleness=1) if mode == "async" else make(optimizer, mode)
+    with opt2:
+        opt2.load_state_dict(loaded)
+        train(model2, opt2, 2)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_loading_into_an_async_optimizer_that_has_run_is_refused_and_changes_nothing(optimizer):
+    model, opt = make(optimizer, staleness=1)
+    with opt:
+        train(model, opt, 4)
+        saved = opt.state_dict()
+        train(model, opt, 4)
+        before = {key: [t.clone() for t in group.state.values()] for key, group in enumerate(opt._groups)}
+        with pytest.raises(ValueError, match=r"Invalid load_state_dict into an async .* stepped \(step 8\).*new "
+                                             "optimizer"):
+            opt.load_state_dict(saved)
+        assert opt._step == 8
+        assert all(torch.equal(a, b) for key, group in enumerate(opt._groups)
+                   for a, b in zip(before[key], group.state.values()))
+        train(model, opt, 3)  # still usable
+        assert opt._step == 11
+    model2, fresh = make(optimizer, staleness=1)
+    with fresh:
+        fresh.load_state_dict(saved)  # a fresh one loads it, once
+        with pytest.raises(ValueError, match="that has already loaded a state_dict"):
+            fresh.load_state_dict(saved)
+        train(model2, fresh, 2)
+
+
+def test_a_sync_optimizer_may_load_again():
+    model, opt = make(asteria.SOAP, "sync")
+    train(model, opt, 4)
+    saved = opt.state_dict()
+    train(model, opt, 4)
+    opt.load_state_dict(saved)
+    assert opt._step == 4
+
+
+@pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP], ids=lambda c: c.__name__)
+def test_resuming_with_a_smaller_staleness_is_refused_and_a_larger_one_works(optimizer):
+    model, opt = make(optimizer, staleness=2)
+    with opt:
+        train(model, opt, 5)
+        saved = opt.state_dict()
+    _, smaller = make(optimizer, staleness=1)
+    with smaller, pytest.raises(ValueError, match=r"saved with staleness=2, this optimizer has staleness=1.*"
+                                                  "staleness >= 2"):
+        smaller.load_state_dict(saved)
+    model3, larger = make(optimizer, staleness=3)
+    with larger:
+        larger.load_state_dict(saved)
+        train(model3, larger, 4)
+
+
+def test_resuming_with_a_shorter_deterministic_lag_is_refused():
+    model, opt = make(asteria.Shampoo, staleness=2, lag_steps=4)
+    with opt:
+        train(model, opt, 5)
+        saved = opt.state_dict()
+    _, shorter = make(asteria.Shampoo, staleness=2, lag_steps=1)
+    with shorter, pytest.raises(ValueError, match="with a lag of 4 steps, this optimizer's is 1"):
+        shorter.load_state_dict(saved)
+
+
+def test_a_checkpoint_missing_refresher_entries_is_refused_before_anything_changes():
+    model, opt = make(asteria.SOAP, staleness=1)
+    with opt:
+        train(model, opt, 3)
+        saved = opt.state_dict()
+    _, fresh = make(asteria.SOAP, staleness=1)
+    with fresh:
+        with pytest.raises(ValueError, match=r"Invalid state_dict\['refresher'\]=.*keys \['newest_versions', "
+                                             "'scheduled'\\]"):
+            fresh.load_state_dict(saved | {"refresher": {}})
+        assert fresh._step == 0
+        fresh.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_state_dict_hooks_run(mode):
+    model, opt = make(asteria.KLShampoo, mode)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: sd | {"extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load pre", sd.pop("extra"))))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    with opt:
+        saved = opt.state_dict()
+        assert saved["extra"] == 1 and calls == ["save pre"]
+        opt.load_state_dict(saved)
+    assert calls == ["save pre", ("load pre", 1), "load post"]
+    assert "extra" in saved  # the load worked on a copy
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, copy.copy, pickle.dumps], ids=["deepcopy", "copy", "pickle"])
+def test_copying_an_optimizer_is_refused(copier):
+    model, opt = make(asteria.SOAP, "sync")
+    train(model, opt, 2)
+    with pytest.raises(TypeError, match="SOAP cannot be pickled or copied.*state_dict"):
+        copier(opt)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_float64_parameters_keep_their_precision(optimizer):
+    value = 1 + 1e-12  # not a float32
+    p = torch.nn.Parameter(torch.full((4, 3), value, dtype=torch.float64))
+    opt = optimizer([p], lr=0.0, weight_decay=0.1, runtime=runtime("sync"))
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert bool((p == value).all())  # lr 0: unchanged bit for bit
+    q = torch.nn.Parameter(torch.full((4, 3), value, dtype=torch.float64))
+    opt = optimizer([q], lr=1e-10, weight_decay=0.0, runtime=runtime("sync"))
+    for _ in range(3):  # SOAP's and KL-Shampoo's first step only sets up their bases
+        q.grad = torch.ones_like(q)
+        opt.step()
+    assert 0 < float((q.detach() - value).abs().max()) < 1e-9  # steps far below float32's resolution land
+
+
+def test_a_group_with_mixed_dtypes_writes_each_parameter_in_its_own():
+    a = torch.nn.Parameter(torch.full((3, 2), 1 + 1e-12, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.bfloat16))
+    c = torch.nn.Parameter(torch.ones(3, 2))
+    opt = asteria.SOAP([a, b, c], lr=0.0, runtime=runtime("sync"))
+    assert len(opt._groups) == 1  # one batch of three blocks
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert bool((a == 1 + 1e-12).all()) and a.dtype == torch.float64
+    assert bool((b == 1).all()) and bool((c == 1).all())
+
+
+def test_per_group_betas_set_the_derived_defaults():
+    p, q = torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(6, 5))
+    soap = asteria.SOAP([{"params": [p]}, {"params": [q], "betas": (0.9, 0.5)}], runtime=runtime("sync"))
+    assert [g["shampoo_beta"] for g in soap.param_groups] == [0.95, 0.5]
+    fixed = asteria.SOAP([{"params": [p]}, {"params": [q], "betas": (0.9, 0.5)}], shampoo_beta=0.9,
+                         runtime=runtime("sync"))
+    assert [g["shampoo_beta"] for g in fixed.param_groups] == [0.9, 0.9]  # set explicitly: kept
+    shampoo = asteria.Shampoo([{"params": [p]}, {"params": [q], "betas": (0.9, 0.9)}], runtime=runtime("sync"))
+    assert [g["grafting_beta2"] for g in shampoo.param_groups] == [0.999, 0.9]
+
+
+def test_numpy_hyperparameters_are_accepted_as_python_numbers():
+    model = small_mlp()
+    rt = asteria.RuntimeConfig(mode="async", staleness=np.int64(2), workers=np.int64(1), worker_cpus="any",
+                               timeout_s=np.float32(60))
+    assert type(rt.staleness) is int and type(rt.workers) is int and type(rt.timeout_s) is float
+    with asteria.SOAP(model.parameters(), lr=np.float32(1e-3), betas=(np.float64(0.9), np.float32(0.95)),
+                      max_preconditioner_dim=np.int64(8), precondition_frequency=np.int32(2), runtime=rt) as opt:
+        assert type(opt.param_groups[0]["lr"]) is float and type(opt.precondition_frequency) is int
+        assert all(type(b) is float for b in opt.param_groups[0]["betas"])
+        train(model, opt, 4)
+
+
+def test_a_tensor_learning_rate_steps_and_checkpoints():
+    model, opt = make(asteria.Shampoo, "sync")
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    train(model, opt, 3)
+    saved = opt.state_dict()
+    model2, opt2 = make(asteria.Shampoo, "sync")
+    opt2.load_state_dict(saved)
+    assert torch.equal(opt2.param_groups[0]["lr"], torch.tensor(1e-3))
+    with pytest.raises(ValueError, match=r"Invalid lr=tensor\(-1.\): must be a finite"):
+        asteria.Shampoo(model.parameters(), lr=torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_sparse_gradient_is_refused_by_name(optimizer):
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = optimizer(embedding.named_parameters(), runtime=runtime("sync"))
+    embedding(torch.tensor([1, 2])).sum().backward()
+    before = embedding.weight.detach().clone()
+    with pytest.raises(ValueError, match="Invalid gradient of weight: layout torch.sparse_coo is not supported"):
+        opt.step()
+    assert torch.equal(embedding.weight, before)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_strided_gradient_steps_like_a_contiguous_one(optimizer):
+    grad = torch.randn(5, 6)
+    results = []
+    for g in (grad.t(), grad.t().contiguous()):
+        p = torch.nn.Parameter(torch.ones(6, 5))
+        opt = optimizer([p], runtime=runtime("sync"))
+        p.grad = g
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_a_parameter_whose_memory_format_changed_is_named():
+    conv = torch.nn.Conv2d(3, 4, 3)
+    opt = asteria.Shampoo(conv.named_parameters(), runtime=runtime("sync"))
+    conv.to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 3, 5, 5)).sum().backward()
+    with pytest.raises(ValueError, match="Invalid parameter weight: it is not contiguous .* before building"):
+        opt.step()
