@@ -117,7 +117,7 @@ def validate(args: argparse.Namespace, gpus: int) -> None:
 def train_command(args: argparse.Namespace, config: str, procs: int, parallel: str, out: Path) -> list[str]:
     """The child's command line: torchrun over ``asteria train``."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
-            "-m", "asteria.train.cli", "train", "--out", str(out), *optimizer_args(config),
+            "-m", "asteria.train.cli", "train", "--out", str(out), "--overwrite", *optimizer_args(config),
             "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len), "--staleness", str(args.staleness),
             "--precondition-frequency", str(args.precondition_frequency), "--seed", str(args.seed),
@@ -128,10 +128,11 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
         argv += ["--parallel", parallel]
         if args.local_world_size is not None:
             argv += ["--local-world-size", str(args.local_world_size)]
+    asynchronous = config.endswith("-async")  # `asteria train` refuses async-only options elsewhere
     for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps", "prefetch"):
-        if getattr(args, name) is not None:
+        if getattr(args, name) is not None and (name != "lag_steps" or asynchronous):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.stagger_split is not None:
+    if args.stagger_split is not None and asynchronous:
         argv += ["--stagger-split" if args.stagger_split else "--no-stagger-split"]
     if args.profile_steps is not None:
         argv += ["--profile-steps", *map(str, args.profile_steps)]

@@ -30,7 +30,7 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     argv = scaling.train_command(args, "kl-shampoo-async", 2, "fsdp", Path("X/kl/fsdp-p2"))
     text = " ".join(argv)
     assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
-    assert "asteria.train.cli train --out X/kl/fsdp-p2 --optimizer kl-shampoo --mode async" in text
+    assert "asteria.train.cli train --out X/kl/fsdp-p2 --overwrite --optimizer kl-shampoo --mode async" in text
     for option in ("--parallel fsdp", "--local-world-size 1", "--precondition-frequency 10", "--model olmo-160m",
                    "--workers 3", "--device cuda", "--eval-every 60", "--max-preconditioner-dim 1024",
                    "--lag-steps 2", "--profile-steps 40 49", "--prefetch step", "--stagger-split"):
@@ -38,6 +38,7 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
     assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single
     assert "--optimizer adamw --mode sync" in single
+    assert "--lag-steps" not in single and "stagger-split" not in single  # async-only: `train` refuses them there
     args.stagger_split = False
     assert "--no-stagger-split" in scaling.train_command(args, "soap-async", 2, "ddp", Path("X/soap/ddp-p2"))
     env = scaling.child_env("cuda")

@@ -70,7 +70,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
                                             "lr": base.lr or DEFAULT_LR[optimizer],
                                             "precondition_frequency": frequency or base.precondition_frequency}))
-        train(cfg, out / label, progress=progress)
+        train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
     ref_median = _profile([r["step_time"] for r in reference.records], run_warmup(reference))["median"] \

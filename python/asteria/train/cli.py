@@ -63,6 +63,30 @@ HELP = {
 }
 
 
+def check_async_only(cfg: RunConfig) -> None:
+    """Refuses the options that only Asteria's async mode reads when the run has no async refreshes (a
+    sync run or AdamW), rather than ignoring them."""
+    if cfg.mode == "async" and cfg.optimizer != "adamw":
+        return
+    what = "--optimizer adamw" if cfg.optimizer == "adamw" else "--mode sync"
+    for flag, asked in (("--lag-steps", cfg.lag_steps is not None), ("--late-activation", cfg.late_activation is True),
+                        ("--no-deterministic", not cfg.deterministic), ("--stagger", cfg.stagger is True),
+                        ("--stagger-split", cfg.stagger_split is True)):
+        if asked:
+            raise ValueError(f"Invalid {flag} with {what}: it sets how the async mode schedules its refreshes, "
+                             f"which {what} does not have")
+
+
+def out_dir(text: str) -> Path:
+    """``--out``: a folder path (not empty, not an existing file)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"invalid --out={text!r}: must be a folder path")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"invalid --out={text!r}: it is an existing file, not a folder")
+    return path
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One option per RunConfig field; RunConfig validates the values."""
     for f in fields(RunConfig):
@@ -94,18 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train one model with one optimizer")
     _add_run_arguments(train_p)
-    train_p.add_argument("--out", type=Path, required=True, help="run directory")
+    train_p.add_argument("--out", type=out_dir, required=True, help="run directory")
     train_p.add_argument("--resume", action="store_true",
-                         help="continue from the newest complete checkpoint in --out (a fresh start if none)")
+                         help="continue from the newest complete checkpoint in --out (a fresh start if --out "
+                              "holds no run)")
+    train_p.add_argument("--overwrite", action="store_true",
+                         help="replace an earlier run in --out (its metrics, summary, TensorBoard logs and "
+                              "checkpoints); without it such a folder is refused")
     train_p.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
                          help="write a torch.profiler trace of these steps per rank, OUT/trace-rank<R>.json.gz "
                               "(a diagnostic that slows them; read it with bench/trace_steps.py)")
     demo_p = sub.add_parser("demo", help="AdamW vs Asteria Shampoo (async), with a report")
-    _add_run_arguments(demo_p)
-    demo_p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    _add_run_arguments(demo_p, skip=("optimizer", "mode"))
+    demo_p.add_argument("--out", type=out_dir, default=Path("runs/demo"))
     bench_p = sub.add_parser("bench", help="every optimizer x mode side by side: results.json, plots, a table")
     _add_run_arguments(bench_p, skip=("optimizer", "mode"))
-    bench_p.add_argument("--out", type=Path, required=True)
+    bench_p.add_argument("--out", type=out_dir, required=True)
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                          help=f"subset of {CONFIGS}; a second-order config followed by -f<N> runs at "
                               "precondition_frequency N instead of --precondition-frequency (e.g. soap-async-f5)")
@@ -117,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(sweep_p, skip=("staleness",))
     sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
                          help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
-    sweep_p.add_argument("--out", type=Path, required=True)
+    sweep_p.add_argument("--out", type=out_dir, required=True)
     sweep_p.add_argument("--seeds", type=int, nargs="+", default=None,
                          help="train every S once per seed (in place of --seed) into OUT/S<k>/seed<n>: per-S means "
                               "with their standard errors, and a verdict on the spread target")
@@ -128,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     seeds_p.add_argument("--baseline", type=Path, nargs="+", default=None,
                          help="bench results of other settings whose native configs every config of RUNS is "
                               "compared with, paired by seed (the settings that differ are listed)")
-    seeds_p.add_argument("--out", type=Path, required=True, help="where seeds.md and seeds.json go")
+    seeds_p.add_argument("--out", type=out_dir, required=True, help="where seeds.md and seeds.json go")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
-    report_p.add_argument("--out", type=Path, required=True)
+    report_p.add_argument("--out", type=out_dir, required=True)
     report_p.add_argument("--target-loss", type=float, default=None,
                           help="loss for the time-to-target column [default: AdamW's final loss]")
     return parser
@@ -145,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
                              "runs on several processes (bench/scaling.py launches torchrun itself)")
         if args.command == "train":
-            summary = train(_run_config(args), args.out, resume=args.resume,
+            cfg = _run_config(args)
+            check_async_only(cfg)
+            summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
                             profile_steps=tuple(args.profile_steps) if args.profile_steps else None)
             if rank == "0":
                 resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
@@ -157,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
                 cfg = _run_config(args, optimizer=optimizer, mode=mode)
-                summary = train(cfg, args.out / cfg.label)
+                summary = train(cfg, args.out / cfg.label, overwrite=True)
                 print(f"{summary['label']:>14}: final loss {summary['final_loss']:.4f}, "
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
@@ -194,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spread over S <= 5: {spread_text}{verdict}; report: {args.out / 'sweep.md'}")
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         where = f" (rank {rank})" if world != "1" else ""
         print(f"asteria: error{where}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resume = " (pass --resume to continue from its newest checkpoint)" if args.command == "train" else ""
+        print(f"asteria: interrupted{resume}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -26,23 +26,35 @@ def default_corpus(max_bytes: int = 4_000_000) -> list[bytes]:
     return docs
 
 
+def is_binary(head: bytes) -> bool:
+    """Whether a file whose first bytes are ``head`` is not text: it holds a NUL byte (git's test)."""
+    return b"\0" in head
+
+
 def load_documents(path: str | None, max_bytes: int) -> list[bytes]:
-    """The bytes of a text file, of every file under a folder (sorted by path), or the default corpus."""
+    """The bytes of a text file, of every text file under a folder (sorted by path; files with a NUL byte
+    in their first 8 KiB are binary and skipped), or the default corpus."""
     if path is None:
         return default_corpus(max_bytes)
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"Invalid data={path!r}: no such file or folder")
     files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-    docs, total = [], 0
+    docs, total, binary = [], 0, 0
     for file in files:
         if total >= max_bytes:
             break
         data = file.read_bytes()[: max_bytes - total]
+        if is_binary(data[:8192]):
+            if not source.is_dir():
+                raise ValueError(f"Invalid data={path!r}: not a text file (a NUL byte in its first 8 KiB)")
+            binary += 1
+            continue
         docs.append(data)
         total += len(data)
     if total < 4096:
-        raise ValueError(f"Invalid data={path!r}: {total} bytes of text, need at least 4096")
+        skipped = f" ({binary} binary files skipped)" if binary else ""
+        raise ValueError(f"Invalid data={path!r}: {total} bytes of text{skipped}, need at least 4096")
     return docs
 
 

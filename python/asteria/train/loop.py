@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Iterator
@@ -36,6 +37,9 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
+MAX_STALENESS = 1000  # the CLI's bounds on values that size host buffers and schedules
+MAX_FREQUENCY = 10**6
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
 LR_SCHEDULES = ("cosine", "constant")
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
@@ -43,6 +47,10 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
                      "stagger", "lag_steps", "stagger_split")
+# Settings that only the async mode's refreshes read, and those only the second-order optimizers read: a
+# resume of a run without them does not compare them.
+ASYNC_ONLY_SETTINGS = ("staleness", "sync_refreshes", "stagger", "lag_steps", "stagger_split")
+SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False}
@@ -107,6 +115,11 @@ class RunConfig:
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
+        check(self.seed < 2**63, "seed", "must be below 2**63 (torch's generators take 64-bit seeds)")
+        check(self.staleness <= MAX_STALENESS, "staleness", f"must be at most {MAX_STALENESS} (each block keeps S + 1 "
+              "snapshots in pinned host memory)")
+        check(self.precondition_frequency <= MAX_FREQUENCY, "precondition_frequency",
+              f"must be at most {MAX_FREQUENCY} steps")
         check(self.stagger is None or isinstance(self.stagger, bool), "stagger", "must be None, True or False")
         check((self.stagger_split is None or isinstance(self.stagger_split, bool))
               and not (self.stagger_split and self.stagger is False),
@@ -227,8 +240,10 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
+    unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer == "adamw" else ()) + (
+        SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
     diffs = [f"{name}={saved[name]!r} (this run: {this[name]!r})" for name in RESUME_MUST_MATCH
-             if saved[name] != this[name]]
+             if saved[name] != this[name] and name not in unused]
     if diffs:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
                               "; resume only with the settings it was saved with")
@@ -280,10 +295,12 @@ def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
 
 
 def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False,
-          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+          profile_steps: tuple[int, int] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Trains and writes ``out/metrics.jsonl``, ``out/summary.json``, TensorBoard logs and, every
     ``cfg.checkpoint_every`` steps, ``out/checkpoints/step-N``. With ``resume`` it continues from the
-    newest complete checkpoint in ``out`` (or starts afresh when there is none). With ``profile_steps``
+    newest complete checkpoint in ``out`` (or starts afresh when ``out`` holds no run). A folder that
+    holds an earlier run is otherwise refused (``ValueError``), unless ``overwrite`` replaces that run
+    (its metrics, summary, TensorBoard logs and checkpoints). With ``profile_steps``
     ``(FIRST, LAST)`` every rank writes a torch.profiler trace of those steps, ``out/trace-rank<R>.json.gz``
     (a diagnostic: it slows the steps it covers; ``bench/trace_steps.py`` reads it).
 
@@ -296,9 +313,19 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     profile_steps = check_profile_steps(profile_steps, cfg.steps)
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     out.mkdir(parents=True, exist_ok=True)
-    if not resume and checkpoint.published(out / "checkpoints"):
+    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    published = checkpoint.published(out / "checkpoints")
+    if overwrite and not resume:
+        if layout.rank == 0:
+            for name in earlier:
+                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    elif not resume and published:
         raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
-                         f"continue it, or choose another --out")
+                         f"continue it, --overwrite to replace it, or choose another --out")
+    elif not published and {"metrics.jsonl", "summary.json"} & set(earlier):
+        nothing = " and no checkpoint to resume from" if resume else ""
+        raise ValueError(f"Invalid out={str(out)!r}: it holds an earlier run ({', '.join(earlier)}){nothing}; "
+                         "choose another --out, or pass --overwrite to replace it")
     with deterministic_kernels(cfg.deterministic_kernels):
         if not layout.distributed:
             return _train(cfg, out, progress, resume, None, profile_steps)
@@ -344,6 +371,11 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     tokenizer = load_tokenizer(cfg.tokenizer)
     data = PackedData(tokenizer.encode(load_documents(cfg.data, cfg.max_bytes)), cfg.seq_len, cfg.val_fraction,
                       cfg.seed, source=f"data={cfg.data!r}")
+    if len(data.train) < cfg.batch_size * world:
+        raise ValueError(f"Invalid batch_size={cfg.batch_size}: data={cfg.data!r} gives {len(data.train)} training "
+                         f"sequences of seq_len + 1 = {cfg.seq_len + 1} tokens, fewer than one batch "
+                         f"({cfg.batch_size} x {world} processes) would repeat; lower --batch-size or --seq-len, or "
+                         "give more --data")
     model = build_model(cfg.model, tokenizer.vocab_size, cfg.seq_len).to(device)
     parameters = parameter_count(model)
     layer_parameters = sum(p.numel() for p in decoder_layers(model).parameters())
@@ -365,9 +397,13 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         if found:
             loop = _restore(found[-1], cfg, model, opt, run)
             resumed_from = str(found[-1])
+            if cfg.steps < loop["step"]:
+                raise ValueError(f"Invalid steps={cfg.steps}: the checkpoint {resumed_from!r} has done {loop['step']} "
+                                 f"steps; resume with --steps >= {loop['step']} (a larger value extends the run)")
     records = _read_records(out / "metrics.jsonl", loop["step"]) if lead else []
     if lead:
         _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        (out / "summary.json").unlink(missing_ok=True)  # the run is under way again: no summary until it ends
 
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
               if lead else None)
@@ -454,7 +490,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
                               if run is not None else None)
     if hasattr(opt, "close"):
-        opt.close()
+        opt.close()  # before the summary is written: a reader of summary.json finds the workers gone
     if lead:
         _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -95,7 +95,7 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
         summaries = {}
         for seed in seeds or [base.seed]:
             run_dir = out / f"S{s}" if seeds is None else out / f"S{s}" / f"seed{seed}"
-            summaries[seed] = train(replace(configs[s], seed=seed), run_dir, progress=progress)
+            summaries[seed] = train(replace(configs[s], seed=seed), run_dir, progress=progress, overwrite=True)
             run_dirs.append(run_dir)
         rows[s] = _aggregate(list(summaries.values()))
         if seeds is not None:

@@ -1,0 +1,139 @@
+"""What ``asteria train`` does with the folder it writes to and the data it reads: an earlier run is never
+replaced silently, a summary never outlives the run it describes, options a run would ignore are refused,
+and input that cannot train (binary data, too few sequences, huge bounds) is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asteria.train.cli import main
+
+RUN = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1", "--eval-batches",
+       "1", "--max-bytes", "20000", "--device", "cpu", "--staleness", "1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def steps_of(run) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_earlier_run_is_refused_unless_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--optimizer", "adamw", "--steps", "4", "--out", str(out), *RUN]) == 0
+    for extra in ([], ["--resume"]):  # no checkpoint to resume from either
+        assert main(["train", "--steps", "2", "--out", str(out), *RUN, *extra]) == 2
+        assert "holds an earlier run (metrics.jsonl, summary.json, tensorboard)" in capsys.readouterr().err
+        assert steps_of(out) == [1, 2, 3, 4]
+        assert json.loads((out / "summary.json").read_text())["label"] == "adamw"
+    assert main(["train", "--steps", "2", "--out", str(out), "--overwrite", *RUN]) == 0
+    assert steps_of(out) == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["label"] == "shampoo-async"
+    assert len(list((out / "tensorboard").iterdir())) == 1  # the earlier run's events went with it
+
+
+def test_checkpoints_of_an_earlier_run_are_refused_unless_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
+    assert main(["train", "--steps", "4", "--out", str(out), *RUN]) == 2
+    assert "pass --resume to continue it, --overwrite to replace it" in capsys.readouterr().err
+    assert main(["train", "--steps", "3", "--out", str(out), "--overwrite", *RUN]) == 0
+    assert steps_of(out) == [1, 2, 3] and not (out / "checkpoints").exists()
+
+
+def test_a_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--checkpoint-every", "3", "--out", str(out), *RUN]) == 0
+    assert main(["train", "--steps", "4", "--resume", "--out", str(out), *RUN]) == 2
+    assert "Invalid steps=4: the checkpoint" in capsys.readouterr().err
+    assert steps_of(out) == list(range(1, 7)) and (out / "summary.json").exists()
+
+
+def test_a_summary_does_not_outlive_its_run(tmp_path):
+    """A resumed run that dies leaves no summary of the run before it (``asteria report`` would mix them)."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--checkpoint-every", "3", "--out", str(out), *RUN]) == 0
+    env = os.environ | {"ASTERIA_TEST_KILL": "train-step@8"}
+    killed = subprocess.run([sys.executable, "-m", "asteria.train.cli", "train", "--steps", "9", "--resume",
+                             "--out", str(out), *RUN], env=env, capture_output=True)
+    assert killed.returncode != 0
+    assert not (out / "summary.json").exists()
+    assert main(["train", "--steps", "9", "--resume", "--out", str(out), *RUN]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps_done"] == 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "sync", "--lag-steps", "2"], "Invalid --lag-steps with --mode sync"),
+    (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
+    (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
+    (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
+    (["--seed", str(2**63)], "Invalid seed=9223372036854775808: must be below 2**63"),
+    (["--staleness", "1000000"], "Invalid staleness=1000000: must be at most 1000"),
+    (["--precondition-frequency", "10000000"], "Invalid precondition_frequency=10000000: must be at most"),
+    (["--batch-size", "64", "--seq-len", "256", "--max-bytes", "5000"], "Invalid batch_size=64: data=None gives"),
+])
+def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tmp_path, capsys):
+    assert main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *RUN, *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_out_must_be_a_folder(tmp_path, capsys):
+    existing = tmp_path / "file"
+    existing.write_text("keep me")
+    for out in ("", str(existing)):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--steps", "2", "--out", out, *RUN])
+        assert exit_.value.code == 2
+        assert f"invalid --out={out!r}" in capsys.readouterr().err
+    assert existing.read_text() == "keep me"
+
+
+def test_binary_data_is_refused_or_skipped(tmp_path, capsys):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 64)
+    assert main(["train", "--steps", "2", "--data", str(blob), "--out", str(tmp_path / "a"), *RUN]) == 2
+    assert "not a text file (a NUL byte in its first 8 KiB)" in capsys.readouterr().err
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "image.png").write_bytes(blob.read_bytes())
+    (folder / "text.txt").write_text("a line of plain text\n" * 400)
+    assert main(["train", "--steps", "2", "--data", str(folder), "--out", str(tmp_path / "b"), *RUN]) == 0
+    (folder / "text.txt").unlink()
+    assert main(["train", "--steps", "2", "--data", str(folder), "--out", str(tmp_path / "c"), *RUN]) == 2
+    assert "0 bytes of text (1 binary files skipped)" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_with_a_resume_hint_and_no_traceback(tmp_path):
+    child = subprocess.Popen([sys.executable, "-m", "asteria.train.cli", "train", "--steps", "100000", "--out",
+                              str(tmp_path / "run"), *RUN], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # wait until it trains (its first metrics line), at most 60 s
+            metrics = tmp_path / "run" / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text():
+                break
+            try:
+                child.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130
+    assert "asteria: interrupted (pass --resume" in err
+    assert "Traceback" not in err and "leaked" not in err
