@@ -10,6 +10,15 @@ def _deterministic_torch():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: the tiny model runs many times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Module:
     """A small MLP with a bias on every layer (1-D parameters too)."""
     gen = torch.Generator().manual_seed(seed)

@@ -17,13 +17,7 @@ BASE = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3",
 TINY = [*BASE, "--staleness", "1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the tiny model runs many times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def records(run) -> list[dict]:

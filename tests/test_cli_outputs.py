@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 from asteria.train.cli import main
 
@@ -19,12 +19,16 @@ RUN = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", 
        "1", "--max-bytes", "20000", "--device", "cpu", "--staleness", "1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def child(argv: list[str]) -> list[str]:
+    """The command line of ``asteria`` in a child process."""
+    return [sys.executable, "-m", "asteria.train.cli", *argv]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **extra)
 
 
 def steps_of(run) -> list[int]:
@@ -45,6 +49,28 @@ def test_an_earlier_run_is_refused_unless_overwritten(tmp_path, capsys):
     assert len(list((out / "tensorboard").iterdir())) == 1  # the earlier run's events went with it
 
 
+def test_resume_with_overwrite_resumes_a_checkpoint_or_replaces_a_run_without_one(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--optimizer", "adamw", "--steps", "3", "--out", str(out), *RUN]) == 0
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--resume", "--overwrite", "--out", str(out),
+                 *RUN]) == 0  # no checkpoint: replaced
+    assert json.loads((out / "summary.json").read_text())["label"] == "shampoo-async" and steps_of(out) == [1, 2, 3, 4]
+    assert main(["train", "--steps", "6", "--checkpoint-every", "2", "--resume", "--overwrite", "--out", str(out),
+                 *RUN]) == 0  # a checkpoint: resumed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-000000004") and steps_of(out) == list(range(1, 7))
+
+
+def test_a_native_run_may_stagger_and_resumes_only_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--mode", "sync", "--stagger", "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
+                 *RUN]) == 0
+    assert main(["train", "--mode", "sync", "--steps", "6", "--resume", "--out", str(out), *RUN]) == 2
+    assert "stagger=True (this run: None)" in capsys.readouterr().err
+    assert main(["train", "--mode", "sync", "--stagger", "--staleness", "3", "--steps", "6", "--resume", "--out",
+                 str(out), *RUN]) == 0  # the staleness is not a native run's setting
+
+
 def test_checkpoints_of_an_earlier_run_are_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
@@ -58,7 +84,7 @@ def test_a_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "6", "--checkpoint-every", "3", "--out", str(out), *RUN]) == 0
     assert main(["train", "--steps", "4", "--resume", "--out", str(out), *RUN]) == 2
-    assert "Invalid steps=4: the checkpoint" in capsys.readouterr().err
+    assert "it has done 6 steps, beyond this run's steps=4; resume with --steps >= 6" in capsys.readouterr().err
     assert steps_of(out) == list(range(1, 7)) and (out / "summary.json").exists()
 
 
@@ -66,10 +92,9 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     """A resumed run that dies leaves no summary of the run before it (``asteria report`` would mix them)."""
     out = tmp_path / "run"
     assert main(["train", "--steps", "6", "--checkpoint-every", "3", "--out", str(out), *RUN]) == 0
-    env = os.environ | {"ASTERIA_TEST_KILL": "train-step@8"}
-    killed = subprocess.run([sys.executable, "-m", "asteria.train.cli", "train", "--steps", "9", "--resume",
-                             "--out", str(out), *RUN], env=env, capture_output=True)
-    assert killed.returncode != 0
+    killed = subprocess.run(child(["train", "--steps", "9", "--resume", "--out", str(out), *RUN]),
+                            env=child_env(ASTERIA_TEST_KILL="train-step@8"), capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "summary.json").exists()
     assert main(["train", "--steps", "9", "--resume", "--out", str(out), *RUN]) == 0
     assert json.loads((out / "summary.json").read_text())["steps_done"] == 9
@@ -80,7 +105,8 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
-    (["--seed", str(2**63)], "Invalid seed=9223372036854775808: must be below 2**63"),
+    (["--optimizer", "adamw", "--stagger"], "Invalid --stagger with --optimizer adamw"),
+    (["--seed", str(2**32)], "Invalid seed=4294967296: must be below 2**32"),
     (["--staleness", "1000000"], "Invalid staleness=1000000: must be at most 1000"),
     (["--precondition-frequency", "10000000"], "Invalid precondition_frequency=10000000: must be at most"),
     (["--batch-size", "64", "--seq-len", "256", "--max-bytes", "5000"], "Invalid batch_size=64: data=None gives"),
@@ -117,23 +143,35 @@ def test_binary_data_is_refused_or_skipped(tmp_path, capsys):
     assert "0 bytes of text (1 binary files skipped)" in capsys.readouterr().err
 
 
-def test_ctrl_c_ends_with_a_resume_hint_and_no_traceback(tmp_path):
-    child = subprocess.Popen([sys.executable, "-m", "asteria.train.cli", "train", "--steps", "100000", "--out",
-                              str(tmp_path / "run"), *RUN], stderr=subprocess.PIPE, text=True)
+def interrupt_when_training(argv: list[str], out: Path) -> tuple[int, str]:
+    """Starts ``asteria`` in a child, sends it SIGINT once its first steps are logged, returns its exit code
+    and stderr."""
+    process = subprocess.Popen(child(argv), env=child_env(), stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):  # wait until it trains (its first metrics line), at most 60 s
-            metrics = tmp_path / "run" / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text():
+        for _ in range(600):  # until it trains (metrics logged), at most 60 s
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
                 break
             try:
-                child.wait(timeout=0.1)
+                process.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
                 pass
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=60)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
     finally:
-        child.kill()
-    assert child.returncode == 130
-    assert "asteria: interrupted (pass --resume" in err
+        process.kill()
+    return process.returncode, err
+
+
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_ctrl_c_ends_with_a_hint_and_no_traceback(tmp_path, checkpoints):
+    out = tmp_path / "run"
+    extra = ["--checkpoint-every", "1"] if checkpoints else []
+    code, err = interrupt_when_training(["train", "--steps", "100000", "--out", str(out), *RUN, *extra], out)
+    assert code == 130
+    hint = "(pass --resume to continue" if checkpoints else "(no checkpoint to resume from: --overwrite starts it"
+    assert "asteria: stopping after this step" in err and f"asteria: interrupted {hint}" in err
     assert "Traceback" not in err and "leaked" not in err
+    if checkpoints:  # stopped between steps: no checkpoint cut short
+        assert not list((out / "checkpoints").glob(".tmp-*"))

@@ -78,8 +78,9 @@ def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_deca
 
     ``direction`` must be finite in blocks that are not kept (0 times NaN is NaN).
     """
-    decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype)
-    step = torch.where(keep, -lr, 0.0).to(weights.dtype)
+    one = torch.ones((), dtype=weights.dtype, device=weights.device)  # the factors in the weights' precision
+    decay = torch.where(keep, one * (1.0 - lr * weight_decay), one)
+    step = torch.where(keep, one * -lr, 0.0 * one)
     return weights.mul_(batch_view(decay, weights)).addcmul_(direction, batch_view(step, weights))
 
 

@@ -127,7 +127,7 @@ class TorchThreadCap:
         self.target = int(setting) if self.exact else training_cores(worker_cpus, *local_layout())
         current = torch.get_num_threads()
         cls = TorchThreadCap
-        if not cls._live:
+        if not cls._live or cls._original is None or current != cls._last_set:  # the count as found now
             cls._original = cls._last_set = current
         cls._live.append(self)
         wanted = self._rule(current)

@@ -7,15 +7,21 @@ and ``report`` over finished runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from asteria.train import checkpoint
 from asteria.train.bench import CONFIGS, format_table, run_bench
-from asteria.train.loop import RunConfig, train
+from asteria.train.loop import STOP_REQUESTED, RunConfig, train
 from asteria.train.report import write_report
 from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
@@ -63,18 +69,55 @@ HELP = {
 }
 
 
-def check_async_only(cfg: RunConfig) -> None:
-    """Refuses the options that only Asteria's async mode reads when the run has no async refreshes (a
-    sync run or AdamW), rather than ignoring them."""
-    if cfg.mode == "async" and cfg.optimizer != "adamw":
+def interrupted(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``error`` is a KeyboardInterrupt or comes from one: its cause or context, or a failure that
+    torch.distributed.checkpoint wrapped (``failures`` maps each rank to an (exception, traceback) pair)."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    failures = getattr(error, "failures", None)
+    wrapped = [f[0] for f in failures.values() if isinstance(f, tuple) and f] if isinstance(failures, dict) else []
+    return any(interrupted(e, depth + 1) for e in (error.__cause__, error.__context__, *wrapped))
+
+
+@contextlib.contextmanager
+def stop_after_the_step(enabled: bool) -> Iterator[None]:
+    """While ``enabled`` (one process, in the main thread), a first Ctrl-C asks the training loop to stop
+    after the step in progress (``loop.STOP_REQUESTED``: never inside a checkpoint's write), a second one
+    stops at once."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
         return
-    what = "--optimizer adamw" if cfg.optimizer == "adamw" else "--mode sync"
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if STOP_REQUESTED.is_set():
+            raise KeyboardInterrupt
+        STOP_REQUESTED.set()
+        print("\nasteria: stopping after this step (Ctrl-C again: at once)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        STOP_REQUESTED.clear()
+
+
+def check_async_only(cfg: RunConfig) -> None:
+    """Refuses the activation options that only Asteria's async mode reads when the run has no async
+    refreshes (a sync run or AdamW), and the refresh schedule's options for AdamW (which has no
+    refreshes; native mode may stagger its own), rather than ignoring them."""
+    adamw = cfg.optimizer == "adamw"
+    if cfg.mode == "async" and not adamw:
+        return
+    what = "--optimizer adamw" if adamw else "--mode sync"
     for flag, asked in (("--lag-steps", cfg.lag_steps is not None), ("--late-activation", cfg.late_activation is True),
-                        ("--no-deterministic", not cfg.deterministic), ("--stagger", cfg.stagger is True),
-                        ("--stagger-split", cfg.stagger_split is True)):
+                        ("--no-deterministic", not cfg.deterministic), ("--stagger", adamw and cfg.stagger is True),
+                        ("--stagger-split", adamw and cfg.stagger_split is True)):
         if asked:
-            raise ValueError(f"Invalid {flag} with {what}: it sets how the async mode schedules its refreshes, "
-                             f"which {what} does not have")
+            raise ValueError(f"Invalid {flag} with {what}: it sets how the refreshes are scheduled or activated, "
+                             f"which {what} does not use")
 
 
 def out_dir(text: str) -> Path:
@@ -123,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="continue from the newest complete checkpoint in --out (a fresh start if --out "
                               "holds no run)")
     train_p.add_argument("--overwrite", action="store_true",
-                         help="replace an earlier run in --out (its metrics, summary, TensorBoard logs and "
-                              "checkpoints); without it such a folder is refused")
+                         help="replace an earlier run in --out (its metrics, summary, TensorBoard logs, traces and "
+                              "checkpoints); without it such a folder is refused. With --resume: resume where "
+                              "a checkpoint exists, else replace the run")
     train_p.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
                          help="write a torch.profiler trace of these steps per rank, OUT/trace-rank<R>.json.gz "
                               "(a diagnostic that slows them; read it with bench/trace_steps.py)")
@@ -175,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             cfg = _run_config(args)
             check_async_only(cfg)
-            summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
-                            profile_steps=tuple(args.profile_steps) if args.profile_steps else None)
+            with stop_after_the_step(world == "1"):
+                summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
+                                profile_steps=tuple(args.profile_steps) if args.profile_steps else None)
             if rank == "0":
                 resumed = f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else ""
                 val = "n/a" if summary["final_val_loss"] is None else f"{summary['final_val_loss']:.4f}"
@@ -225,12 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, OSError) as error:
+        if isinstance(error, (TimeoutError, ConnectionError)):  # a stalled run or a lost peer, not bad input
+            raise
         where = f" (rank {rank})" if world != "1" else ""
         print(f"asteria: error{where}: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        resume = " (pass --resume to continue from its newest checkpoint)" if args.command == "train" else ""
-        print(f"asteria: interrupted{resume}", file=sys.stderr)
+    except BaseException as error:  # Ctrl-C, also inside a DCP save (which wraps it in a CheckpointException)
+        if not interrupted(error):
+            raise
+        hint = ""
+        if args.command == "train":
+            hint = (" (pass --resume to continue from its newest checkpoint)"
+                    if checkpoint.published(args.out / "checkpoints") else
+                    " (no checkpoint to resume from: --overwrite starts it again)")
+        print(f"asteria: interrupted{hint}", file=sys.stderr)
         return 130
     return 0
 

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
@@ -37,9 +38,12 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 # torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
+#: set by the CLI's first Ctrl-C (one process): the loop stops after the step in progress and its checkpoint
+STOP_REQUESTED = threading.Event()
 MAX_STALENESS = 1000  # the CLI's bounds on values that size host buffers and schedules
 MAX_FREQUENCY = 10**6
-RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out,
+TRACE_PREFIX = "trace-rank"  # with --profile-steps its traces too
 LR_SCHEDULES = ("cosine", "constant")
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
@@ -47,10 +51,11 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
                      "stagger", "lag_steps", "stagger_split")
-# Settings that only the async mode's refreshes read, and those only the second-order optimizers read: a
-# resume of a run without them does not compare them.
-ASYNC_ONLY_SETTINGS = ("staleness", "sync_refreshes", "stagger", "lag_steps", "stagger_split")
-SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement")
+# Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
+# schedule's, which native mode reads too): a resume of a run without them does not compare them.
+ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
+SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
+                         "stagger_split")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False}
@@ -115,7 +120,7 @@ class RunConfig:
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
-        check(self.seed < 2**63, "seed", "must be below 2**63 (torch's generators take 64-bit seeds)")
+        check(self.seed < 2**32, "seed", "must be below 2**32 (the data order's generator is seeded from it)")
         check(self.staleness <= MAX_STALENESS, "staleness", f"must be at most {MAX_STALENESS} (each block keeps S + 1 "
               "snapshots in pinned host memory)")
         check(self.precondition_frequency <= MAX_FREQUENCY, "precondition_frequency",
@@ -232,7 +237,12 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
 
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
     """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
-    newer than the checkpoint counts as its default; ``stagger_split`` as it resolves)."""
+    newer than the checkpoint counts as its default; ``stagger_split`` as it resolves), or when it has done
+    more steps than this run's ``steps``."""
+    if cfg.steps < manifest.step:
+        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it has done {manifest.step} steps, beyond this "
+                              f"run's steps={cfg.steps}; resume with --steps >= {manifest.step} (a larger value "
+                              "extends the run)")
     defaults = {f.name: f.default for f in fields(RunConfig)}
     defaults |= LEGACY_SETTINGS
     saved = {name: manifest.config.get(name, defaults[name]) for name in RESUME_MUST_MATCH}
@@ -313,19 +323,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     profile_steps = check_profile_steps(profile_steps, cfg.steps)
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     out.mkdir(parents=True, exist_ok=True)
-    earlier = [name for name in RUN_FILES if (out / name).exists()]
-    published = checkpoint.published(out / "checkpoints")
-    if overwrite and not resume:
-        if layout.rank == 0:
-            for name in earlier:
-                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
-    elif not resume and published:
-        raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
-                         f"continue it, --overwrite to replace it, or choose another --out")
-    elif not published and {"metrics.jsonl", "summary.json"} & set(earlier):
-        nothing = " and no checkpoint to resume from" if resume else ""
-        raise ValueError(f"Invalid out={str(out)!r}: it holds an earlier run ({', '.join(earlier)}){nothing}; "
-                         "choose another --out, or pass --overwrite to replace it")
+    if not (overwrite and layout.rank != 0):  # rank 0 alone replaces an earlier run; the others need not look
+        _claim_out(out, resume, overwrite)
     with deterministic_kernels(cfg.deterministic_kernels):
         if not layout.distributed:
             return _train(cfg, out, progress, resume, None, profile_steps)
@@ -338,6 +337,25 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
             raise
         run.shutdown()
         return summary
+
+
+def _claim_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuses a folder that holds an earlier run (``ValueError``), unless ``resume`` continues it from a
+    checkpoint or ``overwrite`` replaces it (with ``resume``: only when there is no checkpoint)."""
+    earlier = sorted({p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(TRACE_PREFIX)})
+    published = checkpoint.published(out / "checkpoints")
+    if resume and published:
+        return
+    if overwrite:
+        for name in earlier:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    elif published:
+        raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
+                         f"continue it, --overwrite to replace it, or choose another --out")
+    elif {"metrics.jsonl", "summary.json"} & set(earlier):
+        nothing = " and no checkpoint to resume from" if resume else ""
+        raise ValueError(f"Invalid out={str(out)!r}: it holds an earlier run ({', '.join(earlier)}){nothing}; "
+                         "choose another --out, or pass --overwrite to replace it")
 
 
 @contextlib.contextmanager
@@ -397,9 +415,6 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         if found:
             loop = _restore(found[-1], cfg, model, opt, run)
             resumed_from = str(found[-1])
-            if cfg.steps < loop["step"]:
-                raise ValueError(f"Invalid steps={cfg.steps}: the checkpoint {resumed_from!r} has done {loop['step']} "
-                                 f"steps; resume with --steps >= {loop['step']} (a larger value extends the run)")
     records = _read_records(out / "metrics.jsonl", loop["step"]) if lead else []
     if lead:
         _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
@@ -476,6 +491,8 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
                         log.flush()
                         os.fsync(log.fileno())
                     _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall}, run)
+                if run is None and STOP_REQUESTED.is_set():
+                    raise KeyboardInterrupt(f"stopped after step {step}")
     finally:
         profiler.close()  # the trace of a range the run did not reach the end of
         if writer is not None:
