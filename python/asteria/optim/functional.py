@@ -78,9 +78,12 @@ def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_deca
 
     ``direction`` must be finite in blocks that are not kept (0 times NaN is NaN).
     """
-    one = torch.ones((), dtype=weights.dtype, device=weights.device)  # the factors in the weights' precision
-    decay = torch.where(keep, one * (1.0 - lr * weight_decay), one)
-    step = torch.where(keep, one * -lr, 0.0 * one)
+    if weights.dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
+        one = torch.ones((), dtype=torch.float64, device=weights.device)
+        decay, step = torch.where(keep, one * (1.0 - lr * weight_decay), one), torch.where(keep, one * -lr, 0.0 * one)
+    else:
+        decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype)
+        step = torch.where(keep, -lr, 0.0).to(weights.dtype)
     return weights.mul_(batch_view(decay, weights)).addcmul_(direction, batch_view(step, weights))
 
 
