@@ -42,8 +42,8 @@ MATMUL_PRECISIONS = ("highest", "high")
 STOP_REQUESTED = threading.Event()
 MAX_STALENESS = 1000  # the CLI's bounds on values that size host buffers and schedules
 MAX_FREQUENCY = 10**6
-RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out,
-TRACE_PREFIX = "trace-rank"  # with --profile-steps its traces too
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
+TRACE_PREFIX = "trace-rank"  # and, with --profile-steps, its traces
 LR_SCHEDULES = ("cosine", "constant")
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
@@ -310,7 +310,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     ``cfg.checkpoint_every`` steps, ``out/checkpoints/step-N``. With ``resume`` it continues from the
     newest complete checkpoint in ``out`` (or starts afresh when ``out`` holds no run). A folder that
     holds an earlier run is otherwise refused (``ValueError``), unless ``overwrite`` replaces that run
-    (its metrics, summary, TensorBoard logs and checkpoints). With ``profile_steps``
+    (its metrics, summary, TensorBoard logs, traces and checkpoints; with ``resume``, only when it has no
+    checkpoint to continue from). With ``profile_steps``
     ``(FIRST, LAST)`` every rank writes a torch.profiler trace of those steps, ``out/trace-rank<R>.json.gz``
     (a diagnostic: it slows the steps it covers; ``bench/trace_steps.py`` reads it).
 
