@@ -88,6 +88,15 @@ def test_a_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     assert steps_of(out) == list(range(1, 7)) and (out / "summary.json").exists()
 
 
+def test_extending_a_run_warns_that_its_lr_schedule_follows_the_new_length(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--checkpoint-every", "3", "--out", str(out), *RUN]) == 0
+    with pytest.warns(UserWarning, match=r"Resuming a run of steps=6 with steps=9: its lr schedule follows the new "
+                                         r"length from step 7 \(lr 0.0003 there becomes"):
+        assert main(["train", "--steps", "9", "--resume", "--out", str(out), *RUN]) == 0
+    assert steps_of(out) == list(range(1, 10))
+
+
 def test_a_summary_does_not_outlive_its_run(tmp_path):
     """A resumed run that dies leaves no summary of the run before it (``asteria report`` would mix them)."""
     out = tmp_path / "run"

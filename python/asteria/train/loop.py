@@ -12,8 +12,9 @@ import shutil
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,7 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
     """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
     newer than the checkpoint counts as its default; ``stagger_split`` as it resolves), or when it has done
-    more steps than this run's ``steps``."""
+    more steps than this run's ``steps``; warns when another ``steps`` moves the lr schedule."""
     if cfg.steps < manifest.step:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it has done {manifest.step} steps, beyond this "
                               f"run's steps={cfg.steps}; resume with --steps >= {manifest.step} (a larger value "
@@ -257,6 +258,14 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     if diffs:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
                               "; resume only with the settings it was saved with")
+    saved_steps = manifest.config.get("steps")
+    if isinstance(saved_steps, int) and saved_steps != cfg.steps and manifest.step < cfg.steps:
+        before = replace(cfg, steps=max(saved_steps, manifest.step + 1)).lr_at(manifest.step + 1)
+        after = cfg.lr_at(manifest.step + 1)
+        if not math.isclose(before, after):
+            warnings.warn(f"Resuming a run of steps={saved_steps} with steps={cfg.steps}: its lr schedule follows the "
+                          f"new length from step {manifest.step + 1} (lr {before:.3g} there becomes {after:.3g})",
+                          stacklevel=2)
 
 
 def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
