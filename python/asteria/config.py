@@ -52,7 +52,7 @@ class MemoryConfig:
         _plain_fields(self)
         for name in ("gpu_budget", "host_budget", "nvme_budget", "group_bytes"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value > 0), name, value,
+            _check(value is None or (is_int(value) and value > 0), name, value,
                    "must be None or a positive number of bytes")
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
         _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir != ""), "nvme_dir",
@@ -148,23 +148,23 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         _plain_fields(self)
         _check(self.mode in MODES, "mode", self.mode, f"must be one of {MODES}")
-        _check(_is_int(self.staleness) and self.staleness >= 0, "staleness", self.staleness, "must be an int >= 0")
-        _check(self.workers is None or (_is_int(self.workers) and self.workers >= 1), "workers", self.workers,
+        _check(is_int(self.staleness) and self.staleness >= 0, "staleness", self.staleness, "must be an int >= 0")
+        _check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", self.workers,
                "must be None or an int >= 1")
-        _check(_is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
+        _check(is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
                "must be an int >= 1")
         if not (isinstance(self.worker_cpus, str) and self.worker_cpus in ("auto", "any")):
             allowed = cpus.allowed_cpus()
             _check(isinstance(self.worker_cpus, Sequence) and not isinstance(self.worker_cpus, str)
                    and len(self.worker_cpus) > 0
-                   and all(_is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
+                   and all(is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
                    f"must be 'auto', 'any' or a non-empty sequence of CPUs this process may use ({allowed})")
-        _check(self.torch_threads in ("auto", "keep") or (_is_int(self.torch_threads) and self.torch_threads >= 1),
+        _check(self.torch_threads in ("auto", "keep") or (is_int(self.torch_threads) and self.torch_threads >= 1),
                "torch_threads", self.torch_threads, "must be 'auto', 'keep' or an int >= 1")
-        _check(_is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
+        _check(is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
-        _check(self.lag_steps is None or (_is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
+        _check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
                self.lag_steps, "must be None or an int >= 0 (steps from a snapshot to its use)")
         _check(self.lag_steps is None or self.deterministic, "lag_steps", self.lag_steps,
                "applies to the deterministic rule only; with deterministic=False each block takes its newest "
@@ -175,22 +175,21 @@ class RuntimeConfig:
                self.stagger_split, "must be None or a bool")
         _check(not (self.stagger_split is True and self.stagger is False), "stagger_split", self.stagger_split,
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
-        _check(_is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
+        _check(is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
                "must be an int >= 0")
-        _check(isinstance(self.timeout_s, numbers.Real) and not isinstance(self.timeout_s, bool)
-               and math.isfinite(self.timeout_s) and self.timeout_s > 0,
+        _check(is_real(self.timeout_s) and self.timeout_s > 0,
                "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
-        _check(_is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
+        _check(is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
                "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")
         _check(self.nonfinite_grad_policy in NONFINITE_POLICIES, "nonfinite_grad_policy",
                self.nonfinite_grad_policy, f"must be one of {NONFINITE_POLICIES}")
-        _check(_is_int(self.max_nonfinite_grad_steps) and self.max_nonfinite_grad_steps >= 1,
+        _check(is_int(self.max_nonfinite_grad_steps) and self.max_nonfinite_grad_steps >= 1,
                "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, "must be an int >= 1")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "
                "use 'auto' or 'device', or mode='async'")
-        _check(self.local_world_size is None or (_is_int(self.local_world_size) and self.local_world_size >= 1),
+        _check(self.local_world_size is None or (is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
 
     def stagger_wanted(self) -> bool:
@@ -227,8 +226,15 @@ class RuntimeConfig:
         return max(1, min(32, len(cpus.allowed_cpus()) // local_world - 2))
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer (a Python or NumPy one) that is not a bool (``True`` is an int in Python, never a count
+    here)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite real number (Python or NumPy) that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def plain(value: Any) -> Any:

@@ -6,11 +6,11 @@ full before ``load_state_dict`` changes anything.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
+
+from asteria.config import is_int, is_real
 
 STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher",
                    "runtime_mode", "distributed")
@@ -20,17 +20,6 @@ def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
     """Raises ``ValueError('Invalid name=value: allowed')`` unless ``ok``."""
     if not ok:
         raise ValueError(f"Invalid {name}={value!r}: {allowed}")
-
-
-def is_int(value: Any) -> bool:
-    """An integer (a Python or NumPy one) that is not a bool (``True`` is an int in Python, never a count
-    here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value: Any) -> bool:
-    """A finite real number (Python or NumPy) that is not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_scalar_tensor(value: Any) -> bool:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import asteria
+from asteria.config import is_int
 from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
@@ -108,9 +109,6 @@ class RunConfig:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {allowed}")
-
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
 
         check(self.model in PRESETS, "model", f"must be one of {tuple(PRESETS)}")
         check(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}")
@@ -259,7 +257,7 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
                               "; resume only with the settings it was saved with")
     saved_steps = manifest.config.get("steps")
-    if isinstance(saved_steps, int) and saved_steps != cfg.steps and manifest.step < cfg.steps:
+    if is_int(saved_steps) and saved_steps != cfg.steps and manifest.step < cfg.steps:
         before = replace(cfg, steps=max(saved_steps, manifest.step + 1)).lr_at(manifest.step + 1)
         after = cfg.lr_at(manifest.step + 1)
         if not math.isclose(before, after):
