@@ -151,9 +151,14 @@ def child_env(device: str) -> dict[str, str]:
 
 
 def finished_with(run_dir: Path, argv: list[str]) -> bool:
-    """Whether ``run_dir`` holds a run that finished with this command line (the interpreter aside)."""
+    """Whether ``run_dir`` holds a run that finished with this command line (the interpreter and
+    ``--overwrite`` aside: runs recorded before the children carried it count too)."""
+    def essential(args: list[str]) -> list[str]:
+        return [arg for arg in args if arg != "--overwrite"]
+
     try:
-        return (run_dir / "summary.json").is_file() and json.loads((run_dir / "command.json").read_text()) == argv[1:]
+        recorded = json.loads((run_dir / "command.json").read_text())
+        return (run_dir / "summary.json").is_file() and essential(recorded) == essential(argv[1:])
     except (OSError, ValueError):
         return False
 

@@ -35,6 +35,7 @@ def test_invalid_hyperparameters(kwargs, match):
     [
         ({"mode": "fast"}, "Invalid mode='fast'"),
         ({"staleness": -1}, "Invalid staleness=-1"),
+        ({"staleness": 10**6}, r"Invalid staleness=1000000: must be an int in \[0, 1000\]"),
         ({"workers": 0}, "Invalid workers=0"),
         ({"timeout_s": 0}, "Invalid timeout_s=0"),
         ({"max_consecutive_failures": 0}, "Invalid max_consecutive_failures=0"),

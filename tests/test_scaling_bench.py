@@ -143,6 +143,9 @@ def test_finished_runs_are_reused_and_max_seconds_stops_launching(scaling, tmp_p
     (run_dir / "command.json").write_text(json.dumps(scaling.train_command(args, "adamw", 1, "single", run_dir)[1:]))
     assert scaling.finished_with(run_dir, scaling.train_command(args, "adamw", 1, "single", run_dir))
     assert not scaling.finished_with(run_dir, scaling.train_command(args, "soap-async", 1, "single", run_dir))
+    older = [a for a in scaling.train_command(args, "adamw", 1, "single", run_dir)[1:] if a != "--overwrite"]
+    (run_dir / "command.json").write_text(json.dumps(older))  # recorded before the children carried it
+    assert scaling.finished_with(run_dir, scaling.train_command(args, "adamw", 1, "single", run_dir))
     assert scaling.main(argv) == 3
     results = json.loads((out / "results.json").read_text())
     assert [(r["config"], r["procs"]) for r in results["rows"]] == [("adamw", 1)]

@@ -12,6 +12,7 @@ from asteria.pipeline import cpus
 
 MODES = ("sync", "async")
 PLACEMENTS = ("auto", "device", "host", "device_view")
+MAX_STALENESS = 1000  # async mode keeps up to S + 1 host snapshots of each block
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -148,7 +149,8 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         _plain_fields(self)
         _check(self.mode in MODES, "mode", self.mode, f"must be one of {MODES}")
-        _check(is_int(self.staleness) and self.staleness >= 0, "staleness", self.staleness, "must be an int >= 0")
+        _check(is_int(self.staleness) and 0 <= self.staleness <= MAX_STALENESS, "staleness", self.staleness,
+               f"must be an int in [0, {MAX_STALENESS}] (async mode keeps up to S + 1 snapshots of each block)")
         _check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", self.workers,
                "must be None or an int >= 1")
         _check(is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
