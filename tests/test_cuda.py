@@ -305,3 +305,35 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
     assert installed_at_10 == ([0, len(blocks)] if late else [])
     assert stats["install_delay_histogram"] == ([0, len(blocks)] if late else [0, 0, len(blocks)])
     assert not opt.late_activation
+
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
+def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimizer, mode):
+    """Blocks of one batch at different step counts (the second layer gets gradients from step 7 on): the
+    GPU run matches the CPU run, and in Asteria mode its steps with per-block counts (and a missing
+    gradient) never make the training thread wait for the GPU."""
+    from test_block_steps import LATE, STEPS, losses, two_layers
+
+    runtime = dict(mode="sync") if mode == "sync" else dict(staleness=2, workers=2, stagger=False)
+    results = []
+    for device in ("cpu", "cuda"):
+        model = two_layers().to(device)
+        with optimizer(model.parameters(), lr=0.01, precondition_frequency=3,
+                       runtime=asteria.RuntimeConfig(**runtime)) as opt:
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                sum(losses(model, step)).backward()
+                checked = device == "cuda" and mode == "async" and step >= LATE + 3
+                if checked:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            assert sorted(c for g in opt._groups for c in g.steps.counts) == [STEPS - LATE] * 2 + [STEPS] * 2
+        results.append([p.detach().cpu() for p in model.parameters()])
+    for cpu, gpu in zip(*results):
+        torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)

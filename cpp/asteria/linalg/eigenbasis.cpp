@@ -231,6 +231,12 @@ BasisReport eigenbasis_impl(int n, const Out* a, Out* q, Out* values, double sca
   if (n == 0) return BasisReport{};
   require_finite_input("eigenbasis", "a", n, a);
   const std::size_t nn = static_cast<std::size_t>(n);
+  if (std::all_of(a, a + nn * nn, [](Out x) { return x == Out(0); })) {
+    std::fill(q, q + nn * nn, Out(0));
+    for (std::size_t i = 0; i < nn; ++i) q[i * nn + i] = Out(1);
+    std::fill(values, values + nn, Out(0));
+    return BasisReport{};
+  }
   auto attempt = [&](auto& ws, BasisReport&) -> std::string {
     using T = typename std::decay_t<decltype(ws.a)>::value_type;
     grow(ws.a, nn * nn);
@@ -292,6 +298,16 @@ BasisReport eigenbasis(int n, const float* a, float* q, float* values, double sc
 
 BasisReport eigenbasis(int n, const double* a, double* q, double* values, double scale) {
   return eigenbasis_impl(n, a, q, values, scale);
+}
+
+bool is_identity(int n, const float* q) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  for (std::size_t i = 0; i < nn; ++i) {
+    for (std::size_t j = 0; j < nn; ++j) {
+      if (q[i * nn + j] != (i == j ? 1.0f : 0.0f)) return false;
+    }
+  }
+  return true;
 }
 
 BasisReport qr_refresh(int n, const float* a, const float* q_prev, float* q, float* estimates, float* perm,

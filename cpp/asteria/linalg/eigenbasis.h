@@ -17,6 +17,9 @@ struct BasisReport {
 // Full eigendecomposition of scale * A (n x n, symmetric, `scale` finite and > 0): `q` receives the
 // orthonormal eigenvectors sorted by descending eigenvalue, `values` (n) the eigenvalues, values[0]
 // the largest.
+// - A zero A gets the identity and zero values: every basis diagonalizes it, and the identity marks
+//   that nothing is known of its directions yet (`is_identity`: the refresh engine then computes the
+//   block's next basis by a full eigendecomposition instead of warm-starting from this one).
 // - Rejects non-finite input with NumericalError("... non-finite input ...").
 // - Works in float32 first; if LAPACK fails or the result is not finite, retries in float64.
 // - Quality gate: a result that is still not finite raises NumericalError and the outputs are left
@@ -25,6 +28,9 @@ struct BasisReport {
 BasisReport eigenbasis(int n, const float* a, float* q, float* values, double scale);
 // The same in float64 throughout (a reference for tests).
 BasisReport eigenbasis(int n, const double* a, double* q, double* values, double scale);
+
+// Whether the n x n matrix `q` is exactly the identity.
+bool is_identity(int n, const float* q);
 
 // One warm-started refresh from the basis Q_prev (n x n, orthonormal columns):
 //   T = (scale A) Q_prev,  est_j = Q_prev[:, j] . T[:, j]  (= diag(Q_prev^T scale A Q_prev)),

@@ -370,7 +370,9 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
   float* perm = estimates + b.n;
   JobOutcome outcome;
   std::lock_guard chain(b.chain_mutex);
-  if (b.good_version == 0) {
+  // No basis yet, or the identity of a zero factor (a block whose parameter had no gradient yet): the
+  // full eigendecomposition, as at a block's first refresh.
+  if (b.good_version == 0 || linalg::is_identity(b.n, b.good_basis.data())) {
     outcome.used_float64 = linalg::eigenbasis(b.n, input, q, estimates, spec.scale).used_float64;
     std::iota(perm, perm + b.n, 0.0f);
   } else {

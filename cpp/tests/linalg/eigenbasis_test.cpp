@@ -251,6 +251,23 @@ TEST(Eigenbasis, MatchesJacobiSortedDescending) {
   EXPECT_LT(orthonormality_error(kN, qd), 1e-5);
 }
 
+TEST(Eigenbasis, ZeroMatrixGetsTheIdentityAndZeroValues) {
+  constexpr int kN = 6;
+  const std::vector<float> zero(kN * kN, 0.0f);
+  std::vector<float> q(kN * kN, 7.0f), values(kN, 7.0f);
+  eigenbasis(kN, zero.data(), q.data(), values.data(), 3.0);
+  EXPECT_TRUE(is_identity(kN, q.data()));
+  for (const float v : values) EXPECT_EQ(v, 0.0f);
+  // A nonzero diagonal factor with ascending entries is not left as the identity: its basis reverses.
+  std::vector<float> diagonal(kN * kN, 0.0f);
+  for (int i = 0; i < kN; ++i) diagonal[i * kN + i] = static_cast<float>(i + 1);
+  eigenbasis(kN, diagonal.data(), q.data(), values.data(), 1.0);
+  EXPECT_FALSE(is_identity(kN, q.data()));
+  EXPECT_EQ(values[0], static_cast<float>(kN));
+  q[1] = 1e-30f;  // one off-diagonal entry makes any matrix not the identity
+  EXPECT_FALSE(is_identity(kN, q.data()));
+}
+
 TEST(Eigenbasis, Float64OverloadMatchesJacobiClosely) {
   constexpr int kN = 12;
   const Matrix v = random_orthogonal(kN, 3);

@@ -391,6 +391,27 @@ TEST(RefreshEngineEigenbasis, FirstVersionFailingLeavesTheNextToDecomposeFully) 
   EXPECT_TRUE(bitwise_equal(results[1], direct_eigenbasis(kN, factors[1], kBasisScale)));
 }
 
+TEST(RefreshEngineEigenbasis, AZeroFactorsIdentityIsNotWarmStartedFrom) {
+  // A block whose parameter has had no gradient yet has a zero factor: its basis is the identity, and
+  // the first nonzero factor after it gets the full eigendecomposition a first refresh gets (a warm
+  // start from the identity would take many refreshes to reach the eigenbasis).
+  set_blas_threads(1);
+  constexpr int kN = 10;
+  const std::vector<float> zero(kN * kN, 0.0f);
+  const std::vector<std::vector<float>> factors = {zero, zero, random_factor(kN, 12), random_factor(kN, 13)};
+  const auto results = run_chain(2, factors);
+  for (int version = 0; version < 2; ++version) {
+    EXPECT_TRUE(linalg::is_identity(kN, results[version].data())) << "version " << version + 1;
+  }
+  const auto v3 = direct_eigenbasis(kN, factors[2], kBasisScale);
+  EXPECT_TRUE(bitwise_equal(results[2], v3));
+  const auto v4 = direct_refresh(kN, factors[3], std::vector<float>(v3.begin(), v3.begin() + kN * kN),
+                                 kBasisScale, 0);
+  EXPECT_TRUE(bitwise_equal(results[3], v4));  // from then on, warm-started as usual
+  const auto warm_from_identity = direct_refresh(kN, factors[2], direct_eigenbasis(kN, zero, 1.0), kBasisScale, 0);
+  EXPECT_FALSE(bitwise_equal(results[2], warm_from_identity));  // the rule above is what made the difference
+}
+
 TEST(RefreshEngineEigenbasis, SkipsAndCountsANearlyDiagonalRefresh) {
   constexpr int kN = 12;
   const std::vector<float> factor = random_factor(kN, 9);

@@ -161,7 +161,8 @@ class DistributedRefresher(WorkerRefresher):
             if not self.owned[index]:
                 continue
             snaps = self.snapshots[index]
-            self.stager.stage(index, self.ids[index], version, due, request, snaps[version % self.depth],
+            self.stager.stage(index, self.ids[index], version, due, request.for_blocks(self.owned[index]),
+                              snaps[version % self.depth],
                               lambda fset=fset, index=index: fset.factors.index_select(0, self.owned_index[index]))
             self._counts["bytes_to_host"] += snaps[0].numel() * 4
         self.stager.submit_ready(step)
@@ -490,7 +491,7 @@ class DistributedRefresher(WorkerRefresher):
             snapshots = {index: None if self.snapshots[index] is None else
                          self.snapshots[index][version % self.depth].clone() for index in requests}
             scheduled.append({"version": version, "due": due, "snapshots": snapshots,
-                              "requests": {index: (r.scale, r.eps, r.skip_tol) for index, r in requests.items()}})
+                              "requests": {index: r.saved() for index, r in requests.items()}})
         return {"distributed": self.identity(), "newest_versions": list(self._newest_versions),
                 "scheduled": scheduled,
                 "consecutive_failures": [c.tolist() for c in self._consecutive]}  # ints: weights_only loads
@@ -528,15 +529,15 @@ class DistributedRefresher(WorkerRefresher):
         self._scheduled = []
         for entry in scheduled:
             version, due = entry["version"], entry["due"]
-            requests = {index: RootRequest(*r) for index, r in entry["requests"].items()}
+            requests = {index: RootRequest.load(r) for index, r in entry["requests"].items()}
             for index, request in requests.items():
                 snapshot = entry["snapshots"][index]
                 if not self.ids[index]:
                     continue
                 self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
                 self.snapshots[index][version % self.depth].copy_(snapshot)
-                self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
-                                   request.scale, skip_tol=request.skip_tol)
+                request.for_blocks(self.owned[index]).submit(self.engine, self.ids[index], version, due,
+                                                             self.sets[index].exponent)
             self._scheduled.append((version, due, requests))
 
     # ---- reporting and life cycle --------------------------------------------------------------------

@@ -21,6 +21,7 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
+from asteria.optim.steps import BlockSteps
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
@@ -46,6 +47,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     #: failing or timed-out activation leaves the parameters as they were), or earlier, in the forward
     #: pass, with ``asteria.attach``.
     ACTIVATION_LAG = 0
+    #: whether a block's first gradient moves it (Shampoo: a grafting step), or only starts its
+    #: statistics (SOAP and KL-Shampoo: the first gradient builds the factors and their eigenbasis)
+    FIRST_GRADIENT_STEPS = True
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.late_activation = False
         self._backward = streams.BackwardMarks()
         self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
+        self._present: dict[int, list[bool]] = {}  # id(group) -> which blocks have a gradient this step
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
@@ -110,6 +115,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         for index, group in enumerate(self._groups):
             group.state[NONFINITE_STREAK] = torch.zeros(group.batch, dtype=torch.int32, device=group.device)
             group.state[NONFINITE_TOTAL] = torch.zeros(group.batch, dtype=torch.int64, device=group.device)
+            group.steps = BlockSteps(group.batch, group.device)
             group_sets.append(self._init_group(group))
             self._home_sets += [(fset, group) for fset in group_sets[-1]]
             if runs is None or len(runs[index]) == 1:
@@ -210,10 +216,19 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
-        """What a refresh of ``group``'s factors at ``step`` computes; override for other rules."""
+    def _root_request(self, fset: FactorSet, group: ShapeGroup) -> RootRequest:
+        """What a refresh of factor set ``fset`` (of ``group``) computes now; override for other rules. The
+        factors are EMAs started at zero: each block's is debiased by its own step count (one scale for the
+        set while the counts agree); a block without a gradient yet has zero factors, scaled by 1."""
         hyper = self.param_groups[group.group_index]
-        return RootRequest(scale=1.0 / (1.0 - hyper["betas"][1] ** step), eps=hyper["eps"])
+        beta2 = hyper["betas"][1]
+
+        def scale(count: int) -> float:
+            return 1.0 / (1.0 - beta2**count) if count >= 1 else 1.0
+
+        counts = group.steps.counts[fset.offset:fset.offset + fset.batch]
+        scales = tuple(scale(count) for count in counts)
+        return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"])
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -227,6 +242,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                 loss = closure()
         step = self._step + 1
         batches = [self._gather(group) for group in self._groups]
+        for group in self._groups:  # once every group has gathered: a step that raises there counts nothing
+            group.steps.advance(self._present.pop(id(group)))
         self._refresher.before_factor_update()
         if self.ACTIVATION_LAG:
             self._activate(step - 1)
@@ -237,7 +254,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         due = self.schedule.due(step)
         if due:
             self._check_nonfinite_streaks()
-            items = [(index, version, self._root_request(self._set_groups[index][1], step)) for index, version in due]
+            items = [(index, version, self._root_request(*self._set_groups[index])) for index, version in due]
             self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
             self._refresher.check_backlog(step)
         if not self.ACTIVATION_LAG:
@@ -314,8 +331,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._refresher.poll(self._step)
 
     def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor]:
-        """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update."""
-        grads, has_grad = group.gather_grads()
+        """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update. Which blocks
+        have a gradient (a non-finite one too: its step is counted, and skipped) waits in ``_present``."""
+        grads, has_grad, present = group.gather_grads()
+        self._present[id(group)] = present
         finite = F.usable_gradient_rows(grads)
         bad = has_grad & ~finite
         if self.runtime.nonfinite_grad_policy == "raise" and bool(bad.any()):
@@ -363,6 +382,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         direction = self._direction(group, step)
         if direction is None:
             return
+        first = group.steps.first()
+        if not self.FIRST_GRADIENT_STEPS and first is not False:  # all first: no direction above
+            keep = keep & ~first
         weights = group.gather_params()  # a stacked copy: updated in place, then written back
         group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 
@@ -403,6 +425,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                        | {k: self._tier.current(fset).clone() for k, fset in self._paged_keys.get(i, {}).items()}
                        for i, g in enumerate(self._groups)],
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
+            "block_steps": [list(g.steps.counts) for g in self._groups],
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
             "distributed": self._refresher.identity(),
@@ -435,6 +458,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                     group.state[key].copy_(tensor)
         for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
             fset.versions = list(versions)
+        counts = state_dict.get("block_steps")  # older checkpoints: every block counted the optimizer's steps
+        for index, group in enumerate(self._groups):
+            group.steps.load(counts[index] if counts is not None else [state_dict["step"]] * group.batch)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]

@@ -20,6 +20,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
 
     MERGE_DIMS = False  # a matrix stays a matrix: each of its dimensions gets a basis
     ACTIVATION_LAG = 1  # the direction is computed while accumulating, with the bases of the step before
+    FIRST_GRADIENT_STEPS = False  # a block's first gradient builds its factors (and basis) only
 
     def __init__(self, *args, **kwargs) -> None:
         self._directions: dict[int, Tensor] = {}
@@ -43,7 +44,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
                                   block_params=[block.name for block in group.blocks]))
         return sets
 
-    def _root_request(self, group: ShapeGroup, step: int) -> RootRequest:
+    def _root_request(self, fset: FactorSet, group: ShapeGroup) -> RootRequest:
         # The factors' scale does not change an eigenbasis, and eps does not enter one.
         hyper = self.param_groups[group.group_index]
         return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])

@@ -53,9 +53,16 @@ def mode_mean(x: Tensor, mode: int) -> Tensor:
     return x.mean(dim=others) if others else x
 
 
-def masked_ema_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
+def per_block(value: float | Tensor, like: Tensor) -> float | Tensor:
+    """A number for every block: ``value`` itself, or a (B,) tensor of one per block shaped to broadcast
+    against ``like`` (B, ...)."""
+    return value if not isinstance(value, Tensor) else batch_view(value, like)
+
+
+def masked_ema_(state: Tensor, update: Tensor, beta: float | Tensor, keep: Tensor) -> Tensor:
     """state <- beta * state + (1 - beta) * update for kept blocks; others unchanged. One pass over
-    ``state`` (a lerp towards ``update`` by 1 - beta, by 0 where not kept).
+    ``state`` (a lerp towards ``update`` by 1 - beta, by 0 where not kept). ``beta``: one for every block,
+    or a (B,) tensor of one per block (as in every function here that takes a ``float | Tensor``).
 
     ``update`` must be finite in blocks that are not kept (the caller zeroes bad gradients).
     """
@@ -63,13 +70,16 @@ def masked_ema_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Ten
     return state.lerp_(update, batch_view(weight, state))
 
 
-def masked_ema_square_(state: Tensor, update: Tensor, beta: float, keep: Tensor) -> Tensor:
+def masked_ema_square_(state: Tensor, update: Tensor, beta: float | Tensor, keep: Tensor) -> Tensor:
     """state <- beta * state + (1 - beta) * update^2 for kept blocks, without forming update^2.
 
     ``update`` must be zero in blocks that are not kept (the caller zeroes bad gradients).
     """
     decay = torch.where(keep, beta, 1.0).to(state.dtype)
-    return state.mul_(batch_view(decay, state)).addcmul_(update, update, value=1.0 - beta)
+    state.mul_(batch_view(decay, state))
+    if isinstance(beta, Tensor):
+        return state.addcmul_(update * batch_view(1.0 - beta, update), update)
+    return state.addcmul_(update, update, value=1.0 - beta)
 
 
 def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_decay: float, keep: Tensor) -> Tensor:
@@ -87,14 +97,18 @@ def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_deca
     return weights.mul_(batch_view(decay, weights)).addcmul_(direction, batch_view(step, weights))
 
 
-def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float, keep: Tensor, weight: float = 1.0) -> Tensor:
+def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float | Tensor, keep: Tensor,
+              weight: float = 1.0) -> Tensor:
     """factor <- beta factor + (1 - beta) weight X_(mode) X_(mode)^T for kept blocks, the EMA fused into the
     batched product. ``x`` must be zero in blocks that are not kept (their decay is 1)."""
     decay = batch_view(torch.where(keep, beta, 1.0).to(factor.dtype), factor)
-    return factor.mul_(decay).baddbmm_(*gram_operands(x, mode), alpha=(1.0 - beta) * weight)
+    left, right = gram_operands(x, mode)
+    if isinstance(beta, Tensor):  # one weight per block: on the left operand (a scaled copy of the block)
+        return factor.mul_(decay).baddbmm_(left * batch_view((1.0 - beta) * weight, left), right)
+    return factor.mul_(decay).baddbmm_(left, right, alpha=(1.0 - beta) * weight)
 
 
-def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float, keep: Tensor) -> None:
+def update_factors_(factors: list[Tensor], grad: Tensor, beta2: float | Tensor, keep: Tensor) -> None:
     """Kronecker factor EMA, one factor per mode: F_i <- beta2 F_i + (1 - beta2) G_(i) G_(i)^T."""
     for mode, factor in enumerate(factors):
         gram_ema_(factor, grad, mode, beta2, keep)
@@ -134,9 +148,11 @@ def graft(direction: Tensor, target: Tensor) -> Tensor:
     return direction * batch_view(scale, direction)
 
 
-def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float, bias2: float, eps: float) -> Tensor:
+def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float | Tensor, bias2: float | Tensor,
+                   eps: float) -> Tensor:
     """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps)."""
-    return (momentum / bias1) / ((second_moment / bias2).sqrt_().add_(eps))
+    denominator = (second_moment / per_block(bias2, second_moment)).sqrt_().add_(eps)
+    return (momentum / per_block(bias1, momentum)) / denominator
 
 
 def regularize_eigenvalues(eigenvalues: Tensor, eps: float) -> Tensor:
@@ -181,7 +197,8 @@ def float32_matmuls() -> Iterator[None]:
 
 def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
     """Eigenvectors (as columns, by descending eigenvalue) of a batch of symmetric matrices, and a (B,)
-    bool of which are usable; unusable rows hold identity. float64 retry when float32 fails."""
+    bool of which are usable; unusable rows hold identity. float64 retry when float32 fails. A zero
+    matrix gets the identity (see ``identity_rows``)."""
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     usable_input = finite_rows(factor)
     matrix = torch.where(batch_view(usable_input, factor), factor, eye)
@@ -191,7 +208,16 @@ def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
         _, vectors = torch.linalg.eigh(matrix.double())
     vectors = vectors.flip(-1).to(factor.dtype)
     usable = usable_input & finite_rows(vectors)
-    return torch.where(batch_view(usable, vectors), vectors, eye), usable
+    zero = (factor == 0).reshape(factor.shape[0], -1).all(dim=1)
+    return torch.where(batch_view(usable & ~zero, vectors), vectors, eye), usable
+
+
+def identity_rows(bases: Tensor) -> Tensor:
+    """(B,) bool: which bases are exactly the identity, as a zero factor's is: nothing is known of that
+    block's directions yet (its parameter had no gradient), so its next refresh is a full
+    eigendecomposition rather than a warm start (the C++ engine's rule too)."""
+    eye = torch.eye(bases.shape[-1], dtype=bases.dtype, device=bases.device)
+    return (bases == eye).reshape(bases.shape[0], -1).all(dim=1)
 
 
 def qr_refresh(factor: Tensor, basis: Tensor, skip_tol: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from asteria.optim.blocking import Block, partition
+from asteria.optim.steps import BlockSteps, to_device
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -28,6 +29,8 @@ class ShapeGroup:
     blocks: list[Block]
     params: list[Tensor]                       # the parameter each block belongs to
     state: dict[str, Tensor] = field(default_factory=dict)
+    #: each block's step count (set by the optimizer once the blocks are known)
+    steps: BlockSteps | None = None
     # Reused every step in which all blocks have gradients: building a device tensor from a Python
     # list each step would cost a host-to-device copy.
     all_present: Tensor | None = None
@@ -48,8 +51,9 @@ class ShapeGroup:
     def name(self) -> str:
         return f"param group {self.group_index}, blocks {self.shape}"
 
-    def gather_grads(self) -> tuple[Tensor, Tensor]:
-        """Stacked float32 gradients (B, *shape) and a (B,) bool of which blocks have one this step.
+    def gather_grads(self) -> tuple[Tensor, Tensor, list[bool]]:
+        """Stacked float32 gradients (B, *shape), and which blocks have one this step: as a (B,) bool on
+        the device and as a host list.
 
         Missing gradients (``p.grad is None``) are stacked as zeros.
         """
@@ -63,8 +67,8 @@ class ShapeGroup:
         if all(present):
             if self.all_present is None:
                 self.all_present = torch.ones(self.batch, dtype=torch.bool, device=self.device)
-            return grads, self.all_present
-        return grads, torch.tensor(present, device=self.device)
+            return grads, self.all_present, present
+        return grads, to_device(present, torch.bool, self.device), present
 
     def param_views(self) -> list[Tensor]:
         """Each block's view of its parameter (of its local shard for a DTensor)."""

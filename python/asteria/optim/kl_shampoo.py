@@ -116,18 +116,27 @@ class KLShampoo(EigenbasisOptimizer):
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]
         beta1, beta = hyper["betas"]
-        if step == 1:  # the factors from the first gradient alone; no step is taken
+        first = group.steps.first()  # a block's first gradient builds its factors alone; it takes no step
+        if first is not False:
+            starting = keep if first is True else keep & first
             if group.order >= 2:
-                self._update_factors(group, grads, keep, beta, rotate=False)
+                only = grads if first is True else grads * F.batch_view(first, grads)
+                self._update_factors(group, only, starting, beta, rotate=False)
                 if hyper["init_factor"] is None:
-                    self._init_from_gradient(group, grads, keep)
-            return
+                    self._init_from_gradient(group, only, starting)
+            if first is True:
+                return
+            keep = keep & ~first
+            grads = grads.masked_fill(F.batch_view(first, grads), 0.0)
         F.masked_ema_(group.state[EXP_AVG], grads, beta1, keep)
         if group.order < 2:
-            s = step - 1
-            F.masked_ema_square_(group.state[ADAM_EXP_AVG_SQ], grads, hyper["betas"][1], keep)
-            self._directions[id(group)] = F.adam_direction(group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
-                                                           1.0 - beta1**s, 1.0 - hyper["betas"][1] ** s, hyper["eps"])
+            beta2 = hyper["betas"][1]
+            # Adam's bias corrections count each block's steps after its first (s = count - 1).
+            F.masked_ema_square_(group.state[ADAM_EXP_AVG_SQ], grads, beta2, keep)
+            self._directions[id(group)] = F.adam_direction(
+                group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
+                group.steps.of(lambda c: 1.0 - beta1 ** max(c - 1, 1)),
+                group.steps.of(lambda c: 1.0 - beta2 ** max(c - 1, 1)), hyper["eps"])
             return
         bases = self._preconditioners(group)
         # Times s / (1 + eps s) with s = prod_a d_a^(-1/2), as a division by 1/s + eps = prod_a d_a^(1/2) + eps:

@@ -102,10 +102,12 @@ class Shampoo(SecondOrderOptimizer):
 
     def _direction(self, group: ShapeGroup, step: int) -> Tensor:
         hyper = self.param_groups[group.group_index]
-        beta1 = hyper["betas"][0]
-        momentum = group.state[MOMENTUM] / (1.0 - beta1**step)
+        beta1, beta2 = hyper["betas"][0], hyper["grafting_beta2"]
+        # Each block's bias corrections count its own steps (a block without a gradient yet has zero moments).
+        momentum = group.state[MOMENTUM] / F.per_block(group.steps.of(lambda c: 1.0 - beta1 ** max(c, 1)),
+                                                       group.state[MOMENTUM])
         adam = F.adam_direction(momentum, group.state[GRAFTING_SECOND_MOMENT], 1.0,
-                                1.0 - hyper["grafting_beta2"] ** step, hyper["grafting_eps"])
+                                group.steps.of(lambda c: 1.0 - beta2 ** max(c, 1)), hyper["grafting_eps"])
         fallback = adam if hyper["grafting"] == "adam" else momentum
         if group.order == 0:
             return fallback

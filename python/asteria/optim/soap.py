@@ -110,16 +110,24 @@ class SOAP(EigenbasisOptimizer):
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]
         factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
-        if step == 1:  # only the factors: the first gradient never meets its own projection
+        steps = group.steps
+        first = steps.first()  # a block's first gradient only builds its factors: it never meets its own projection
+        if first is True:
             F.update_factors_(factors, grads, 0.0, keep)
             return
         beta1, beta2 = hyper["betas"]
-        s = step - 1
+        # Debiased by each block's own count of steps (s = count - 1 after the first); the factors of a block
+        # at its first gradient take it whole (weight 0 on the zeros before).
+        moments = keep if first is False else keep & ~first
         bases = self._bases(group)
-        F.masked_ema_(group.state[EXP_AVG], grads, debiased(beta1, s), keep)
+        F.masked_ema_(group.state[EXP_AVG], grads, steps.of(lambda c: debiased(beta1, max(c - 1, 1))), moments)
         rotated = F.project(grads, bases)
-        F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, debiased(beta2, s), keep)
+        if first is not False:
+            rotated.masked_fill_(F.batch_view(first, rotated), 0.0)
+        F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, steps.of(lambda c: debiased(beta2, max(c - 1, 1))),
+                             moments)
         denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(hyper["eps"])
         self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
-        F.update_factors_(factors, grads, debiased(hyper["shampoo_beta"], s), keep)
+        shampoo_beta = hyper["shampoo_beta"]
+        F.update_factors_(factors, grads, steps.of(lambda c: debiased(shampoo_beta, c - 1) if c >= 2 else 0.0), keep)
 

@@ -112,6 +112,15 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         check_arg(isinstance(versions, (list, tuple)) and len(versions) == fset.batch
                   and all(is_int(v) and v >= 0 for v in versions), f"state_dict['versions'][{i}]", versions,
                   f"must be {fset.batch} ints >= 0, the versions in use by the blocks of {fset.name}")
+    counts = state_dict.get("block_steps")  # None: written before blocks counted their own steps
+    check_arg(counts is None or (isinstance(counts, (list, tuple)) and len(counts) == len(opt._groups)),
+              "state_dict['block_steps']", type(counts).__name__, f"must be a list of {len(opt._groups)} entries, "
+              "one per shape group")
+    for i, (group_counts, group) in enumerate(zip(counts or [], opt._groups)):
+        check_arg(isinstance(group_counts, (list, tuple)) and len(group_counts) == group.batch
+                  and all(is_int(c) and 0 <= c <= step for c in group_counts), f"state_dict['block_steps'][{i}]",
+                  group_counts, f"must be {group.batch} ints in [0, step={step}], the step counts of the blocks "
+                  f"of {group.name}")
     for i, saved in enumerate(state_dict["param_groups"]):
         check_arg(isinstance(saved, dict), f"state_dict['param_groups'][{i}]", type(saved).__name__, "must be a dict")
         merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,34 @@ class RootRequest:
     for eigenbases the refreshed basis of scale * F, kept as it is when its off-diagonal ratio
     ||Q^T F Q - diag||_F / ||Q^T F Q||_F is at most ``skip_tol`` (0: never skip)."""
 
-    scale: float
+    scale: float | tuple[float, ...]  # one for the set, or one per block (their own step counts)
     eps: float
     skip_tol: float = 0.0
+
+    def for_blocks(self, blocks: list[int]) -> RootRequest:
+        """The request for the listed blocks of the set (a per-block scale keeps theirs)."""
+        if not isinstance(self.scale, tuple):
+            return self
+        return RootRequest(tuple(self.scale[b] for b in blocks), self.eps, self.skip_tol)
+
+    def saved(self) -> tuple:
+        """The request as plain values for a checkpoint (``RootRequest(*saved)`` rebuilds it)."""
+        scale = self.scale if isinstance(self.scale, float) else list(self.scale)
+        return (scale, self.eps, self.skip_tol)
+
+    @staticmethod
+    def load(saved: tuple | list) -> RootRequest:
+        scale, *rest = saved
+        return RootRequest(float(scale) if isinstance(scale, (int, float)) else tuple(map(float, scale)), *rest)
+
+    def submit(self, engine: Any, ids: list[int], version: int, due: int, exponent: float) -> None:
+        """Submits the blocks ``ids`` (the set's blocks in order) to the C++ engine: in one call, or one
+        per distinct scale."""
+        if not isinstance(self.scale, tuple):
+            engine.submit(ids, version, due, exponent, self.eps, self.scale, skip_tol=self.skip_tol)
+            return
+        by_scale: dict[float, list[int]] = {}
+        for block_id, scale in zip(ids, self.scale, strict=True):
+            by_scale.setdefault(scale, []).append(block_id)
+        for scale, members in by_scale.items():
+            engine.submit(members, version, due, exponent, self.eps, scale, skip_tol=self.skip_tol)

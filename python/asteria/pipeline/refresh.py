@@ -137,7 +137,10 @@ class SyncRefresher(Refresher):
             fset = self.sets[index]
             order = None
             if fset.kind == "root":
-                new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, request.scale)
+                scale = request.scale
+                if isinstance(scale, tuple):  # the blocks' own step counts differ
+                    scale = F.batch_view(torch.tensor(scale, device=fset.factors.device), fset.factors)
+                new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, scale)
             else:
                 new, usable, order = self._eigenbases(fset, request.skip_tol)
             results.append((index, version, new, usable, usable.cpu().numpy(), order))
@@ -164,19 +167,22 @@ class SyncRefresher(Refresher):
         self._seconds += time.perf_counter() - started
 
     def _eigenbases(self, fset: FactorSet, skip_tol: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A full eigendecomposition for blocks without a basis yet, the warm-started QR refresh for the
-        others; the column order is None when no block was refreshed from an old basis."""
-        installed = fset.installed
-        if not bool(installed.any()):
+        """A full eigendecomposition for blocks without a basis yet (or with a zero factor's identity), the
+        warm-started QR refresh for the others; the column order is None when no block was refreshed
+        from an old basis (the blocks decomposed afresh keep theirs: the identity order)."""
+        warm = fset.installed & ~F.identity_rows(fset.preconditioners)
+        if not bool(warm.any()):
             bases, usable = F.eigenbasis(fset.factors)
             return bases, usable, None
         refreshed, order, usable, skipped = F.qr_refresh(fset.factors, fset.preconditioners, skip_tol)
-        self._skipped += int((skipped & installed).sum())
-        if bool(installed.all()):
+        self._skipped += int((skipped & warm).sum())
+        if bool(warm.all()):
             return refreshed, usable, order
         fresh, fresh_usable = F.eigenbasis(fset.factors)
-        mask = F.batch_view(installed, fresh)
-        return torch.where(mask, refreshed, fresh), torch.where(installed, usable, fresh_usable), order
+        mask = F.batch_view(warm, fresh)
+        kept = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        return (torch.where(mask, refreshed, fresh), torch.where(warm, usable, fresh_usable),
+                torch.where(warm.unsqueeze(-1), order, kept))
 
     def activate(self, step: int) -> None:
         """Nothing to do: a sync refresh is in use from its own step."""
@@ -239,8 +245,7 @@ class SnapshotStager:
                     waiting.append(entry)
                     continue
                 streams.wait(event)
-            self.engine.submit(ids, version, due, self.sets[index].exponent, request.eps, request.scale,
-                               skip_tol=request.skip_tol)
+            request.submit(self.engine, ids, version, due, self.sets[index].exponent)
         self.pending = waiting
 
     def before_factor_update(self) -> None:
@@ -440,7 +445,7 @@ class AsyncRefresher(WorkerRefresher):
         resume gives the same bits (one BLAS thread per job), so the resumed run continues exactly."""
         self.stager.wait_all()
         scheduled = [{"set": index, "version": version, "due": due,
-                      "request": (request.scale, request.eps, request.skip_tol),
+                      "request": request.saved(),
                       "snapshot": self.snapshots[index][version % self.depth].clone()}
                      for index, version, due, request in self._scheduled]
         return {"newest_versions": list(self._newest_versions), "scheduled": scheduled}
@@ -462,11 +467,10 @@ class AsyncRefresher(WorkerRefresher):
         self._scheduled = []
         for entry in sorted(scheduled, key=lambda e: (e["version"], e["set"])):
             index, version, due = entry["set"], entry["version"], entry["due"]
-            request = RootRequest(*entry["request"])
+            request = RootRequest.load(entry["request"])
             self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
             self.snapshots[index][version % self.depth].copy_(entry["snapshot"])
-            self.engine.submit(self.ids[index], version, due, self.sets[index].exponent, request.eps,
-                               request.scale, skip_tol=request.skip_tol)
+            request.submit(self.engine, self.ids[index], version, due, self.sets[index].exponent)
             self._scheduled.append((index, version, due, request))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:

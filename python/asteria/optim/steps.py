@@ -1,0 +1,78 @@
+"""Per-block step counts: the steps in which a block's parameter had a gradient.
+
+torch's AdamW and the SOAP reference count ``state["step"]`` per parameter, so that a parameter that
+first gets a gradient late (unfrozen mid-run, an expert that no token reached, a task head used now
+and then) starts its bias corrections as a fresh parameter would. The optimizers' first-step rules and
+bias corrections read these counts; the refresh schedule stays global (``SecondOrderOptimizer.step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class BlockSteps:
+    """The step counts of one shape group's blocks, kept on the host.
+
+    While every block has the same count (the common case: every parameter gets a gradient every step)
+    each rule reads one Python number, so the step's kernels take scalars as they would with a global
+    count; otherwise it reads a (B,) tensor on the group's device, one value per block.
+    """
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.counts = [0] * batch
+        self.device = device
+        self._uniform: int | None = 0  # the count every block has (None: they differ)
+
+    def advance(self, present: list[bool]) -> None:
+        """Counts this step for the blocks whose parameter has a gradient."""
+        if self._uniform is not None and all(present):  # the common case, kept in O(1) per rule
+            self._uniform += 1
+            self.counts = [self._uniform] * len(self.counts)
+            return
+        self.counts = [count + bool(has) for count, has in zip(self.counts, present)]
+        self._uniform = self._common()
+
+    def load(self, counts: list[int]) -> None:
+        """Counts from a checkpoint."""
+        if len(counts) != len(self.counts):
+            raise ValueError(f"Invalid block step counts: {len(counts)} values for {len(self.counts)} blocks")
+        self.counts = [int(c) for c in counts]
+        self._uniform = self._common()
+
+    def _common(self) -> int | None:
+        first = self.counts[0]
+        return first if all(count == first for count in self.counts) else None
+
+    def uniform(self) -> int | None:
+        """The count every block has, or None when they differ."""
+        return self._uniform
+
+    def of(self, rule: Callable[[int], float]) -> float | Tensor:
+        """``rule(count)``: a float when every block has the same count, else a (B,) float32 tensor on the
+        device with each block's value. ``rule`` must give a finite number for every count, 0 included
+        (blocks without a gradient yet are masked out of the update, but 0 times inf is NaN)."""
+        count = self.uniform()
+        if count is not None:
+            return float(rule(count))
+        return to_device([float(rule(c)) for c in self.counts], torch.float32, self.device)
+
+    def first(self) -> bool | Tensor:
+        """Which blocks take their first gradient this step (count 1): ``True`` or ``False`` when all or
+        none do, else a (B,) bool tensor on the device."""
+        if self._uniform is not None:
+            return self._uniform == 1
+        flags = [count == 1 for count in self.counts]
+        return to_device(flags, torch.bool, self.device) if any(flags) else False
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small tensor of host values on ``device``; to a GPU through pinned memory, without making the
+    training thread wait for the copy (the caching host allocator keeps the buffer until it is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

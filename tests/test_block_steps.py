@@ -1,0 +1,204 @@
+"""Each block counts its own steps (the steps in which its parameter had a gradient), as torch's AdamW and
+the SOAP reference count per parameter: a parameter that first gets a gradient late starts as a fresh one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import asteria
+from conftest import regression_data, small_mlp
+from test_shampoo_reference import HYPER as SHAMPOO_HYPER
+from test_shampoo_reference import mode_multiply, mode_unfold, reference_root
+
+OPTIMIZERS = {
+    "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-2, precondition_frequency=3,
+                                                       start_preconditioning_step=3, runtime=runtime),
+    "soap": lambda params, runtime: asteria.SOAP(params, lr=0.01, precondition_frequency=3, runtime=runtime),
+    "kl-shampoo": lambda params, runtime: asteria.KLShampoo(params, lr=0.01, precondition_frequency=3,
+                                                            runtime=runtime),
+}
+RUNTIMES = {"sync": dict(mode="sync"), "async": dict(mode="async", staleness=0, workers=1, stagger=False)}
+STEPS, LATE = 13, 6  # the second layer gets its first gradient at step LATE + 1, a refresh step (f = 3)
+
+
+def two_layers() -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+
+def losses(model: torch.nn.ModuleList, step: int) -> list[torch.Tensor]:
+    """Two independent regressions, one per layer; the second only from step LATE on (0-based)."""
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 8, generator=gen).to(model[0].weight.device)
+    out = [torch.nn.functional.mse_loss(model[0](x), x.flip(1))]
+    if step >= LATE:
+        out.append(torch.nn.functional.mse_loss(model[1](x), x.roll(1, dims=1)))
+    return out
+
+
+def train_layers(model: torch.nn.ModuleList, optimizers: list[torch.optim.Optimizer]) -> None:
+    for step in range(STEPS):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        sum(losses(model, step)).backward()
+        for opt in optimizers:
+            opt.step()
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_late_parameter_in_a_shared_batch_follows_its_own_counts(name, mode):
+    """The two layers' blocks share the optimizer's batches; the second gets gradients from step 7 on.
+    Each layer must end where an optimizer of its own takes it, whose steps without gradients leave it
+    at count 0: the batched math keeps one count (and bias correction, first-step rule) per block."""
+    runtime = asteria.RuntimeConfig(**RUNTIMES[mode])
+    joint = two_layers()
+    with OPTIMIZERS[name](joint.parameters(), runtime) as opt:
+        train_layers(joint, [opt])
+        counts = sorted(c for g in opt._groups for c in g.steps.counts)
+    separate = two_layers()
+    with OPTIMIZERS[name](separate[0].parameters(), runtime) as first, \
+            OPTIMIZERS[name](separate[1].parameters(), runtime) as second:
+        train_layers(separate, [first, second])
+    assert counts == [STEPS - LATE] * 2 + [STEPS] * 2
+    for a, b in zip(joint.parameters(), separate.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    untouched = two_layers()
+    assert not torch.allclose(joint[1].weight, untouched[1].weight)  # the late layer did train
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
+def test_steps_without_gradients_change_nothing_for_eigenbasis_optimizers(name, mode):
+    """SOAP and KL-Shampoo: LATE steps without any gradient (a multiple of f: the schedule stays aligned)
+    then the run leave the parameters where the run alone does. Their zero factors' identity bases do not
+    warm-start the first real refresh (it decomposes fully, as at step 1), and the first gradient only
+    builds the factors, whatever step it comes at."""
+    runtime = asteria.RuntimeConfig(**RUNTIMES[mode])
+    results = []
+    for idle in (0, LATE):
+        model = two_layers()[0]
+        with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+            for _ in range(idle):
+                opt.zero_grad(set_to_none=True)
+                opt.step()
+            for step in range(STEPS - LATE):
+                opt.zero_grad(set_to_none=True)
+                gen = torch.Generator().manual_seed(step)
+                x = torch.randn(16, 8, generator=gen)
+                torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class LateShampooReference:
+    """Shampoo with Adam grafting in float64 numpy, whole 2-D weights and 1-D biases, every parameter with
+    its own step count: factors, moments and bias corrections advance only with a gradient; the roots are
+    refreshed on the optimizer's schedule for every parameter, each debiased by its own count."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start):
+        self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, weight_decay
+        self.frequency, self.start, self.t = frequency, start, 0
+        self.state = [dict(t=0, factors=[np.zeros((d, d)) for d in p.shape], roots=None,
+                           m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
+
+    def step(self):
+        self.t += 1
+        (b1, b2), refresh = self.betas, self.t >= self.start and (self.t - self.start) % self.frequency == 0
+        for p, s in zip(self.params, self.state):
+            order = p.dim()
+            if p.grad is not None:
+                g = p.grad.double().numpy()
+                s["t"] += 1
+                for mode in range(order):
+                    unfolded = mode_unfold(g, mode)
+                    s["factors"][mode] = b2 * s["factors"][mode] + (1 - b2) * unfolded @ unfolded.T
+                s["m"] = b1 * s["m"] + (1 - b1) * g
+                s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            t = s["t"]
+            if refresh:
+                scale = 1.0 / (1 - b2**t) if t else 1.0
+                s["roots"] = [reference_root(f * scale, -1.0 / (2 * order), self.eps) for f in s["factors"]]
+            if p.grad is None:
+                continue
+            m_hat = s["m"] / (1 - b1**t)
+            adam = m_hat / (np.sqrt(s["v"] / (1 - b2**t)) + 1e-8)
+            direction = adam
+            if s["roots"] is not None:
+                direction = m_hat
+                for mode, root in enumerate(s["roots"]):
+                    direction = mode_multiply(direction, root, mode)
+                direction = direction * np.linalg.norm(adam) / np.linalg.norm(direction)
+            w = p.detach().double().numpy() * (1 - self.lr * self.wd) - self.lr * direction
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(w))
+
+
+def run_late_shampoo(make_optimizer) -> list[torch.Tensor]:
+    """The first layer's weight of small_mlp gets no gradient for the first 5 steps (it is frozen); blocks of
+    at most 32 keep every parameter whole, as the reference does."""
+    model = small_mlp()
+    opt = make_optimizer(list(model.parameters()))
+    x, y = regression_data()
+    for step in range(14):
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.mse_loss(model(x[(step * 32) % 128:][:32]), y[(step * 32) % 128:][:32]).backward()
+        if step < 5:
+            model[0].weight.grad = None
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+def test_shampoo_with_a_late_parameter_matches_a_per_parameter_reference(mode):
+    def make(params):
+        return asteria.Shampoo(params, precondition_frequency=3, start_preconditioning_step=2,
+                               max_preconditioner_dim=32, runtime=asteria.RuntimeConfig(**RUNTIMES[mode]),
+                               **SHAMPOO_HYPER)
+
+    def reference(params):
+        return LateShampooReference(params, frequency=3, start=2, **SHAMPOO_HYPER)
+
+    actual, expected = run_late_shampoo(make), run_late_shampoo(reference)
+    for a, e in zip(actual, expected):
+        assert float((a.double() - e.double()).norm() / e.double().norm()) < 3e-4
+    # The reference with the optimizer's count for every parameter (the old rule) lands elsewhere.
+    class GlobalCount(LateShampooReference):
+        def step(self):
+            for s in self.state:
+                s["t"] = self.t
+            super().step()
+    assert float((actual[0].double() - run_late_shampoo(lambda ps: GlobalCount(ps, frequency=3, start=2,
+                                                                               **SHAMPOO_HYPER))[0].double()).norm()
+                 / actual[0].double().norm()) > 1e-3
+
+
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=1, workers=1)],
+                         ids=["sync", "async"])
+def test_counts_are_checkpointed_and_older_checkpoints_count_the_optimizers_steps(runtime):
+    model = two_layers()
+    with asteria.SOAP(model.parameters(), precondition_frequency=3, runtime=runtime) as opt:
+        for step in range(LATE + 2):
+            opt.zero_grad(set_to_none=True)
+            sum(losses(model, step)).backward()
+            opt.step()
+        state = opt.state_dict()
+    assert sorted(c for counts in state["block_steps"] for c in counts) == [2, 2, LATE + 2, LATE + 2]
+    with asteria.SOAP(two_layers().parameters(), precondition_frequency=3, runtime=runtime) as fresh:
+        fresh.load_state_dict(state)
+        assert [g.steps.counts for g in fresh._groups] == state["block_steps"]
+    older = {k: v for k, v in state.items() if k != "block_steps"}
+    with asteria.SOAP(two_layers().parameters(), precondition_frequency=3, runtime=runtime) as fresh:
+        fresh.load_state_dict(older)
+        assert all(g.steps.counts == [LATE + 2] * g.batch for g in fresh._groups)
+    bad = dict(state, block_steps=[[LATE + 3, 0]] + state["block_steps"][1:])
+    with asteria.SOAP(two_layers().parameters(), precondition_frequency=3, runtime=runtime) as fresh:
+        with pytest.raises(ValueError, match=r"Invalid state_dict\['block_steps'\]\[0\]=\[9, 0\]: must be 2 ints "
+                                             r"in \[0, step=8\]"):
+            fresh.load_state_dict(bad)
+        assert all(c == 0 for g in fresh._groups for c in g.steps.counts)  # nothing loaded
