@@ -87,3 +87,29 @@ def test_resume_from_a_resumed_run_is_bit_for_bit(name):
             state = opt2.state_dict()
             current = [p.detach().clone() for p in model2.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(reference, current))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_resumed_run_counts_staleness_from_the_versions_in_use(deterministic):
+    """The resumed engine starts each block at the version it uses (``RefreshEngine.resume_at``): its
+    staleness statistics stay within S from the first step on, and a block's first activation after
+    the resume is no special case (before, every block counted from version 0 until its next one)."""
+    data = regression_data(sizes=SIZES)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=2, workers=2, deterministic=deterministic)
+    model = small_mlp(sizes=SIZES)
+    with asteria.SOAP(list(model.named_parameters()), lr=0.01, precondition_frequency=2, runtime=runtime) as opt:
+        train(model, opt, 30, data=data)
+        saved = opt.state_dict()
+        params = [p.detach().clone() for p in model.parameters()]
+    assert min(v for versions in saved["versions"] for v in versions) > 3
+    model2 = small_mlp(sizes=SIZES)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), params):
+            p.copy_(q)
+    with asteria.SOAP(list(model2.named_parameters()), lr=0.01, precondition_frequency=2, runtime=runtime) as opt2:
+        opt2.load_state_dict(saved)
+        seen = []
+        train(model2, opt2, 6, data=data, hook=lambda step, o: seen.append(o.runtime_stats()["max_staleness_seen"]))
+        status = testing.block_status(opt2, "0.weight")
+    assert max(seen) <= 2, seen
+    assert all(s["active_version"] >= min(saved["versions"][0]) for s in status)

@@ -159,6 +159,8 @@ void init_runtime(nb::module_& m) {
       .def("depth", &RefreshEngine::depth, "block"_a)
       .def("start_at", &RefreshEngine::start_at, "blocks"_a, "version"_a,
            "Declares that versions before `version` will never be written (a resumed run starts there).")
+      .def("resume_at", &RefreshEngine::resume_at, "blocks"_a, "versions"_a,
+           "A resumed run uses versions[i] of blocks[i]: activations and staleness count from there.")
       .def(
           "begin_snapshot",
           [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version, double timeout_s) {

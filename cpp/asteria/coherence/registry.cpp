@@ -50,6 +50,20 @@ std::int64_t CoherenceRegistry::num_blocks() const {
   return static_cast<std::int64_t>(blocks_.size());
 }
 
+void CoherenceRegistry::resume_at(std::int64_t block, std::int64_t version) {
+  std::lock_guard lock(mutex_);
+  Block& b = blocks_[index(block, "resume_at")];
+  const std::string where = "[CoherenceRegistry::resume_at] block " + std::to_string(block) + ": ";
+  if (version < 0) throw InvalidArgument(where + "Invalid version=" + std::to_string(version) + ": must be >= 0");
+  if (b.status.newest_snapshot != 0 || b.status.active_version != 0 || b.status.newest_finished != 0) {
+    throw InvalidArgument(where + "versions were noted already (newest snapshot " +
+                          std::to_string(b.status.newest_snapshot) + "): resume only a fresh registry");
+  }
+  b.status.active_version = version;
+  b.status.newest_finished = version;
+  b.status.newest_ok = version;
+}
+
 void CoherenceRegistry::note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step) {
   std::lock_guard lock(mutex_);
   Block& b = blocks_[index(block, "note_snapshot")];
@@ -164,7 +178,8 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
       changes.push_back(Activation{static_cast<std::int64_t>(id), status.active_version});
     }
     if (status.newest_snapshot > 0) {
-      const std::int64_t staleness = status.newest_snapshot - status.active_version;
+      // Never negative: after resume_at a block may use a version newer than the newest snapshot noted.
+      const std::int64_t staleness = std::max<std::int64_t>(0, status.newest_snapshot - status.active_version);
       const std::size_t bin =
           static_cast<std::size_t>(std::min<std::int64_t>(staleness, config_.staleness + 1));
       if (recorded_bins_[id] != kNoBin) stats_.staleness_histogram[recorded_bins_[id]] -= 1;

@@ -102,6 +102,9 @@ class RefreshEngine {
   // Declares that no version before `version` will ever be written for `blocks` (a run resumed from
   // a checkpoint starts its versions there), so that the rings hand out buffers from that version on.
   void start_at(const std::vector<std::int64_t>& blocks, std::int64_t version);
+  // A resumed run uses versions[i] of blocks[i]: the registry's activations and staleness count from
+  // there (CoherenceRegistry::resume_at), not from version 0. Before anything is submitted for them.
+  void resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions);
   // Claims the snapshot buffers of `version` for `blocks`, waiting up to `timeout` for jobs still
   // reading them, and returns nothing: the caller then fills buffer version % depth.
   void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);

@@ -73,6 +73,29 @@ TEST(CoherenceRegistryTest, DeterministicActivatesExactlyAtTheActivationStep) {
   EXPECT_EQ(stats.skipped_versions, 0u);
 }
 
+TEST(CoherenceRegistryTest, AResumedBlockCountsItsStalenessFromTheVersionInUse) {
+  // A run resumed from a checkpoint: block a uses version 30 and has 31 in flight; block b already uses
+  // 32 (the non-deterministic rule took it earlier), so the older 31 snapshotted for its set is stale.
+  CoherenceRegistry registry(nondeterministic(/*staleness=*/2));
+  const std::int64_t a = registry.add_block(), b = registry.add_block();
+  registry.resume_at(a, 30);
+  registry.resume_at(b, 32);
+  registry.note_snapshot(a, 31, 310);
+  registry.note_snapshot(b, 31, 310);
+  EXPECT_EQ(activate(registry, 305), Changes{});
+  EXPECT_EQ(registry.stats().max_staleness_seen, 1);  // not 31: counted from 30, and never below 0
+  registry.note_finished(a, 31, true);
+  registry.note_finished(b, 31, true);
+  EXPECT_EQ(activate(registry, 310), (Changes{{a, 31}}));  // b keeps its newer version
+  EXPECT_EQ(registry.status(b).active_version, 32);
+  EXPECT_EQ(registry.stats().max_staleness_seen, 1);
+  EXPECT_THROW(registry.resume_at(a, 40), InvalidArgument);  // versions were noted
+  CoherenceRegistry fresh(deterministic(1));
+  const std::int64_t c = fresh.add_block();
+  EXPECT_THROW(fresh.resume_at(c, -1), InvalidArgument);
+  EXPECT_THROW(fresh.resume_at(c + 1, 3), InvalidArgument);
+}
+
 TEST(CoherenceRegistryTest, DeterministicWaitsForADueVersionStillRunning) {
   CoherenceRegistry registry(deterministic(1));
   const std::int64_t ready = registry.add_block();

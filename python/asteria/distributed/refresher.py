@@ -518,6 +518,7 @@ class DistributedRefresher(WorkerRefresher):
         for index, ids in enumerate(self.ids):
             pending = [entry["version"] for entry in scheduled if index in entry["requests"]]
             if ids:
+                self.engine.resume_at(ids, [self.sets[index].versions[b] for b in self.owned[index]])
                 self.engine.start_at(ids, min(pending) if pending else self._newest_versions[index] + 1)
         for index, (fset, ids) in enumerate(zip(self.sets, self.ids)):
             if fset.kind != "eigenbasis":

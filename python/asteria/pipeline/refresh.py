@@ -455,6 +455,8 @@ class AsyncRefresher(WorkerRefresher):
         scheduled = state["scheduled"]
         for index, ids in enumerate(self.ids):
             pending = [entry["version"] for entry in scheduled if entry["set"] == index]
+            # Activations and staleness count from the versions in use, not from 0.
+            self.engine.resume_at(ids, list(self.sets[index].versions))
             self.engine.start_at(ids, min(pending) if pending else self._newest_versions[index] + 1)
         # An eigenbasis chain warm-starts from the newest good basis before it: the one in use now.
         for fset, ids in zip(self.sets, self.ids):
@@ -468,9 +470,13 @@ class AsyncRefresher(WorkerRefresher):
         for entry in sorted(scheduled, key=lambda e: (e["version"], e["set"])):
             index, version, due = entry["set"], entry["version"], entry["due"]
             request = RootRequest.load(entry["request"])
-            self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
+            # Only the blocks still behind it: under deterministic=False a block may already use this
+            # version or a newer one (its chain was seeded with that basis just above).
+            blocks = [b for b, used in enumerate(self.sets[index].versions) if used < version]
+            ids = [self.ids[index][b] for b in blocks]
+            self.engine.begin_snapshot(ids, version, self.config.timeout_s)
             self.snapshots[index][version % self.depth].copy_(entry["snapshot"])
-            request.submit(self.engine, self.ids[index], version, due, self.sets[index].exponent)
+            request.for_blocks(blocks).submit(self.engine, ids, version, due, self.sets[index].exponent)
             self._scheduled.append((index, version, due, request))
 
     def _install(self, index: int, items: list[tuple[int, int, int]]) -> None:
