@@ -382,9 +382,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         direction = self._direction(group, step)
         if direction is None:
             return
-        first = group.steps.first()
-        if not self.FIRST_GRADIENT_STEPS and first is not False:  # all first: no direction above
-            keep = keep & ~first
+        if not self.FIRST_GRADIENT_STEPS:
+            first = group.steps.first()  # all first: there was no direction above
+            keep = keep if first is False else keep & ~first
         weights = group.gather_params()  # a stacked copy: updated in place, then written back
         group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 

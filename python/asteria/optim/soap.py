@@ -123,7 +123,7 @@ class SOAP(EigenbasisOptimizer):
         F.masked_ema_(group.state[EXP_AVG], grads, steps.of(lambda c: debiased(beta1, max(c - 1, 1))), moments)
         rotated = F.project(grads, bases)
         if first is not False:
-            rotated.masked_fill_(F.batch_view(first, rotated), 0.0)
+            rotated = rotated.masked_fill(F.batch_view(first, rotated), 0.0)  # (may be ``grads`` itself)
         F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, steps.of(lambda c: debiased(beta2, max(c - 1, 1))),
                              moments)
         denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(hyper["eps"])
