@@ -309,19 +309,20 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
+@pytest.mark.parametrize("optimizer", ["shampoo", "soap", "kl-shampoo"])
 def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimizer, mode):
     """Blocks of one batch at different step counts (the second layer gets gradients from step 7 on): the
     GPU run matches the CPU run, and in Asteria mode its steps with per-block counts (and a missing
     gradient) never make the training thread wait for the GPU."""
-    from test_block_steps import LATE, STEPS, losses, two_layers
+    from test_block_steps import LATE, OPTIMIZERS, STEPS, losses, two_layers
 
     runtime = dict(mode="sync") if mode == "sync" else dict(staleness=2, workers=2, stagger=False)
     results = []
     for device in ("cpu", "cuda"):
         model = two_layers().to(device)
-        with optimizer(model.parameters(), lr=0.01, precondition_frequency=3,
-                       runtime=asteria.RuntimeConfig(**runtime)) as opt:
+        # Their hyperparameters keep Shampoo's roots well conditioned (eps 1e-2): with a tiny eps the
+        # rank-deficient early factors amplify the GPU's and the CPU's rounding apart.
+        with OPTIMIZERS[optimizer](model.parameters(), asteria.RuntimeConfig(**runtime)) as opt:
             for step in range(STEPS):
                 opt.zero_grad(set_to_none=True)
                 sum(losses(model, step)).backward()
