@@ -10,7 +10,7 @@ import torch
 import asteria
 from conftest import regression_data, small_mlp
 from test_shampoo_reference import HYPER as SHAMPOO_HYPER
-from test_shampoo_reference import mode_multiply, mode_unfold, reference_root
+from test_shampoo_reference import grafted_direction, mode_unfold, reference_root
 
 OPTIMIZERS = {
     "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-2, precondition_frequency=3,
@@ -125,14 +125,7 @@ class LateShampooReference:
                 s["roots"] = [reference_root(f * scale, -1.0 / (2 * order), self.eps) for f in s["factors"]]
             if p.grad is None:
                 continue
-            m_hat = s["m"] / (1 - b1**t)
-            adam = m_hat / (np.sqrt(s["v"] / (1 - b2**t)) + 1e-8)
-            direction = adam
-            if s["roots"] is not None:
-                direction = m_hat
-                for mode, root in enumerate(s["roots"]):
-                    direction = mode_multiply(direction, root, mode)
-                direction = direction * np.linalg.norm(adam) / np.linalg.norm(direction)
+            direction = grafted_direction(s, b1, b2, t, grafting_eps=1e-8)
             w = p.detach().double().numpy() * (1 - self.lr * self.wd) - self.lr * direction
             with torch.no_grad():
                 p.copy_(torch.from_numpy(w))

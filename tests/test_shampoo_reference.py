@@ -39,6 +39,19 @@ def mode_multiply(x: np.ndarray, matrix: np.ndarray, mode: int) -> np.ndarray:
     return np.moveaxis(np.tensordot(matrix, np.moveaxis(x, mode, 0), axes=1), 0, mode)
 
 
+def grafted_direction(s: dict, b1: float, b2: float, t: int, grafting_eps: float) -> np.ndarray:
+    """The bias-corrected momentum times each mode's root, rescaled to the norm of Adam's direction (Adam's
+    itself before the first roots); ``s`` holds the block's moments "m", "v" and its "roots" (or None)."""
+    m_hat = s["m"] / (1 - b1**t)
+    adam = m_hat / (np.sqrt(s["v"] / (1 - b2**t)) + grafting_eps)
+    if s["roots"] is None:
+        return adam
+    direction = m_hat
+    for mode, root in enumerate(s["roots"]):
+        direction = mode_multiply(direction, root, mode)
+    return direction * np.linalg.norm(adam) / np.linalg.norm(direction)
+
+
 class ReferenceShampoo:
     """Shampoo with Adam grafting in float64 numpy, one block at a time."""
 
@@ -73,14 +86,7 @@ class ReferenceShampoo:
             s["v"] = b2 * s["v"] + (1 - b2) * g * g
             if refresh and order:
                 s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps) for f in s["factors"]]
-            m_hat = s["m"] / (1 - b1**t)
-            adam = m_hat / (np.sqrt(s["v"] / (1 - b2**t)) + self.grafting_eps)
-            direction = adam
-            if s["roots"] is not None:
-                direction = m_hat
-                for mode, root in enumerate(s["roots"]):
-                    direction = mode_multiply(direction, root, mode)
-                direction = direction * np.linalg.norm(adam) / np.linalg.norm(direction)
+            direction = grafted_direction(s, b1, b2, t, self.grafting_eps)
             updates.append((s, w * (1 - self.lr * self.wd) - self.lr * direction))
         for s, w in updates:
             with torch.no_grad():
