@@ -70,17 +70,21 @@ def test_a_late_parameter_in_a_shared_batch_follows_its_own_counts(name, mode):
 
 
 @pytest.mark.parametrize("mode", RUNTIMES)
-@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
-def test_steps_without_gradients_change_nothing_for_eigenbasis_optimizers(name, mode):
-    """SOAP and KL-Shampoo: LATE steps without any gradient (a multiple of f: the schedule stays aligned)
-    then the run leave the parameters where the run alone does. Their zero factors' identity bases do not
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "shampoo-without-grafting"])
+def test_steps_without_gradients_change_nothing(name, mode):
+    """LATE steps without any gradient (a multiple of f: the schedule stays aligned) then the run leave the
+    parameters where the run alone does. SOAP and KL-Shampoo: their zero factors' identity bases do not
     warm-start the first real refresh (it decomposes fully, as at step 1), and the first gradient only
-    builds the factors, whatever step it comes at."""
+    builds the factors. Shampoo: its zero factors' roots (eps^(-1/2k) I) are never used; until a root of
+    a real factor comes, it takes its grafting direction, as a fresh run does before its first root
+    (without grafting, such a root would have scaled the first steps by eps^(-1/2) = 10^6)."""
     runtime = asteria.RuntimeConfig(**RUNTIMES[mode])
+    make = OPTIMIZERS.get(name) or (lambda params, runtime: asteria.Shampoo(
+        params, lr=1e-3, grafting="none", precondition_frequency=3, start_preconditioning_step=3, runtime=runtime))
     results = []
     for idle in (0, LATE):
         model = two_layers()[0]
-        with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        with make(model.parameters(), runtime) as opt:
             for _ in range(idle):
                 opt.zero_grad(set_to_none=True)
                 opt.step()
@@ -98,7 +102,8 @@ def test_steps_without_gradients_change_nothing_for_eigenbasis_optimizers(name, 
 class LateShampooReference:
     """Shampoo with Adam grafting in float64 numpy, whole 2-D weights and 1-D biases, every parameter with
     its own step count: factors, moments and bias corrections advance only with a gradient; the roots are
-    refreshed on the optimizer's schedule for every parameter, each debiased by its own count."""
+    refreshed on the optimizer's schedule, each debiased by its own count, once the parameter has had a
+    gradient (until then it has none, so its first steps take Adam's direction, as a fresh one's do)."""
 
     def __init__(self, params, lr, betas, eps, weight_decay, frequency, start):
         self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, weight_decay
@@ -120,9 +125,9 @@ class LateShampooReference:
                 s["m"] = b1 * s["m"] + (1 - b1) * g
                 s["v"] = b2 * s["v"] + (1 - b2) * g * g
             t = s["t"]
-            if refresh:
-                scale = 1.0 / (1 - b2**t) if t else 1.0
-                s["roots"] = [reference_root(f * scale, -1.0 / (2 * order), self.eps) for f in s["factors"]]
+            if refresh:  # a zero factor's root (before the first gradient) is not used: the grafting direction
+                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps)
+                              for f in s["factors"]] if t else None
             if p.grad is None:
                 continue
             direction = grafted_direction(s, b1, b2, t, grafting_eps=1e-8)

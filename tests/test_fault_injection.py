@@ -196,6 +196,9 @@ def test_too_many_skipped_gradients_in_a_row_raise(name):
             for _ in range(10):
                 one_step_with_grads(model, opt, lambda m: m[0].bias.grad.fill_(float("nan")))
         assert 3 <= opt.runtime_stats()["nonfinite_grad_skips"] <= 5  # raised at the first refresh step past 3
+        assert all(c == opt._step for g in opt._groups for c in g.steps.counts)  # the step that raised counts nothing
+        with make(name)[1] as fresh:
+            fresh.load_state_dict(opt.state_dict())  # its checkpoint stays consistent
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -211,6 +214,7 @@ def test_hung_refresh_times_out_clearly_and_close_returns_promptly(name):
                                            r"timeout_s=0.5: .* needs version \d+, still running after waiting"):
         train(model, opt, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(c == opt._step for g in opt._groups for c in g.steps.counts)  # the step that raised counts nothing
     started = time.monotonic()
     opt.close()  # ends the hung job instead of waiting for it
     assert time.monotonic() - started < 5.0

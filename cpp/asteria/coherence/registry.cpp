@@ -50,18 +50,31 @@ std::int64_t CoherenceRegistry::num_blocks() const {
   return static_cast<std::int64_t>(blocks_.size());
 }
 
-void CoherenceRegistry::resume_at(std::int64_t block, std::int64_t version) {
+void CoherenceRegistry::resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions) {
   std::lock_guard lock(mutex_);
-  Block& b = blocks_[index(block, "resume_at")];
-  const std::string where = "[CoherenceRegistry::resume_at] block " + std::to_string(block) + ": ";
-  if (version < 0) throw InvalidArgument(where + "Invalid version=" + std::to_string(version) + ": must be >= 0");
-  if (b.status.newest_snapshot != 0 || b.status.active_version != 0 || b.status.newest_finished != 0) {
-    throw InvalidArgument(where + "versions were noted already (newest snapshot " +
-                          std::to_string(b.status.newest_snapshot) + "): resume only a fresh registry");
+  const std::string where = "[CoherenceRegistry::resume_at] ";
+  if (blocks.size() != versions.size()) {
+    throw InvalidArgument(where + "Invalid versions: " + std::to_string(versions.size()) + " for " +
+                          std::to_string(blocks.size()) + " blocks; give one version per block");
   }
-  b.status.active_version = version;
-  b.status.newest_finished = version;
-  b.status.newest_ok = version;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const BlockStatus& status = blocks_[index(blocks[i], "resume_at")].status;
+    const std::string block = "block " + std::to_string(blocks[i]) + ": ";
+    if (versions[i] < 0) {
+      throw InvalidArgument(where + block + "Invalid version=" + std::to_string(versions[i]) + ": must be >= 0");
+    }
+    if (status.newest_snapshot != 0 || status.active_version != 0 || status.newest_finished != 0) {
+      throw InvalidArgument(where + block + "already at version " + std::to_string(status.active_version) +
+                            " (newest snapshot " + std::to_string(status.newest_snapshot) +
+                            "): only a block with nothing noted yet can be resumed");
+    }
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    BlockStatus& status = blocks_[static_cast<std::size_t>(blocks[i])].status;
+    status.active_version = versions[i];
+    status.newest_finished = versions[i];
+    status.newest_ok = versions[i];
+  }
 }
 
 void CoherenceRegistry::note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step) {

@@ -80,11 +80,11 @@ class CoherenceRegistry {
   std::int64_t num_blocks() const;
   const RegistryConfig& config() const noexcept { return config_; }
 
-  // A run resumed from a checkpoint uses `version` (>= 0) of `block`: its activations and staleness
-  // count from there (the versions it snapshots next may be older than that for some blocks of a set
-  // under the non-deterministic rule; they are then never activated). Only for a block with nothing
-  // noted yet (InvalidArgument otherwise).
-  void resume_at(std::int64_t block, std::int64_t version);
+  // A run resumed from a checkpoint uses versions[i] (>= 0) of blocks[i]: their activations and
+  // staleness count from there (the versions it snapshots next may be older than that for some blocks
+  // of a set under the non-deterministic rule; they are then never activated). Only for blocks with
+  // nothing noted yet; anything else throws InvalidArgument before any block is changed.
+  void resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions);
   // A job for `version` of `block` was submitted; under the deterministic rule it becomes due at
   // `activation_step`. Versions of one block must be noted in increasing order (InvalidArgument).
   void note_snapshot(std::int64_t block, std::int64_t version, std::int64_t activation_step);

@@ -165,14 +165,10 @@ void RefreshEngine::start_at(const std::vector<std::int64_t>& blocks, std::int64
 }
 
 void RefreshEngine::resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions) {
-  if (blocks.size() != versions.size()) {
-    throw InvalidArgument("[RefreshEngine::resume_at] " + std::to_string(blocks.size()) + " blocks but " +
-                          std::to_string(versions.size()) + " versions: give one version per block");
-  }
+  for (const std::int64_t id : blocks) block(id);  // a bad id throws before anything changes
+  registry_.resume_at(blocks, versions);            // all or nothing
+  std::lock_guard lock(mutex_);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    block(blocks[i]);  // a bad id throws before the registry is touched
-    registry_.resume_at(blocks[i], versions[i]);
-    std::lock_guard lock(mutex_);
     Block& b = block(blocks[i]);
     b.activated = std::max(b.activated, versions[i]);
   }

@@ -78,8 +78,7 @@ TEST(CoherenceRegistryTest, AResumedBlockCountsItsStalenessFromTheVersionInUse) 
   // 32 (the non-deterministic rule took it earlier), so the older 31 snapshotted for its set is stale.
   CoherenceRegistry registry(nondeterministic(/*staleness=*/2));
   const std::int64_t a = registry.add_block(), b = registry.add_block();
-  registry.resume_at(a, 30);
-  registry.resume_at(b, 32);
+  registry.resume_at({a, b}, {30, 32});
   registry.note_snapshot(a, 31, 310);
   registry.note_snapshot(b, 31, 310);
   EXPECT_EQ(activate(registry, 305), Changes{});
@@ -89,11 +88,15 @@ TEST(CoherenceRegistryTest, AResumedBlockCountsItsStalenessFromTheVersionInUse) 
   EXPECT_EQ(activate(registry, 310), (Changes{{a, 31}}));  // b keeps its newer version
   EXPECT_EQ(registry.status(b).active_version, 32);
   EXPECT_EQ(registry.stats().max_staleness_seen, 1);
-  EXPECT_THROW(registry.resume_at(a, 40), InvalidArgument);  // versions were noted
+  EXPECT_THROW(registry.resume_at({a}, {40}), InvalidArgument);  // versions were noted
   CoherenceRegistry fresh(deterministic(1));
-  const std::int64_t c = fresh.add_block();
-  EXPECT_THROW(fresh.resume_at(c, -1), InvalidArgument);
-  EXPECT_THROW(fresh.resume_at(c + 1, 3), InvalidArgument);
+  const std::int64_t c = fresh.add_block(), d = fresh.add_block();
+  EXPECT_THROW(fresh.resume_at({c}, {-1}), InvalidArgument);
+  EXPECT_THROW(fresh.resume_at({c}, {1, 2}), InvalidArgument);
+  EXPECT_THROW(fresh.resume_at({c, d + 1}, {3, 3}), InvalidArgument);  // no such block: nothing changes
+  EXPECT_EQ(fresh.status(c).active_version, 0);
+  fresh.resume_at({c, d}, {3, 4});  // so the call can be made again
+  EXPECT_EQ(fresh.status(d).active_version, 4);
 }
 
 TEST(CoherenceRegistryTest, DeterministicWaitsForADueVersionStillRunning) {

@@ -21,7 +21,7 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
-from asteria.optim.steps import BlockSteps
+from asteria.optim.steps import BlockSteps, to_device
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
@@ -123,6 +123,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             else:  # run by run, each run's modes together: the order the split groups would have
                 self._set_groups += [(fset.slice(a, b), group) for a, b in runs[index] for fset in group_sets[-1]]
         self._group_index = {id(group): index for index, group in enumerate(self._groups)}
+        #: per group, the indices of its factor sets in ``_set_groups``
+        self._sets_of = {id(group): [i for i, (_, g) in enumerate(self._set_groups) if g is group]
+                         for group in self._groups}
         self._tier = PreconditionerTier(self.placement, group_sets)
         self._reading: dict[int, list[Tensor]] = {}
         self._paged_keys: dict[int, dict[str, FactorSet]] = {}  # group -> state key -> set on the NVMe tier
@@ -230,6 +233,22 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         scales = tuple(scale(count) for count in counts)
         return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"])
 
+    def _informed(self, group: ShapeGroup) -> Tensor | None:
+        """(B,) bool on the device: which blocks' preconditioners in use were all snapshotted once the
+        block had had a gradient (a version of a zero factor tells nothing); None when all were, as
+        whenever every block had its first gradient by the first refresh."""
+        steps = group.steps
+        if steps.started_by(self.schedule.start):
+            return None
+        informed = [first > 0 for first in steps.first_steps]
+        for index in self._sets_of[id(group)]:
+            fset = self._set_groups[index][0]
+            for block, version in enumerate(fset.versions):
+                first = steps.first_steps[fset.offset + block]
+                if version < 1 or self.schedule.snapshot_step(index, version) < first:
+                    informed[fset.offset + block] = False
+        return None if all(informed) else to_device(informed, torch.bool, group.device)
+
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -243,7 +262,19 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         step = self._step + 1
         batches = [self._gather(group) for group in self._groups]
         for group in self._groups:  # once every group has gathered: a step that raises there counts nothing
-            group.steps.advance(self._present.pop(id(group)))
+            group.steps.advance(self._present.pop(id(group)), step)
+        try:
+            self._step_with(step, batches)
+        except BaseException:
+            for group in self._groups:  # the step did not happen: its counts neither
+                group.steps.undo()
+            raise
+        self._step = step
+        self._used = "stepped"
+        return loss
+
+    def _step_with(self, step: int, batches: list[tuple[Tensor, Tensor]]) -> None:
+        """The rest of ``step()``, once the gradients are gathered and the blocks' steps counted."""
         self._refresher.before_factor_update()
         if self.ACTIVATION_LAG:
             self._activate(step - 1)
@@ -264,9 +295,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self._done_reading(group)
         self._tier.end_step()
         self._backward.clear()
-        self._step = step
-        self._used = "stepped"
-        return loss
 
     def _activate(self, step: int) -> None:
         """Runs the activation of ``step`` unless done already, and lets the current stream wait for
@@ -426,6 +454,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                        for i, g in enumerate(self._groups)],
             "versions": [list(fset.versions) for fset, _ in self._set_groups],
             "block_steps": [list(g.steps.counts) for g in self._groups],
+            "block_first_steps": [list(g.steps.first_steps) for g in self._groups],
             "refresher": self._refresher.state(self._step),
             "runtime_mode": self.runtime.mode,
             "distributed": self._refresher.identity(),
@@ -458,9 +487,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                     group.state[key].copy_(tensor)
         for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
             fset.versions = list(versions)
-        counts = state_dict.get("block_steps")  # older checkpoints: every block counted the optimizer's steps
-        for index, group in enumerate(self._groups):
-            group.steps.load(counts[index] if counts is not None else [state_dict["step"]] * group.batch)
+        # Older checkpoints: every block counted the optimizer's steps from step 1.
+        counts = state_dict.get("block_steps") or [[state_dict["step"]] * g.batch for g in self._groups]
+        firsts = state_dict.get("block_first_steps") or [[min(c, 1) for c in group] for group in counts]
+        for group, group_counts, group_firsts in zip(self._groups, counts, firsts):
+            group.steps.load(group_counts, group_firsts)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]

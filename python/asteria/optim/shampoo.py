@@ -118,4 +118,7 @@ class Shampoo(SecondOrderOptimizer):
         ready = group.state[has_root_key(0)]
         for mode in range(1, group.order):
             ready = ready & group.state[has_root_key(mode)]
+        informed = self._informed(group)
+        if informed is not None:  # a root of a block's zero factor (eps^(-1/2k) I): the fallback until a real one
+            ready = ready & informed
         return torch.where(F.batch_view(ready, shampoo), shampoo, fallback)

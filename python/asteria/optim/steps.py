@@ -24,24 +24,53 @@ class BlockSteps:
 
     def __init__(self, batch: int, device: torch.device) -> None:
         self.counts = [0] * batch
+        #: the optimizer step at which each block had its first gradient (0: none yet)
+        self.first_steps = [0] * batch
         self.device = device
         self._uniform: int | None = 0  # the count every block has (None: they differ)
+        self._started_by: int | None = None  # every block's first gradient came by this step (None: not known)
+        self._before: tuple[list[int], list[int], int | None] | None = None  # for ``undo``
 
-    def advance(self, present: list[bool]) -> None:
-        """Counts this step for the blocks whose parameter has a gradient."""
+    def advance(self, present: list[bool], step: int) -> None:
+        """Counts optimizer step ``step`` for the blocks whose parameter has a gradient (``undo`` takes
+        it back while no other step has been counted)."""
+        self._before = (self.counts, self.first_steps, self._uniform)
         if self._uniform is not None and all(present):  # the common case, kept in O(1) per rule
             self._uniform += 1
             self.counts = [self._uniform] * len(self.counts)
+            if self._uniform == 1:
+                self.first_steps = [step] * len(self.counts)
             return
         self.counts = [count + bool(has) for count, has in zip(self.counts, present)]
+        self.first_steps = [step if has and not first else first for first, has in zip(self.first_steps, present)]
         self._uniform = self._common()
 
-    def load(self, counts: list[int]) -> None:
-        """Counts from a checkpoint."""
-        if len(counts) != len(self.counts):
-            raise ValueError(f"Invalid block step counts: {len(counts)} values for {len(self.counts)} blocks")
+    def undo(self) -> None:
+        """Takes back the last ``advance`` (a step that raised counts nothing)."""
+        if self._before is not None:
+            self.counts, self.first_steps, self._uniform = self._before
+            self._before = None
+            self._started_by = None
+
+    def load(self, counts: list[int], first_steps: list[int]) -> None:
+        """Counts and first-gradient steps from a checkpoint."""
+        if len(counts) != len(self.counts) or len(first_steps) != len(self.counts):
+            raise ValueError(f"Invalid block step counts: {len(counts)} counts and {len(first_steps)} first steps "
+                             f"for {len(self.counts)} blocks")
         self.counts = [int(c) for c in counts]
+        self.first_steps = [int(f) for f in first_steps]
         self._uniform = self._common()
+        self._started_by = None
+        self._before = None
+
+    def started_by(self, step: int) -> bool:
+        """Whether every block had its first gradient at ``step`` or before (O(1) once they all did by
+        then, the common case)."""
+        if self._started_by is not None and self._started_by <= step:
+            return True
+        started = all(first > 0 for first in self.first_steps)
+        self._started_by = max(self.first_steps) if started else None
+        return started and self._started_by <= step
 
     def _common(self) -> int | None:
         first = self.counts[0]

@@ -112,15 +112,16 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         check_arg(isinstance(versions, (list, tuple)) and len(versions) == fset.batch
                   and all(is_int(v) and v >= 0 for v in versions), f"state_dict['versions'][{i}]", versions,
                   f"must be {fset.batch} ints >= 0, the versions in use by the blocks of {fset.name}")
-    counts = state_dict.get("block_steps")  # None: written before blocks counted their own steps
-    check_arg(counts is None or (isinstance(counts, (list, tuple)) and len(counts) == len(opt._groups)),
-              "state_dict['block_steps']", type(counts).__name__, f"must be a list of {len(opt._groups)} entries, "
-              "one per shape group")
-    for i, (group_counts, group) in enumerate(zip(counts or [], opt._groups)):
-        check_arg(isinstance(group_counts, (list, tuple)) and len(group_counts) == group.batch
-                  and all(is_int(c) and 0 <= c <= step for c in group_counts), f"state_dict['block_steps'][{i}]",
-                  group_counts, f"must be {group.batch} ints in [0, step={step}], the step counts of the blocks "
-                  f"of {group.name}")
+    for key, what in (("block_steps", "the step counts"), ("block_first_steps", "the steps of the first gradients")):
+        entries = state_dict.get(key)  # None: written before blocks counted their own steps
+        check_arg(entries is None or (isinstance(entries, (list, tuple)) and len(entries) == len(opt._groups)),
+                  f"state_dict[{key!r}]", f"{type(entries).__name__} of "
+                  f"{len(entries) if isinstance(entries, (list, tuple)) else '?'} entries",
+                  f"must be a list of {len(opt._groups)} entries, one per shape group")
+        for i, (values, group) in enumerate(zip(entries or [], opt._groups)):
+            check_arg(isinstance(values, (list, tuple)) and len(values) == group.batch
+                      and all(is_int(v) and 0 <= v <= step for v in values), f"state_dict[{key!r}][{i}]",
+                      values, f"must be {group.batch} ints in [0, step={step}], {what} of the blocks of {group.name}")
     for i, saved in enumerate(state_dict["param_groups"]):
         check_arg(isinstance(saved, dict), f"state_dict['param_groups'][{i}]", type(saved).__name__, "must be a dict")
         merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | {

@@ -95,7 +95,7 @@ class RootRequest:
         return RootRequest(tuple(self.scale[b] for b in blocks), self.eps, self.skip_tol)
 
     def saved(self) -> tuple:
-        """The request as plain values for a checkpoint (``RootRequest(*saved)`` rebuilds it)."""
+        """The request as plain values for a checkpoint (``RootRequest.load`` rebuilds it)."""
         scale = self.scale if isinstance(self.scale, float) else list(self.scale)
         return (scale, self.eps, self.skip_tol)
 
