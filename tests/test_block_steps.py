@@ -233,3 +233,53 @@ def test_resume_with_counts_that_differ_is_bit_for_bit(name, tmp_path):
         opt.load_state_dict(saved)
         run(resumed, opt, range(LATE + 2, STEPS))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+@pytest.mark.parametrize("first", ["zeros", "nan"])
+def test_a_first_gradient_that_adds_nothing_never_brings_a_root_of_eps(first, mode):
+    """A block whose first present gradient is all zeros (an expert on an empty batch) or non-finite
+    (skipped) still has a zero factor at the next refresh: its root is the identity there, never
+    (eps I)^(-1/4), which would scale the step by eps^(-1/2) = 10^6 without grafting."""
+    moves = []
+    for late in (False, True):
+        model = two_layers()
+        before = model[1].weight.detach().clone()
+        with asteria.Shampoo(model.parameters(), lr=1e-3, grafting="none", precondition_frequency=100,
+                             start_preconditioning_step=1, runtime=asteria.RuntimeConfig(**RUNTIMES[mode])) as opt:
+            for step in range(3):
+                opt.zero_grad(set_to_none=True)
+                sum(losses(model, LATE)).backward()  # both layers get a gradient
+                if late and step == 0:
+                    model[1].weight.grad.fill_(0.0 if first == "zeros" else float("nan"))
+                opt.step()
+        moves.append(float((model[1].weight.detach() - before).abs().max()))
+    assert moves[1] < 10 * moves[0], moves
+
+
+def test_checkpoints_of_counts_load_safely_and_are_checked(tmp_path):
+    model = two_layers()
+    runtime = asteria.RuntimeConfig(mode="sync")
+    with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
+        for step in range(LATE + 2):
+            opt.zero_grad(set_to_none=True)
+            sum(losses(model, step)).backward()
+            opt.step()
+        state = opt.state_dict()
+    assert sorted(f for firsts in state["block_first_steps"] for f in firsts) == [1, 1, LATE + 1, LATE + 1]
+    # Without first steps (this format's first form), a block's first gradient is taken as late as its
+    # count allows; versions saved as NumPy ints load as ints.
+    older = {k: v for k, v in state.items() if k != "block_first_steps"}
+    older["versions"] = [[np.int64(v) for v in versions] for versions in state["versions"]]
+    with OPTIMIZERS["shampoo"](two_layers().parameters(), runtime) as fresh:
+        fresh.load_state_dict(older)
+        assert [g.steps.first_steps for g in fresh._groups] == state["block_first_steps"]
+        assert all(type(v) is int for fset, _ in fresh._set_groups for v in fset.versions)
+        fresh.zero_grad(set_to_none=True)
+        sum(losses(two_layers(), 0)).backward()
+        fresh.step()  # no gradients for its own parameters: a step that changes nothing, and does not raise
+    bad = dict(state, block_first_steps=[[0, 1]] + state["block_first_steps"][1:])
+    with OPTIMIZERS["shampoo"](two_layers().parameters(), runtime) as fresh:
+        with pytest.raises(ValueError, match=r"Invalid state_dict\['block_first_steps'\]\[0\]=\[0, 1\]: must agree "
+                                             r"with block_steps\[0\]="):
+            fresh.load_state_dict(bad)

@@ -44,6 +44,16 @@ std::uint64_t mix(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
+bool all_zero(const float* x, std::size_t count) {
+  return std::all_of(x, x + count, [](float v) { return v == 0.0f; });
+}
+
+void write_identity(int n, float* out) {
+  const std::size_t size = static_cast<std::size_t>(n);
+  std::fill(out, out + size * size, 0.0f);
+  for (std::size_t i = 0; i < size; ++i) out[i * size + i] = 1.0f;
+}
+
 }  // namespace
 
 const char* to_string(FaultKind kind) noexcept {
@@ -333,10 +343,18 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       if (faults_armed_.load(std::memory_order_acquire)) fault = take_fault(id, version);
       if (fault) apply_fault(*fault, id, version);
       const bool poison = fault && fault->kind == FaultKind::kNonFinite;
-      if (b.kind == RefreshKind::kInverseRoot) {
+      const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+      if (b.kind == RefreshKind::kInverseRoot && all_zero(input, nn)) {
+        // A zero factor (its parameter has had no usable gradient yet) tells nothing: the identity, not
+        // (eps I)^exponent, whose scale eps^exponent (10^3 per mode at eps 1e-12 and exponent -1/4)
+        // would multiply the block's steps.
+        write_identity(b.n, output);
+        if (poison) output[0] = std::numeric_limits<float>::quiet_NaN();
+        gate_result(id, version, output, nn);
+      } else if (b.kind == RefreshKind::kInverseRoot) {
         outcome.used_float64 = linalg::inverse_root(b.n, input, b.n, output, b.n, spec).used_float64;
         if (poison) output[0] = std::numeric_limits<float>::quiet_NaN();
-        gate_result(id, version, output, static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n));
+        gate_result(id, version, output, nn);
       } else {
         outcome = compute_eigenbasis(b, id, version, input, output, spec, skip_tol, poison);
       }

@@ -72,6 +72,31 @@ TEST(RefreshEngine, ComputesRootsAndActivatesOnSchedule) {
   EXPECT_EQ(stats.refreshes_failed, 0u);
 }
 
+TEST(RefreshEngine, AZeroFactorsRootIsTheIdentity) {
+  // A block whose parameter has had no gradient yet: its factor is zero, and (eps I)^(-1/4) = 1000 I at
+  // eps 1e-12 would scale its steps; it gets the identity. A nonzero factor still gets its root.
+  constexpr int kDepth = 2, kN = 4;
+  RefreshEngine engine(config(/*staleness=*/1));
+  Rings rings(kDepth, kN);
+  const auto block = engine.add_block(rings.memory(kDepth));
+  engine.begin_snapshot({block}, 1, 1s);
+  std::fill(rings.snapshot(1, kDepth), rings.snapshot(1, kDepth) + kN * kN, 0.0f);
+  engine.submit({block}, 1, 10, linalg::RootSpec{-0.25, 1e-12, 1.0});
+  engine.begin_snapshot({block}, 2, 1s);
+  fill_diagonal(rings.snapshot(2, kDepth), kN, 16.0f);
+  engine.submit({block}, 2, 20, linalg::RootSpec{-0.25, 1e-12, 1.0});
+  engine.drain(5s);
+  ASSERT_EQ(engine.activate(10, 1s).size(), 1u);
+  for (int i = 0; i < kN; ++i) {
+    for (int j = 0; j < kN; ++j) EXPECT_EQ(rings.result(1, kDepth)[i * kN + j], i == j ? 1.0f : 0.0f);
+  }
+  engine.release(block, 1);
+  ASSERT_EQ(engine.activate(20, 1s).size(), 1u);
+  EXPECT_NEAR(rings.result(2, kDepth)[0], 0.5f, 1e-6f);
+  engine.release(block, 2);
+  EXPECT_EQ(engine.stats().refreshes_ok, 2u);
+}
+
 // One worker held by a paused job of another block while three versions of `block` queue up.
 EngineStats queue_three_behind_a_paused_job(bool deterministic, std::int64_t* newest_ok, std::int64_t* failures) {
   constexpr int kDepth = 4, kN = 4;

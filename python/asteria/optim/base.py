@@ -85,6 +85,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._backward = streams.BackwardMarks()
         self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
         self._present: dict[int, list[bool]] = {}  # id(group) -> which blocks have a gradient this step
+        self._informed_groups: set[int] = set()  # id(group): every block's roots in use are informed (``_informed``)
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
         group_bytes = memory.group_bytes
@@ -238,7 +239,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         block had had a gradient (a version of a zero factor tells nothing); None when all were, as
         whenever every block had its first gradient by the first refresh."""
         steps = group.steps
-        if steps.started_by(self.schedule.start):
+        if steps.started_by(self.schedule.start) or id(group) in self._informed_groups:
             return None
         informed = [first > 0 for first in steps.first_steps]
         for index in self._sets_of[id(group)]:
@@ -247,7 +248,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                 first = steps.first_steps[fset.offset + block]
                 if version < 1 or self.schedule.snapshot_step(index, version) < first:
                     informed[fset.offset + block] = False
-        return None if all(informed) else to_device(informed, torch.bool, group.device)
+        if all(informed):  # for good: versions only grow, and a first step stays (a load clears this)
+            self._informed_groups.add(id(group))
+            return None
+        return to_device(informed, torch.bool, group.device)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -268,6 +272,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         except BaseException:
             for group in self._groups:  # the step did not happen: its counts neither
                 group.steps.undo()
+            self._informed_groups.clear()
             raise
         self._step = step
         self._used = "stepped"
@@ -486,12 +491,16 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                 else:
                     group.state[key].copy_(tensor)
         for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
-            fset.versions = list(versions)
-        # Older checkpoints: every block counted the optimizer's steps from step 1.
-        counts = state_dict.get("block_steps") or [[state_dict["step"]] * g.batch for g in self._groups]
-        firsts = state_dict.get("block_first_steps") or [[min(c, 1) for c in group] for group in counts]
+            fset.versions = [int(v) for v in versions]
+        # Older checkpoints: every block counted the optimizer's steps; without first steps, a block's
+        # first gradient is taken as late as its count allows (the safe side for ``_informed``).
+        step = int(state_dict["step"])
+        counts = state_dict.get("block_steps") or [[step] * g.batch for g in self._groups]
+        firsts = state_dict.get("block_first_steps") or [[step - c + 1 if c else 0 for c in group]
+                                                          for group in counts]
         for group, group_counts, group_firsts in zip(self._groups, counts, firsts):
             group.steps.load(group_counts, group_firsts)
+        self._informed_groups.clear()
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._step = state_dict["step"]

@@ -208,8 +208,12 @@ def eigenbasis(factor: Tensor) -> tuple[Tensor, Tensor]:
         _, vectors = torch.linalg.eigh(matrix.double())
     vectors = vectors.flip(-1).to(factor.dtype)
     usable = usable_input & finite_rows(vectors)
-    zero = (factor == 0).reshape(factor.shape[0], -1).all(dim=1)
-    return torch.where(batch_view(usable & ~zero, vectors), vectors, eye), usable
+    return torch.where(batch_view(usable & ~zero_rows(factor), vectors), vectors, eye), usable
+
+
+def zero_rows(x: Tensor) -> Tensor:
+    """(B,) bool: which blocks are all zeros (the factors of a parameter without a usable gradient yet)."""
+    return (x == 0).reshape(x.shape[0], -1).all(dim=1)
 
 
 def identity_rows(bases: Tensor) -> Tensor:

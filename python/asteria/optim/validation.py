@@ -122,6 +122,13 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
             check_arg(isinstance(values, (list, tuple)) and len(values) == group.batch
                       and all(is_int(v) and 0 <= v <= step for v in values), f"state_dict[{key!r}][{i}]",
                       values, f"must be {group.batch} ints in [0, step={step}], {what} of the blocks of {group.name}")
+    counts, firsts = state_dict.get("block_steps"), state_dict.get("block_first_steps")
+    for i, (group_counts, group_firsts) in enumerate(zip(counts or [], firsts or [])):
+        for count, first in zip(group_counts, group_firsts):
+            check_arg((count == 0) == (first == 0) and (count == 0 or first <= step - count + 1),
+                      f"state_dict['block_first_steps'][{i}]", group_firsts,
+                      f"must agree with block_steps[{i}]={group_counts}: 0 where a block has no step, else a step "
+                      f"at most step - count + 1 (step={step})")
     for i, saved in enumerate(state_dict["param_groups"]):
         check_arg(isinstance(saved, dict), f"state_dict['param_groups'][{i}]", type(saved).__name__, "must be a dict")
         merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | {

@@ -141,6 +141,9 @@ class SyncRefresher(Refresher):
                 if isinstance(scale, tuple):  # the blocks' own step counts differ
                     scale = F.batch_view(torch.tensor(scale, device=fset.factors.device), fset.factors)
                 new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, scale)
+                # A zero factor tells nothing: the identity, not (eps I)^exponent (the C++ engine's rule).
+                eye = torch.eye(fset.dim, dtype=new.dtype, device=new.device)
+                new = torch.where(F.batch_view(F.zero_rows(fset.factors), new), eye, new)
             else:
                 new, usable, order = self._eigenbases(fset, request.skip_tol)
             results.append((index, version, new, usable, usable.cpu().numpy(), order))
