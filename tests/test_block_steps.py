@@ -38,8 +38,8 @@ def losses(model: torch.nn.ModuleList, step: int) -> list[torch.Tensor]:
     return out
 
 
-def train_layers(model: torch.nn.ModuleList, optimizers: list[torch.optim.Optimizer]) -> None:
-    for step in range(STEPS):
+def train_layers(model: torch.nn.ModuleList, optimizers: list[torch.optim.Optimizer], steps=range(STEPS)) -> None:
+    for step in steps:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         sum(losses(model, step)).backward()
@@ -181,10 +181,7 @@ def test_shampoo_with_a_late_parameter_matches_a_per_parameter_reference(mode):
 def test_counts_are_checkpointed_and_older_checkpoints_count_the_optimizers_steps(runtime):
     model = two_layers()
     with asteria.SOAP(model.parameters(), precondition_frequency=3, runtime=runtime) as opt:
-        for step in range(LATE + 2):
-            opt.zero_grad(set_to_none=True)
-            sum(losses(model, step)).backward()
-            opt.step()
+        train_layers(model, [opt], range(LATE + 2))
         state = opt.state_dict()
     assert sorted(c for counts in state["block_steps"] for c in counts) == [2, 2, LATE + 2, LATE + 2]
     with asteria.SOAP(two_layers().parameters(), precondition_frequency=3, runtime=runtime) as fresh:
@@ -209,18 +206,12 @@ def test_resume_with_counts_that_differ_is_bit_for_bit(name, tmp_path):
     ``torch.load(weights_only=True)``; the resumed run continues bit for bit."""
     runtime = asteria.RuntimeConfig(mode="async", staleness=2, workers=2, deterministic=True)
 
-    def run(model, opt, steps):
-        for step in steps:
-            opt.zero_grad(set_to_none=True)
-            sum(losses(model, step)).backward()
-            opt.step()
-
     model = two_layers()
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:
-        run(model, opt, range(LATE + 2))
+        train_layers(model, [opt], range(LATE + 2))
         torch.save(opt.state_dict(), tmp_path / "opt.pt")
         params = [p.detach().clone() for p in model.parameters()]
-        run(model, opt, range(LATE + 2, STEPS))
+        train_layers(model, [opt], range(LATE + 2, STEPS))
     saved = torch.load(tmp_path / "opt.pt", weights_only=True)
     assert saved["refresher"]["scheduled"], "refreshes in flight travel in the checkpoint"
     if name == "shampoo":
@@ -231,7 +222,7 @@ def test_resume_with_counts_that_differ_is_bit_for_bit(name, tmp_path):
             p.copy_(q)
     with OPTIMIZERS[name](resumed.parameters(), runtime) as opt:
         opt.load_state_dict(saved)
-        run(resumed, opt, range(LATE + 2, STEPS))
+        train_layers(resumed, [opt], range(LATE + 2, STEPS))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
 
 
@@ -261,10 +252,7 @@ def test_checkpoints_of_counts_load_safely_and_are_checked(tmp_path):
     model = two_layers()
     runtime = asteria.RuntimeConfig(mode="sync")
     with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
-        for step in range(LATE + 2):
-            opt.zero_grad(set_to_none=True)
-            sum(losses(model, step)).backward()
-            opt.step()
+        train_layers(model, [opt], range(LATE + 2))
         state = opt.state_dict()
     assert sorted(f for firsts in state["block_first_steps"] for f in firsts) == [1, 1, LATE + 1, LATE + 1]
     # Without first steps (this format's first form), a block's first gradient is taken as late as its
