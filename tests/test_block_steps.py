@@ -271,3 +271,22 @@ def test_checkpoints_of_counts_load_safely_and_are_checked(tmp_path):
         with pytest.raises(ValueError, match=r"Invalid state_dict\['block_first_steps'\]\[0\]=\[0, 1\]: must agree "
                                              r"with block_steps\[0\]="):
             fresh.load_state_dict(bad)
+
+
+def test_a_checkpoint_loads_only_under_its_refresh_schedule():
+    """Versions are numbered by the schedule (their snapshot and activation steps, and which roots came
+    after a block's first gradient), so a resume under another one is refused, naming what differs."""
+    model = two_layers()
+    with OPTIMIZERS["shampoo"](model.parameters(), asteria.RuntimeConfig(mode="sync")) as opt:
+        train_layers(model, [opt], range(4))
+        state = opt.state_dict()
+    assert state["schedule"] == {"start": 3, "interval": 3, "aligned": 2, "phases": [0, 0]}  # weight, bias sets
+    other = asteria.Shampoo(two_layers().parameters(), lr=0.02, eps=1e-2, precondition_frequency=4,
+                            start_preconditioning_step=3, runtime=asteria.RuntimeConfig(mode="sync"))
+    with other, pytest.raises(ValueError, match=r"Invalid state_dict: saved under the refresh schedule .* \(interval "
+                                                r"differ: start_preconditioning_step, precondition_frequency"):
+        other.load_state_dict(state)
+    assert other._step == 0
+    with OPTIMIZERS["shampoo"](two_layers().parameters(), asteria.RuntimeConfig(mode="sync")) as same:
+        same.load_state_dict({k: v for k, v in state.items() if k != "schedule"})  # older checkpoints: not checked
+        same.load_state_dict(state)

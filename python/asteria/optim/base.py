@@ -464,7 +464,15 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             "runtime_mode": self.runtime.mode,
             "distributed": self._refresher.identity(),
             "bound": self._bound(),
+            "schedule": self._schedule_key(),
         }
+
+    def _schedule_key(self) -> dict[str, Any]:
+        """When each set's versions are snapshotted (``RefreshSchedule``): a checkpoint's versions, their
+        activation steps and the blocks' first-gradient checks mean something only under the same one."""
+        schedule = self.schedule
+        return {"start": schedule.start, "interval": schedule.interval, "aligned": schedule.aligned,
+                "phases": list(schedule.phases)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
