@@ -75,14 +75,6 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                          f"mode {opt.runtime.mode!r}")
     check_bound(opt, state_dict.get("bound"))
-    saved_schedule, schedule = state_dict.get("schedule"), opt._schedule_key()  # None: written before it was saved
-    if saved_schedule is not None and saved_schedule != schedule:
-        saved = saved_schedule if isinstance(saved_schedule, dict) else {}
-        differ = [key for key in schedule if saved.get(key) != schedule[key]]
-        raise ValueError(f"Invalid state_dict: saved under the refresh schedule {saved_schedule}, this optimizer's is "
-                         f"{schedule} ({', '.join(differ)} differ: start_preconditioning_step, precondition_frequency, "
-                         "RuntimeConfig.sync_refreshes or the stagger); its versions were numbered by the saved one: "
-                         "resume with the same settings")
     if state_dict["layout"] != opt._layout():
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                          f"{opt._layout()} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
@@ -97,6 +89,14 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         check_arg(isinstance(value, (list, tuple)) and len(value) == expected, f"state_dict[{key!r}]",
                   f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",
                   f"must be a list of {expected} entries, one per {what} of this optimizer")
+    saved_schedule, schedule = state_dict.get("schedule"), opt._schedule_key()  # None: written before it was saved
+    if saved_schedule is not None and saved_schedule != schedule:
+        recorded = saved_schedule if isinstance(saved_schedule, dict) else {}
+        differ = [key for key in schedule if recorded.get(key) != schedule[key]]
+        raise ValueError(f"Invalid state_dict: saved under the refresh schedule {saved_schedule}, this optimizer's is "
+                         f"{schedule} ({', '.join(differ)} differ: start_preconditioning_step, precondition_frequency, "
+                         "RuntimeConfig.sync_refreshes or the stagger); its versions were numbered by the saved one: "
+                         "resume with the same settings")
     refresher = state_dict["refresher"]
     check_arg(isinstance(refresher, dict) and all(key in refresher for key in opt._refresher.STATE_KEYS),
               "state_dict['refresher']", f"{type(refresher).__name__} with keys "
