@@ -84,7 +84,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.late_activation = False
         self._backward = streams.BackwardMarks()
         self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
-        self._present: dict[int, list[bool]] = {}  # id(group) -> which blocks have a gradient this step
         self._informed_groups: set[int] = set()  # id(group): every block's roots in use are informed (``_informed``)
         self.placement = self._resolve_placement()
         memory = self.runtime.memory
@@ -230,8 +229,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         def scale(count: int) -> float:
             return 1.0 / (1.0 - beta2**count) if count >= 1 else 1.0
 
-        counts = group.steps.counts[fset.offset:fset.offset + fset.batch]
-        scales = tuple(scale(count) for count in counts)
+        count = group.steps.uniform()
+        if count is not None:
+            return RootRequest(scale=scale(count), eps=hyper["eps"])
+        scales = tuple(scale(c) for c in group.steps.counts[fset.offset:fset.offset + fset.batch])
         return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"])
 
     def _informed(self, group: ShapeGroup) -> Tensor | None:
@@ -264,9 +265,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self._step + 1
-        batches = [self._gather(group) for group in self._groups]
-        for group in self._groups:  # once every group has gathered: a step that raises there counts nothing
-            group.steps.advance(self._present.pop(id(group)), step)
+        gathered = [self._gather(group) for group in self._groups]
+        for group, (_, _, present) in zip(self._groups, gathered):  # once all gathered: a raise there counts nothing
+            group.steps.advance(present, step)
+        batches = [(grads, keep) for grads, keep, _ in gathered]
         try:
             self._step_with(step, batches)
         except BaseException:
@@ -363,11 +365,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         waiting for anything (called by the hooks of ``asteria.attach``)."""
         self._refresher.poll(self._step)
 
-    def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor]:
+    def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor, list[bool]]:
         """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update. Which blocks
-        have a gradient (a non-finite one too: its step is counted, and skipped) waits in ``_present``."""
+        have a gradient, as a host list (a non-finite one too: its step is counted, and skipped)."""
         grads, has_grad, present = group.gather_grads()
-        self._present[id(group)] = present
         finite = F.usable_gradient_rows(grads)
         bad = has_grad & ~finite
         if self.runtime.nonfinite_grad_policy == "raise" and bool(bad.any()):
@@ -377,7 +378,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         streak.copy_(torch.where(bad, streak + 1, torch.where(has_grad, 0, streak)))
         group.state[NONFINITE_TOTAL] += bad
         keep = has_grad & finite
-        return grads.masked_fill_(F.batch_view(~keep, grads), 0.0), keep  # ``grads`` is a stacked copy
+        return grads.masked_fill_(F.batch_view(~keep, grads), 0.0), keep, present  # ``grads``: a stacked copy
 
     def _check_nonfinite_streaks(self) -> None:
         """Raises when some block skipped too many steps in a row. Read at refresh steps only, and on a GPU

@@ -30,11 +30,13 @@ class BlockSteps:
         self._uniform: int | None = 0  # the count every block has (None: they differ)
         self._started_by: int | None = None  # every block's first gradient came by this step (None: not known)
         self._before: tuple[list[int], list[int], int | None] | None = None  # for ``undo``
+        self._first: bool | Tensor | None = None  # ``first()`` of the current counts (None: not built yet)
 
     def advance(self, present: list[bool], step: int) -> None:
         """Counts optimizer step ``step`` for the blocks whose parameter has a gradient (``undo`` takes
         it back while no other step has been counted)."""
         self._before = (self.counts, self.first_steps, self._uniform)
+        self._first = None
         if self._uniform is not None and all(present):  # the common case, kept in O(1) per rule
             self._uniform += 1
             self.counts = [self._uniform] * len(self.counts)
@@ -51,6 +53,7 @@ class BlockSteps:
             self.counts, self.first_steps, self._uniform = self._before
             self._before = None
             self._started_by = None
+            self._first = None
 
     def load(self, counts: list[int], first_steps: list[int]) -> None:
         """Counts and first-gradient steps from a checkpoint."""
@@ -62,6 +65,7 @@ class BlockSteps:
         self._uniform = self._common()
         self._started_by = None
         self._before = None
+        self._first = None
 
     def started_by(self, step: int) -> bool:
         """Whether every block had its first gradient at ``step`` or before (O(1) once they all did by
@@ -94,8 +98,10 @@ class BlockSteps:
         none do, else a (B,) bool tensor on the device."""
         if self._uniform is not None:
             return self._uniform == 1
-        flags = [count == 1 for count in self.counts]
-        return to_device(flags, torch.bool, self.device) if any(flags) else False
+        if self._first is None:  # read twice a step (accumulate, apply): copied to the device once
+            flags = [count == 1 for count in self.counts]
+            self._first = to_device(flags, torch.bool, self.device) if any(flags) else False
+        return self._first
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
