@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import asteria
+from asteria.optim.kl_shampoo import inv_sqrt_key
+from asteria.optim.soap import EXP_AVG_SQ
 from conftest import regression_data, small_mlp
 from test_shampoo_reference import HYPER as SHAMPOO_HYPER
 from test_shampoo_reference import grafted_direction, mode_unfold, reference_root
@@ -28,21 +30,22 @@ def two_layers() -> torch.nn.ModuleList:
     return torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
 
 
-def losses(model: torch.nn.ModuleList, step: int) -> list[torch.Tensor]:
-    """Two independent regressions, one per layer; the second only from step LATE on (0-based)."""
+def losses(model: torch.nn.ModuleList, step: int, late: int = LATE) -> list[torch.Tensor]:
+    """Two independent regressions, one per layer; the second only from step ``late`` on (0-based)."""
     gen = torch.Generator().manual_seed(step)
     x = torch.randn(16, 8, generator=gen).to(model[0].weight.device)
     out = [torch.nn.functional.mse_loss(model[0](x), x.flip(1))]
-    if step >= LATE:
+    if step >= late:
         out.append(torch.nn.functional.mse_loss(model[1](x), x.roll(1, dims=1)))
     return out
 
 
-def train_layers(model: torch.nn.ModuleList, optimizers: list[torch.optim.Optimizer], steps=range(STEPS)) -> None:
+def train_layers(model: torch.nn.ModuleList, optimizers: list[torch.optim.Optimizer], steps=range(STEPS),
+                 late: int = LATE) -> None:
     for step in steps:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        sum(losses(model, step)).backward()
+        sum(losses(model, step, late)).backward()
         for opt in optimizers:
             opt.step()
 
@@ -163,8 +166,10 @@ def test_shampoo_with_a_late_parameter_matches_a_per_parameter_reference(mode):
         return LateShampooReference(params, frequency=3, start=2, **SHAMPOO_HYPER)
 
     actual, expected = run_late_shampoo(make), run_late_shampoo(reference)
+    # float32 roots against float64: up to 3.7e-4 apart after 14 steps on some hosts (torch's CPU eigh
+    # rounds differently by instruction set); the old rule's count lands 6e-2 away.
     for a, e in zip(actual, expected):
-        assert float((a.double() - e.double()).norm() / e.double().norm()) < 3e-4
+        assert float((a.double() - e.double()).norm() / e.double().norm()) < 1e-3
     # The reference with the optimizer's count for every parameter (the old rule) lands elsewhere.
     class GlobalCount(LateShampooReference):
         def step(self):
@@ -290,3 +295,77 @@ def test_a_checkpoint_loads_only_under_its_refresh_schedule():
     with OPTIMIZERS["shampoo"](two_layers().parameters(), asteria.RuntimeConfig(mode="sync")) as same:
         same.load_state_dict({k: v for k, v in state.items() if k != "schedule"})  # older checkpoints: not checked
         same.load_state_dict(state)
+
+
+BETWEEN = 4  # a first gradient at step 5, between the refreshes of steps 4 and 7 (f = 3)
+
+
+def eigen_state(name: str, mode: int) -> str:
+    """The state SOAP (its second moment, all dimensions) or KL-Shampoo (dimension ``mode``'s eigenvalue
+    estimates, as d^(-1/2)) keeps in eigen-coordinates."""
+    return EXP_AVG_SQ if name == "soap" else inv_sqrt_key(mode)
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
+def test_a_late_blocks_state_is_carried_into_its_first_real_basis(name, mode):
+    """The second layer's first gradient comes at step 5, between refreshes: steps 6 and 7 keep its state in
+    the identity basis of its zero factors, and the refresh of step 7 (which holds its gradients) gives its
+    first real bases, in use from step 8. There, and only there, that state is carried into them: SOAP's
+    second moment V[i, j] <- sum_a Q0[a, i]^2 V[a, j] along dimension 0 and then the same along dimension 1;
+    KL-Shampoo's estimates d_i <- sum_a Q[a, i]^2 d_a. Checked in float64 against the state before the carry
+    and the bases of step 8; the first layer, started at step 1, is never touched."""
+    from asteria.optim.state_keys import basis_key
+
+    runtime = asteria.RuntimeConfig(**RUNTIMES[mode])
+    model = two_layers()
+    calls = []
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        carry = opt._into_basis
+
+        def spy(group, dim, blocks, weights):
+            key = eigen_state(name, dim)
+            before = group.state[key][blocks].clone()
+            carry(group, dim, blocks, weights)
+            calls.append(dict(step=opt._step + 1, dim=dim, blocks=blocks.tolist(), before=before,
+                              basis=group.state[basis_key(dim)][blocks].clone(),
+                              after=group.state[key][blocks].clone()))
+
+        opt._into_basis = spy
+        train_layers(model, [opt], range(STEPS), late=BETWEEN)
+    assert [(c["step"], c["dim"], c["blocks"]) for c in calls] == [(8, 0, [1]), (8, 1, [1])]
+    for call in calls:
+        dim, weights = call["dim"], call["basis"][0].double().square()  # the basis in use at step 8
+        assert not torch.allclose(weights, torch.eye(8, dtype=weights.dtype))
+        before, after = call["before"][0].double(), call["after"][0].double()
+        if name == "soap":
+            assert float(before.abs().min()) > 0  # steps 6 and 7 left a second moment to carry
+            expected = torch.einsum("ai,aj->ij", weights, before) if dim == 0 else torch.einsum("bj,ib->ij", weights,
+                                                                                                 before)
+        else:
+            expected = (weights.T @ before.pow(-2)).rsqrt()
+            assert float((before - before.mean()).abs().max()) > 1e-3 * float(before.abs().max())  # not isotropic
+        torch.testing.assert_close(after, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
+def test_resume_while_a_block_awaits_its_first_real_basis_is_bit_for_bit(name):
+    """Saved at step 6, after the second layer's first gradient and before its first real basis: the resumed
+    optimizer carries its state into that basis when it comes into use, as the uninterrupted one does."""
+    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=2, deterministic=True)
+    model = two_layers()
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        train_layers(model, [opt], range(6), late=BETWEEN)
+        saved = opt.state_dict()
+        params = [p.detach().clone() for p in model.parameters()]
+        train_layers(model, [opt], range(6, STEPS), late=BETWEEN)
+    resumed = two_layers()
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), params):
+            p.copy_(q)
+    with OPTIMIZERS[name](resumed.parameters(), runtime) as opt:
+        opt.load_state_dict(saved)
+        assert any(any(waiting) for waiting in opt._awaiting.values())
+        train_layers(resumed, [opt], range(6, STEPS), late=BETWEEN)
+        assert not any(any(waiting) for waiting in opt._awaiting.values())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))

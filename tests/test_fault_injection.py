@@ -223,6 +223,55 @@ def test_hung_refresh_times_out_clearly_and_close_returns_promptly(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_refresh_that_times_out_loses_nothing_and_training_goes_on(name):
+    """A refresh that is not done in time raises TimeoutError without changing the parameters; once it
+    finishes, the next steps use it. Shampoo's step reads the refresh it snapshots itself, so its step
+    raises after its gradients reached the statistics: it counts as a step without a parameter update
+    (as a reference run whose parameters are put back after that step shows). SOAP and KL-Shampoo wait
+    for it at the start of the step after, before the statistics change: that step counts nothing."""
+    def run(fault: bool):
+        torch.manual_seed(0)
+        model, opt = make(name, timeout_s=0.5)
+        train(model, opt, 4)
+        step = next_refreshes(opt, 1)[0]
+        version = opt.refresh_version(step)
+        engine = opt._refresher.engine
+        blocks = testing.inject_fault(opt, PARAM, "pause", version=version, mode=0) if fault else []
+        run_past(model, opt, step - 1)
+        waits = step + opt.ACTIVATION_LAG  # the step that needs the paused version
+        if fault:
+            before = params_of(model)
+            with pytest.raises(TimeoutError, match=rf"'{PARAM}' \(version {version}\) not done within timeout_s=0.5"):
+                train(model, opt, 1)
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            counted = opt.runtime_stats()["step"]
+            assert counted == (waits if not opt.ACTIVATION_LAG else waits - 1)
+            assert all(c == counted for g in opt._groups for c in g.steps.counts)
+            engine.wait_paused(len(blocks), 30.0)  # the job started and waits (a latch): it was not lost
+            engine.release_pauses()
+        elif not opt.ACTIVATION_LAG:  # the reference of a step without a parameter update
+            before = params_of(model)
+            train(model, opt, 1)
+            with torch.no_grad():
+                for p, b in zip(model.parameters(), before):
+                    p.copy_(b)
+        train(model, opt, 3)
+        status = testing.block_status(opt, PARAM)
+        assert [s["total_failures"] for s in status] == [0, 0]
+        state = {k: v.clone() for g in opt._groups for k, v in g.state.items()}
+        result = params_of(model), state, opt.runtime_stats()["step"], min(s["active_version"] for s in status)
+        opt.close()
+        return result, version
+
+    (params, state, steps, newest), version = run(fault=True)
+    (ref_params, ref_state, ref_steps, _), _ = run(fault=False)
+    assert newest >= version  # the refresh that timed out came into use
+    assert steps == ref_steps
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("budget", ["host_budget", "gpu_budget"])
 def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budget):
     def threads() -> int:

@@ -133,3 +133,38 @@ def test_nvme_configuration_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Invalid host_budget=100: too small .* host needs \d+ bytes"):
         make("shampoo", str(tmp_path), 100)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_step_that_times_out_on_the_nvme_tier_goes_on_as_all_host(tmp_path):
+    """Shampoo waits in its step for the refresh of that step. When the wait times out under a host budget
+    that pages half the roots to NVMe, the step counts without a parameter update (as all-host), and the
+    run goes on through the same fault to the bits of the all-host run: no page buffer or read-ahead is
+    left behind by the raise."""
+    from asteria import testing
+    from test_fault_injection import next_refreshes, run_to
+
+    def run(nvme_dir=None, budget=None):
+        model = small_mlp(sizes=SIZES)
+        memory = asteria.MemoryConfig(nvme_dir=nvme_dir, host_budget=budget, group_bytes=GROUP_BYTES)
+        runtime = asteria.RuntimeConfig(staleness=0, workers=1, stagger=False, timeout_s=0.5, memory=memory)
+        opt = asteria.Shampoo(list(model.named_parameters()), lr=0.02, eps=1e-6, max_preconditioner_dim=8,
+                              precondition_frequency=3, runtime=runtime)
+        data = regression_data(sizes=SIZES)
+        with opt:
+            train(model, opt, 4, data=data)
+            step = next_refreshes(opt, 1)[0]
+            blocks = testing.inject_fault(opt, "0.weight[block 0]", "pause", version=opt.refresh_version(step), mode=0)
+            run_to(model, opt, step - 1)
+            with pytest.raises(TimeoutError, match="not done within timeout_s=0.5"):
+                train(model, opt, 1, data=data)
+            opt._refresher.engine.wait_paused(len(blocks), 30.0)
+            opt._refresher.engine.release_pauses()
+            train(model, opt, 6, data=data)
+            report = opt.memory_report()
+        return [p.detach().clone() for p in model.parameters()], report
+
+    host, report = run()
+    budget = report["host"]["refresh_buffers"] + (report["host"]["total"] - report["host"]["refresh_buffers"]) // 2
+    paged, paged_report = run(str(tmp_path), budget)
+    assert paged_report["nvme"]["total"] > 0 and paged_report["nvme_bytes_read"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(host, paged))

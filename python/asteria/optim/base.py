@@ -257,9 +257,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimizer step. Raises ``RefreshError`` when a block's refresh failed too often in a row
-        and ``NonFiniteGradientError`` under the non-finite gradient policy; the parameters are not
-        changed by a step that raises."""
+        """One optimizer step. Raises ``RefreshError`` when a block's refresh failed too often in a row,
+        ``TimeoutError`` when a refresh it must use is not done within ``RuntimeConfig.timeout_s``, and
+        ``NonFiniteGradientError`` under the non-finite gradient policy; the parameters are not changed
+        by a step that raises. A step that raises before its gradients reach the statistics counts
+        nothing. One that raises after (a refresh of this step that failed, or that did not finish in
+        time) counts as a step without a parameter update: its gradients stay in the statistics and its
+        refreshes stay on their way, so nothing computed is lost, and calling ``step()`` again goes on
+        with the next step, which uses them."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -269,39 +274,53 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         for group, (_, _, present) in zip(self._groups, gathered):  # once all gathered: a raise there counts nothing
             group.steps.advance(present, step)
         batches = [(grads, keep) for grads, keep, _ in gathered]
+        due = self.schedule.due(step)
         try:
-            self._step_with(step, batches)
+            self._before_statistics(step, due)
         except BaseException:
             for group in self._groups:  # the step did not happen: its counts neither
                 group.steps.undo()
             self._informed_groups.clear()
             raise
-        self._step = step
-        self._used = "stepped"
+        try:
+            self._step_with(step, batches, due)
+        finally:  # from the first statistics update on, the step has happened (see above)
+            self._step = step
+            self._used = "stepped"
         return loss
 
-    def _step_with(self, step: int, batches: list[tuple[Tensor, Tensor]]) -> None:
-        """The rest of ``step()``, once the gradients are gathered and the blocks' steps counted."""
+    def _before_statistics(self, step: int, due: list[tuple[int, int]]) -> None:
+        """What ``step()`` checks and waits for before the statistics change (a raise here leaves the
+        optimizer as it was): the non-finite streaks on refresh steps, and with ``ACTIVATION_LAG`` the
+        activation of the step before, whose preconditioners the statistics update reads."""
         self._refresher.before_factor_update()
-        if self.ACTIVATION_LAG:
-            self._activate(step - 1)
-        for group, (grads, keep) in zip(self._groups, batches):
-            self._accumulate(group, grads, keep, step)
-            if self.ACTIVATION_LAG:
-                self._done_reading(group)
-        due = self.schedule.due(step)
         if due:
             self._check_nonfinite_streaks()
-            items = [(index, version, self._root_request(*self._set_groups[index])) for index, version in due]
-            self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
-            self._refresher.check_backlog(step)
-        if not self.ACTIVATION_LAG:
-            self._activate(step)
-        for group, (_, keep) in zip(self._groups, batches):
-            self._apply(group, keep, step)
-            self._done_reading(group)
-        self._tier.end_step()
-        self._backward.clear()
+        if self.ACTIVATION_LAG:
+            self._activate(step - 1)
+
+    def _step_with(self, step: int, batches: list[tuple[Tensor, Tensor]], due: list[tuple[int, int]]) -> None:
+        """The rest of ``step()``: the statistics, the refreshes ``due`` at ``step``, the activation and the
+        parameter update. The buffers the step read are released even when something here raises."""
+        try:
+            for group, (grads, keep) in zip(self._groups, batches):
+                self._accumulate(group, grads, keep, step)
+                if self.ACTIVATION_LAG:
+                    self._done_reading(group)
+            if due:
+                items = [(index, version, self._root_request(*self._set_groups[index])) for index, version in due]
+                self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
+                self._refresher.check_backlog(step)
+            if not self.ACTIVATION_LAG:
+                self._activate(step)
+            for group, (_, keep) in zip(self._groups, batches):
+                self._apply(group, keep, step)
+                self._done_reading(group)  # at once: the NVMe tier's few buffers serve the groups in turn
+        finally:
+            for group in self._groups:  # after a raise: what is still held (a no-op for the groups done)
+                self._done_reading(group)
+            self._tier.end_step()
+            self._backward.clear()
 
     def _activate(self, step: int) -> None:
         """Runs the activation of ``step`` unless done already, and lets the current stream wait for

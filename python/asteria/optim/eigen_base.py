@@ -1,6 +1,13 @@
 """What SOAP and KL-Shampoo share on top of the base: factor sets refreshed as eigenbases, whose
 installs reorder the state kept in eigen-coordinates, and a direction computed while accumulating
-(before this step's refresh changes the bases)."""
+(before this step's refresh changes the bases).
+
+A block whose first gradient comes after the first refresh (a parameter unfrozen late, an expert no token
+reached) has, until the first refresh of a factor with that gradient in it, the identity basis of its zero
+factors, and meanwhile keeps its state in plain coordinates. When its first real basis Q comes into use,
+that state is carried into it (``_into_basis``) as the squares of Q's entries weigh it: a coordinate's
+second moment in the new basis is sum_a Q[a, i]^2 E[g_a^2], exact when the old coordinates are
+uncorrelated. Blocks that start by the first refresh, the usual case, never need it."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from torch import Tensor
 from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import basis_key, factor_key, has_basis_key
+from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 
@@ -24,7 +32,60 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
 
     def __init__(self, *args, **kwargs) -> None:
         self._directions: dict[int, Tensor] = {}
+        #: per factor set (index), per block: whether its first basis from a factor with a gradient is still to come
+        self._awaiting: dict[int, list[bool]] = {}
+        self._settled: set[int] = set()  # id(group): no block of it awaits a first basis any more
+        self._seen: dict[int, list[int]] = {}  # per factor set: its versions in use when last looked at
         super().__init__(*args, **kwargs)
+
+    def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
+        """Carries the state that ``group`` keeps in eigen-coordinates of dimension ``mode`` from plain
+        coordinates into the first real bases of ``blocks``, given ``weights`` = Q ** 2 (b, n, n)."""
+
+    def _real_basis(self, index: int, group: ShapeGroup) -> list[bool]:
+        """Per block of factor set ``index``: whether its basis in use comes from a factor that held the
+        block's first gradient."""
+        fset, firsts = self._set_groups[index][0], group.steps.first_steps
+        return [version >= 1 and 0 < firsts[fset.offset + block] <= self.schedule.snapshot_step(index, version)
+                for block, version in enumerate(fset.versions)]
+
+    def _enter_first_bases(self, group: ShapeGroup) -> None:
+        """Before the statistics change: the blocks of ``group`` whose first real basis came into use since
+        the last step get their state carried into it (see the module's docstring). O(1) once every block
+        started by the first refresh."""
+        if id(group) in self._settled or group.steps.started_by(self.schedule.start):
+            return
+        bases = None
+        for index in self._sets_of[id(group)]:
+            fset = self._set_groups[index][0]
+            if self._seen.get(index) == fset.versions:
+                continue  # only a new version in use can be a block's first real basis
+            self._seen[index] = list(fset.versions)
+            awaiting = self._awaiting.setdefault(index, [True] * fset.batch)
+            firsts = group.steps.first_steps[fset.offset:fset.offset + fset.batch]
+            arrived = []
+            for block, real in enumerate(self._real_basis(index, group)):
+                if awaiting[block] and real:
+                    awaiting[block] = False
+                    if firsts[block] > self.schedule.start:  # else its state is still empty (or isotropic)
+                        arrived.append(block)
+            if arrived:
+                bases = bases or self._preconditioners(group)
+                blocks = streams.indices_to_device([fset.offset + block for block in arrived], group.device)
+                self._into_basis(group, fset.mode, blocks, bases[fset.mode][blocks].square())
+        if not any(any(self._awaiting.get(index, [True])) for index in self._sets_of[id(group)]):
+            self._settled.add(id(group))
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """The base's, then which blocks still await their first real basis, from the loaded versions and
+        first-gradient steps (a checkpoint without first steps: none, its state is taken as carried)."""
+        super().load_state_dict(state_dict)
+        exact = bool(state_dict.get("block_first_steps"))
+        self._settled.clear()
+        self._seen.clear()
+        for index, (fset, group) in enumerate(self._set_groups):
+            real = self._real_basis(index, group)
+            self._awaiting[index] = [exact and not ok for ok in real]
 
     def _eigenbasis_sets(self, group: ShapeGroup, reorder: Callable[[int, Tensor, Tensor], None]) -> list[FactorSet]:
         """One factor, basis and installed flag per mode; ``reorder(mode, blocks, order)`` makes the state
@@ -39,7 +100,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
             def permute(blocks: Tensor, order: Tensor, mode: int = mode) -> None:
                 reorder(mode, blocks, order)
 
-            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=basis,
+            sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=basis,
                                   installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
                                   block_params=[block.name for block in group.blocks]))
         return sets

@@ -113,7 +113,13 @@ class KLShampoo(EigenbasisOptimizer):
         return self._eigenbasis_sets(
             group, lambda mode, blocks, order: F.permute_mode_(group.state[inv_sqrt_key(mode)], blocks, order, 0))
 
+    def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
+        inv_sqrt = group.state[inv_sqrt_key(mode)]  # d^(-1/2): the eigenvalue estimates d of this dimension
+        estimates = torch.einsum("ban,ba->bn", weights, inv_sqrt[blocks].pow(-2))
+        inv_sqrt[blocks] = estimates.rsqrt()
+
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+        self._enter_first_bases(group)
         hyper = self.param_groups[group.group_index]
         beta1, beta = hyper["betas"]
         first = group.steps.first()  # a block's first gradient builds its factors alone; it takes no step

@@ -88,7 +88,7 @@ class Shampoo(SecondOrderOptimizer):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
             root = group.state[root_key(mode)] = self._new_preconditioners(group, dim)
             has_root = group.state[has_root_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
-            sets.append(FactorSet(name=f"{group.name}, mode {mode}", factors=factor, preconditioners=root,
+            sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=root,
                                   installed=has_root, exponent=-1.0 / (2 * group.order),
                                   block_params=[block.name for block in group.blocks]))
         return sets

@@ -107,7 +107,12 @@ class SOAP(EigenbasisOptimizer):
             return [None] * group.order
         return self._preconditioners(group)
 
+    def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
+        second = group.state[EXP_AVG_SQ]  # the first moment is kept in plain coordinates: it needs nothing
+        second[blocks] = F.project(second[blocks], [weights if m == mode else None for m in range(group.order)])
+
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+        self._enter_first_bases(group)
         hyper = self.param_groups[group.group_index]
         factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
         steps = group.steps

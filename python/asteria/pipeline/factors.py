@@ -28,6 +28,7 @@ class FactorSet:
             state kept in the eigenbasis (SOAP's second moment) can follow the reordering.
         versions: per block, the version in use (0: none yet), kept on the host.
         offset: where the set's first block sits in its shape group (a slice of a larger set: ``slice``).
+        mode: the dimension of the blocks whose factor this is.
     """
 
     name: str
@@ -40,6 +41,7 @@ class FactorSet:
     permute: Callable[[Tensor, Tensor], None] | None = None
     versions: list[int] = field(default_factory=list)
     offset: int = 0
+    mode: int = 0
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -75,7 +77,8 @@ class FactorSet:
         return FactorSet(name=f"{self.name}, blocks {start}-{stop - 1}", factors=self.factors[start:stop],
                          preconditioners=self.preconditioners[start:stop], installed=self.installed[start:stop],
                          exponent=self.exponent, block_params=self.block_params[start:stop], kind=self.kind,
-                         permute=permute, versions=self.versions[start:stop], offset=self.offset + start)
+                         permute=permute, versions=self.versions[start:stop], offset=self.offset + start,
+                         mode=self.mode)
 
 
 @dataclass(frozen=True)
