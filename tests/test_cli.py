@@ -180,6 +180,29 @@ def test_sweep_with_newest_finished_activation(tmp_path):
     assert "newest finished version" in (tmp_path / "sweep.md").read_text()
 
 
+def test_sweep_reuse_trains_only_what_is_missing(tmp_path, capsys):
+    """--reuse keeps the runs that finished with the same configuration; a run of another configuration
+    (here fewer steps) or a missing seed is trained."""
+    args = ["sweep", "--out", str(tmp_path), "--staleness", "0", "2", "--steps", "6", "--eval-every", "6",
+            "--optimizer", "soap", "--mode", "async", *BASE]
+    assert main([*args, "--seeds", "1"]) == 0
+    first = {s: json.loads((tmp_path / f"S{s}" / "seed1" / "summary.json").read_text()) for s in (0, 2)}
+    (tmp_path / "S2" / "seed1" / "summary.json").write_text(
+        json.dumps(first[2] | {"config": first[2]["config"] | {"steps": 5}}))  # as if run with other settings
+    capsys.readouterr()
+    assert main([*args, "--seeds", "1", "2", "--reuse"]) == 0
+    out = capsys.readouterr().out
+    assert f"S=0 seed=1: reusing the finished run in {tmp_path / 'S0' / 'seed1'}" in out
+    assert "S=2 seed=1: reusing" not in out and "seed=2: reusing" not in out
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert result["seeds"] == [1, 2]
+    assert result["runs"]["0"]["final_loss_per_seed"]["1"] == first[0]["final_loss"]
+    retrained = json.loads((tmp_path / "S2" / "seed1" / "summary.json").read_text())
+    assert retrained["config"]["steps"] == 6 and retrained["final_loss"] == pytest.approx(first[2]["final_loss"])
+    for s in (0, 2):
+        assert json.loads((tmp_path / f"S{s}" / "seed2" / "summary.json").read_text())["config"]["seed"] == 2
+
+
 def test_hf_tokenizer_from_a_local_folder(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
@@ -379,6 +402,7 @@ def test_deterministic_kernels_hold_while_training_and_are_restored(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
     with deterministic_kernels(True):
         assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # strict: see the docstring
     assert not torch.are_deterministic_algorithms_enabled()
     with deterministic_kernels(False):
         assert not torch.are_deterministic_algorithms_enabled()

@@ -41,8 +41,9 @@ HELP = {
     "stagger_split": "split shape groups whose factor sets would carry more than 1/f of an interval's refresh work, "
                      "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches; "
                      "default: wherever one process staggers)",
-    "deterministic_kernels": "torch's deterministic kernels (and cuBLAS's fixed workspace), so that runs of one "
-                             "config differ only by the activation timing of --no-deterministic",
+    "deterministic_kernels": "torch's deterministic kernels, strictly (an operator without one raises; attention's "
+                             "backward takes its deterministic algorithm) with cuBLAS's fixed workspace, so that runs "
+                             "of one config differ only by the activation timing of --no-deterministic",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
                        "its last activation, so refreshes finished meanwhile are used a step sooner (default: on "
                        "for --no-deterministic async runs)",
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_p.add_argument("--seeds", type=int, nargs="+", default=None,
                          help="train every S once per seed (in place of --seed) into OUT/S<k>/seed<n>: per-S means "
                               "with their standard errors, and a verdict on the spread target")
+    sweep_p.add_argument("--reuse", action="store_true",
+                         help="keep the runs in OUT that finished every step with the same configuration instead of "
+                              "training them again (continues an interrupted sweep, or one given more seeds or S)")
     seeds_p = sub.add_parser("seeds", help="Asteria's loss against native's over seeds, from bench results on disk")
     seeds_p.add_argument("runs", type=Path, nargs="+",
                          help="bench output folders or results.json files (searched recursively; several runs of "
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "sweep":
             _one_seed_option(args)
             result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
-                               seeds=None if args.seeds is None else list(args.seeds))
+                               seeds=None if args.seeds is None else list(args.seeds), reuse=args.reuse)
             spread = result["spread_final_loss_s_le_5"]
             for s, row in result["runs"].items():
                 print(f"S={s:>3}: final loss {row['final_loss']:.4f}")

@@ -367,16 +367,19 @@ def _claim_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def deterministic_kernels(enabled: bool) -> Iterator[None]:
-    """With ``enabled``, torch's deterministic kernels (``torch.use_deterministic_algorithms``, warning
-    where an operator has none, and cuBLAS's fixed workspace) while the block runs, so that two runs of
-    one configuration differ only by what the training itself leaves to chance (the non-deterministic
-    activation rule's timing); the previous setting is restored after."""
+    """With ``enabled``, torch's deterministic kernels (``torch.use_deterministic_algorithms`` in its strict
+    form, and cuBLAS's fixed workspace) while the block runs, so that two runs of one configuration differ
+    only by what the training itself leaves to chance (the non-deterministic activation rule's timing); the
+    previous setting is restored after. Strict, not ``warn_only``: under ``warn_only`` the GPU's flash and
+    memory-efficient attention keep their non-deterministic backward passes (they take their deterministic
+    ones only in the strict form), and an operator without a deterministic kernel raises, naming itself,
+    instead of leaving runs that scatter silently."""
     if not enabled:
         yield
         return
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when a cuBLAS handle is made
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     try:
         yield
     finally:

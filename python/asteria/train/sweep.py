@@ -2,7 +2,9 @@
 
 Writes ``DIR/S<k>/`` runs, ``DIR/sweep.json`` and ``DIR/sweep.md`` (final loss, validation loss,
 median step and waits per S, and the spread max - min of the final loss over S <= 5),
-``DIR/sweep.png`` (final loss vs S) and the usual report over all runs.
+``DIR/sweep.png`` (final loss vs S) and the usual report over all runs. With ``reuse`` a run already in
+``DIR`` that finished every step with the same configuration is kept, not trained again, so that an
+interrupted sweep, or one given more seeds or bounds later, trains only what it lacks.
 
 A single run per S scatters by more than the spread asked of it (< 0.02) on a 160M model at a few
 hundred steps: runs of one setting differ by several percent of loss. With ``seeds`` every S is trained
@@ -73,9 +75,25 @@ def _aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             "max_staleness_seen": max(seen) if seen else None}
 
 
+def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """The summary of the run in ``run_dir`` when it trained all ``cfg.steps`` steps with exactly ``cfg``
+    (every field, the worker count and device included), else None (no run, another configuration, a run
+    stopped early, or a summary that cannot be read)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    wanted = json.loads(json.dumps(asdict(cfg)))  # as the summary stores it
+    if not isinstance(summary, dict) or summary.get("config") != wanted or summary.get("steps_done") != cfg.steps:
+        return None
+    return summary
+
+
 def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: bool = True,
-              seeds: list[int] | None = None) -> dict[str, Any]:
-    """Trains ``base`` once per staleness bound (and per seed of ``seeds``) and writes the sweep's report."""
+              seeds: list[int] | None = None, reuse: bool = False) -> dict[str, Any]:
+    """Trains ``base`` once per staleness bound (and per seed of ``seeds``) and writes the sweep's report;
+    with ``reuse``, runs in ``out`` that finished with the same configuration are kept (see
+    ``finished_run``) and every other one is trained afresh."""
     if base.optimizer == "adamw" or base.mode != "async":
         raise ValueError(f"Invalid optimizer={base.optimizer!r} with mode={base.mode!r}: the staleness sweep needs "
                          "an Asteria optimizer in mode 'async'")
@@ -95,7 +113,11 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
         summaries = {}
         for seed in seeds or [base.seed]:
             run_dir = out / f"S{s}" if seeds is None else out / f"S{s}" / f"seed{seed}"
-            summaries[seed] = train(replace(configs[s], seed=seed), run_dir, progress=progress, overwrite=True)
+            cfg = replace(configs[s], seed=seed)
+            summary = finished_run(run_dir, cfg) if reuse else None
+            if summary is not None:
+                print(f"S={s} seed={seed}: reusing the finished run in {run_dir}", flush=True)
+            summaries[seed] = summary or train(cfg, run_dir, progress=progress, overwrite=True)
             run_dirs.append(run_dir)
         rows[s] = _aggregate(list(summaries.values()))
         if seeds is not None:
