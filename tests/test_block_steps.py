@@ -30,6 +30,15 @@ def two_layers() -> torch.nn.ModuleList:
     return torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
 
 
+def layers_at(params: list[torch.Tensor]) -> torch.nn.ModuleList:
+    """``two_layers()`` with the parameters set to ``params`` (a run resumed from them)."""
+    model = two_layers()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), params):
+            p.copy_(q)
+    return model
+
+
 def losses(model: torch.nn.ModuleList, step: int, late: int = LATE) -> list[torch.Tensor]:
     """Two independent regressions, one per layer; the second only from step ``late`` on (0-based)."""
     gen = torch.Generator().manual_seed(step)
@@ -221,10 +230,7 @@ def test_resume_with_counts_that_differ_is_bit_for_bit(name, tmp_path):
     assert saved["refresher"]["scheduled"], "refreshes in flight travel in the checkpoint"
     if name == "shampoo":
         assert any(isinstance(entry["request"][0], list) for entry in saved["refresher"]["scheduled"])
-    resumed = two_layers()
-    with torch.no_grad():
-        for p, q in zip(resumed.parameters(), params):
-            p.copy_(q)
+    resumed = layers_at(params)
     with OPTIMIZERS[name](resumed.parameters(), runtime) as opt:
         opt.load_state_dict(saved)
         train_layers(resumed, [opt], range(LATE + 2, STEPS))
@@ -359,10 +365,7 @@ def test_resume_while_a_block_awaits_its_first_real_basis_is_bit_for_bit(name):
         saved = opt.state_dict()
         params = [p.detach().clone() for p in model.parameters()]
         train_layers(model, [opt], range(6, STEPS), late=BETWEEN)
-    resumed = two_layers()
-    with torch.no_grad():
-        for p, q in zip(resumed.parameters(), params):
-            p.copy_(q)
+    resumed = layers_at(params)
     with OPTIMIZERS[name](resumed.parameters(), runtime) as opt:
         opt.load_state_dict(saved)
         assert any(any(waiting) for waiting in opt._awaiting.values())
