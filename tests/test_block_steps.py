@@ -312,18 +312,11 @@ def eigen_state(name: str, mode: int) -> str:
     return EXP_AVG_SQ if name == "soap" else inv_sqrt_key(mode)
 
 
-@pytest.mark.parametrize("mode", RUNTIMES)
-@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
-def test_a_late_blocks_state_is_carried_into_its_first_real_basis(name, mode):
-    """The second layer's first gradient comes at step 5, between refreshes: steps 6 and 7 keep its state in
-    the identity basis of its zero factors, and the refresh of step 7 (which holds its gradients) gives its
-    first real bases, in use from step 8. There, and only there, that state is carried into them: SOAP's
-    second moment V[i, j] <- sum_a Q0[a, i]^2 V[a, j] along dimension 0 and then the same along dimension 1;
-    KL-Shampoo's estimates d_i <- sum_a Q[a, i]^2 d_a. Checked in float64 against the state before the carry
-    and the bases of step 8; the first layer, started at step 1, is never touched."""
+def carries(name: str, runtime: asteria.RuntimeConfig, late: int) -> list[dict]:
+    """Trains the two layers (the second from step ``late`` on) and returns every carry into a first real
+    basis: its step, dimension and blocks, and the state before and after it, with the basis in use."""
     from asteria.optim.state_keys import basis_key
 
-    runtime = asteria.RuntimeConfig(**RUNTIMES[mode])
     model = two_layers()
     calls = []
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:
@@ -338,20 +331,73 @@ def test_a_late_blocks_state_is_carried_into_its_first_real_basis(name, mode):
                               after=group.state[key][blocks].clone()))
 
         opt._into_basis = spy
-        train_layers(model, [opt], range(STEPS), late=BETWEEN)
-    assert [(c["step"], c["dim"], c["blocks"]) for c in calls] == [(8, 0, [1]), (8, 1, [1])]
-    for call in calls:
-        dim, weights = call["dim"], call["basis"][0].double().square()  # the basis in use at step 8
+        train_layers(model, [opt], range(STEPS), late=late)
+    return calls
+
+
+def check_carry(name: str, call: dict) -> None:
+    """SOAP's second moment V[i, j] <- sum_a Q[a, i]^2 V[a, j] along dimension 0 (the same along 1);
+    KL-Shampoo's estimates d_i <- sum_a Q[a, i]^2 d_a; in float64, per block carried."""
+    for block in range(len(call["blocks"])):
+        dim, weights = call["dim"], call["basis"][block].double().square()  # the basis in use there
         assert not torch.allclose(weights, torch.eye(8, dtype=weights.dtype))
-        before, after = call["before"][0].double(), call["after"][0].double()
+        before, after = call["before"][block].double(), call["after"][block].double()
         if name == "soap":
-            assert float(before.abs().min()) > 0  # steps 6 and 7 left a second moment to carry
+            assert float(before.abs().min()) > 0  # the steps in the identity basis left a second moment
             expected = torch.einsum("ai,aj->ij", weights, before) if dim == 0 else torch.einsum("bj,ib->ij", weights,
                                                                                                  before)
         else:
             expected = (weights.T @ before.pow(-2)).rsqrt()
             assert float((before - before.mean()).abs().max()) > 1e-3 * float(before.abs().max())  # not isotropic
         torch.testing.assert_close(after, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", RUNTIMES)
+@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
+def test_a_late_blocks_state_is_carried_into_its_first_real_basis(name, mode):
+    """The second layer's first gradient comes at step 5, between refreshes: steps 6 and 7 keep its state in
+    the identity basis of its zero factors, and the refresh of step 7 (which holds its gradients) gives its
+    first real bases, in use from step 8. There, and only there, that state is carried into them (along
+    dimension 0, then 1). The first layer's first bases come the step after its first gradient, with no
+    state to carry: it is never touched."""
+    calls = carries(name, asteria.RuntimeConfig(**RUNTIMES[mode]), late=BETWEEN)
+    assert [(c["step"], c["dim"], c["blocks"]) for c in calls] == [(8, 0, [1]), (8, 1, [1])]
+    for call in calls:
+        check_carry(name, call)
+
+
+@pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
+def test_without_a_bootstrap_every_blocks_state_is_carried_into_its_first_basis(name):
+    """With ``sync_refreshes=0`` under the deterministic rule (staleness 1, f = 3), the first refresh comes into
+    use an interval after its snapshot, so every block steps in the identity basis until then: each is
+    carried once, at that step."""
+    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger=False, sync_refreshes=0)
+    calls = carries(name, runtime, late=0)
+    steps = {c["step"] for c in calls}
+    assert len(steps) == 1 and steps.pop() > 2
+    assert sorted((c["dim"], c["blocks"]) for c in calls) == [(0, [0, 1]), (1, [0, 1])]
+    for call in calls:
+        check_carry(name, call)
+
+
+def test_installs_keep_the_columns_of_blocks_awaiting_their_first_real_basis():
+    """A block awaiting its first real basis keeps its state in plain coordinates, which the carry maps
+    whole; an install's column order (under the newest-finished rule possibly composed through that first
+    version) must not scramble it first. Blocks that have their basis are reordered as before."""
+    model = two_layers()
+    with OPTIMIZERS["soap"](model.parameters(), asteria.RuntimeConfig(mode="sync")) as opt:
+        train_layers(model, [opt], range(4), late=BETWEEN)  # the second layer has had no gradient yet
+        group = next(g for g in opt._groups if g.order == 2)
+        fset = next(f for f, g in opt._set_groups if g is group and f.mode == 0)
+        second = group.state[EXP_AVG_SQ]
+        second.copy_(torch.arange(second.numel(), dtype=second.dtype).view_as(second))
+        before = second.clone()
+        reverse = torch.arange(7, -1, -1).expand(2, 8)
+        fset.permute(torch.tensor([0, 1]), reverse)
+        assert torch.equal(second[0], before[0].flip(0))  # the first layer's block: reordered
+        assert torch.equal(second[1], before[1])  # the second layer's: awaiting, kept
+        train_layers(model, [opt], range(4, STEPS), late=BETWEEN)
+        assert not opt._unordered  # every block has its basis: installs reorder all of them
 
 
 @pytest.mark.parametrize("name", ["soap", "kl-shampoo"])

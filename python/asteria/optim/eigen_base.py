@@ -2,12 +2,14 @@
 installs reorder the state kept in eigen-coordinates, and a direction computed while accumulating
 (before this step's refresh changes the bases).
 
-A block whose first gradient comes after the first refresh (a parameter unfrozen late, an expert no token
-reached) has, until the first refresh of a factor with that gradient in it, the identity basis of its zero
-factors, and meanwhile keeps its state in plain coordinates. When its first real basis Q comes into use,
-that state is carried into it (``_into_basis``) as the squares of Q's entries weigh it: a coordinate's
-second moment in the new basis is sum_a Q[a, i]^2 E[g_a^2], exact when the old coordinates are
-uncorrelated. Blocks that start by the first refresh, the usual case, never need it."""
+A block steps in the identity basis of its zero factors until the first basis of a factor with a gradient
+in it comes into use, and meanwhile keeps its state in plain coordinates: when its first gradient comes
+after the first refresh (a parameter unfrozen late, an expert no token reached), or when the first refresh
+is not used at once (``sync_refreshes=0`` under the deterministic rule's lag). When that first real basis
+Q comes into use, the state is carried into it (``_into_basis``) as the squares of Q's entries weigh it: a
+coordinate's second moment in the new basis is sum_a Q[a, i]^2 E[g_a^2], exact when the old coordinates
+are uncorrelated. Blocks whose first real basis is used the step after their first gradient (the bootstrap
+refresh, the usual case) have no state yet and are left alone."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         self._awaiting: dict[int, list[bool]] = {}
         self._settled: set[int] = set()  # id(group): no block of it awaits a first basis any more
         self._seen: dict[int, list[int]] = {}  # per factor set: its versions in use when last looked at
+        #: (id(group), mode) -> (B,) bool on the device: the blocks whose installs are not reordered (see below)
+        self._unordered: dict[tuple[int, int], Tensor] = {}
         super().__init__(*args, **kwargs)
 
     def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
@@ -49,31 +53,55 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         return [version >= 1 and 0 < firsts[fset.offset + block] <= self.schedule.snapshot_step(index, version)
                 for block, version in enumerate(fset.versions)]
 
-    def _enter_first_bases(self, group: ShapeGroup) -> None:
-        """Before the statistics change: the blocks of ``group`` whose first real basis came into use since
-        the last step get their state carried into it (see the module's docstring). O(1) once every block
-        started by the first refresh."""
-        if id(group) in self._settled or group.steps.started_by(self.schedule.start):
+    def _enter_first_bases(self, group: ShapeGroup, step: int) -> None:
+        """Before the statistics of ``step`` change: the blocks of ``group`` whose first real basis came
+        into use since the last step get their state carried into it (see the module's docstring) when they
+        took steps before it, that is when it came later than the step after their first gradient (the
+        bootstrap refresh, used at once, comes then). O(1) once no block of the group awaits one."""
+        if id(group) in self._settled:
             return
-        bases = None
+        bases, changed = None, False
         for index in self._sets_of[id(group)]:
             fset = self._set_groups[index][0]
             if self._seen.get(index) == fset.versions:
                 continue  # only a new version in use can be a block's first real basis
             self._seen[index] = list(fset.versions)
+            changed |= index not in self._awaiting
             awaiting = self._awaiting.setdefault(index, [True] * fset.batch)
             firsts = group.steps.first_steps[fset.offset:fset.offset + fset.batch]
             arrived = []
             for block, real in enumerate(self._real_basis(index, group)):
                 if awaiting[block] and real:
-                    awaiting[block] = False
-                    if firsts[block] > self.schedule.start:  # else its state is still empty (or isotropic)
+                    awaiting[block], changed = False, True
+                    if step > firsts[block] + 1:  # else its state is still empty (or isotropic)
                         arrived.append(block)
             if arrived:
                 bases = bases or self._preconditioners(group)
                 blocks = streams.indices_to_device([fset.offset + block for block in arrived], group.device)
                 self._into_basis(group, fset.mode, blocks, bases[fset.mode][blocks].square())
-        if not any(any(self._awaiting.get(index, [True])) for index in self._sets_of[id(group)]):
+        if changed:
+            self._mark_unordered(group)
+
+    def _mark_unordered(self, group: ShapeGroup) -> None:
+        """Keeps, per dimension of ``group``, the device mask of the blocks still awaiting their first real
+        basis; their installs skip the column reordering. Their state is in plain coordinates, which the
+        carry maps into the new basis whole: a reordering first would scramble it (under the newest-finished
+        rule an activation may pass over the first real version, and the order composed through it is that
+        of the next one, relative to the first). Settles the group once no block awaits."""
+        awaiting_any = False
+        for mode in range(group.order):
+            flags = [False] * group.batch
+            for index in self._sets_of[id(group)]:
+                fset = self._set_groups[index][0]
+                if fset.mode == mode:
+                    flags[fset.offset:fset.offset + fset.batch] = self._awaiting.get(index, [True] * fset.batch)
+            key = (id(group), mode)
+            if any(flags):
+                awaiting_any = True
+                self._unordered[key] = streams.to_device([torch.tensor(flags)], group.device)[0]
+            else:
+                self._unordered.pop(key, None)
+        if not awaiting_any:
             self._settled.add(id(group))
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
@@ -86,6 +114,9 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         for index, (fset, group) in enumerate(self._set_groups):
             real = self._real_basis(index, group)
             self._awaiting[index] = [exact and not ok for ok in real]
+        for group in self._groups:
+            if self._sets_of[id(group)]:
+                self._mark_unordered(group)
 
     def _eigenbasis_sets(self, group: ShapeGroup, reorder: Callable[[int, Tensor, Tensor], None]) -> list[FactorSet]:
         """One factor, basis and installed flag per mode; ``reorder(mode, blocks, order)`` makes the state
@@ -98,6 +129,10 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
             installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
 
             def permute(blocks: Tensor, order: Tensor, mode: int = mode) -> None:
+                unordered = self._unordered.get((id(group), mode))
+                if unordered is not None:  # blocks awaiting their first real basis keep their columns
+                    kept = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+                    order = torch.where(unordered[blocks].unsqueeze(-1), kept, order)
                 reorder(mode, blocks, order)
 
             sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=basis,

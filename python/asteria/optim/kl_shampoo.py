@@ -119,7 +119,7 @@ class KLShampoo(EigenbasisOptimizer):
         inv_sqrt[blocks] = estimates.rsqrt()
 
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
-        self._enter_first_bases(group)
+        self._enter_first_bases(group, step)
         hyper = self.param_groups[group.group_index]
         beta1, beta = hyper["betas"]
         first = group.steps.first()  # a block's first gradient builds its factors alone; it takes no step

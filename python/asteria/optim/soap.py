@@ -112,7 +112,7 @@ class SOAP(EigenbasisOptimizer):
         second[blocks] = F.project(second[blocks], [weights if m == mode else None for m in range(group.order)])
 
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
-        self._enter_first_bases(group)
+        self._enter_first_bases(group, step)
         hyper = self.param_groups[group.group_index]
         factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
         steps = group.steps
