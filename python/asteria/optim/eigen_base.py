@@ -21,6 +21,7 @@ from torch import Tensor
 from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import basis_key, factor_key, has_basis_key
+from asteria.optim.steps import to_device
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 
@@ -98,7 +99,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
             key = (id(group), mode)
             if any(flags):
                 awaiting_any = True
-                self._unordered[key] = streams.to_device([torch.tensor(flags)], group.device)[0]
+                self._unordered[key] = to_device(flags, torch.bool, group.device)
             else:
                 self._unordered.pop(key, None)
         if not awaiting_any:
