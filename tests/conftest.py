@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -8,6 +10,25 @@ import torch
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_optimizer_outlives_its_test():
+    """Fails the test that leaves an optimizer's workers running after it (closed neither by ``close()`` nor
+    by the garbage collector), where it happens: the torch thread cap they hold would otherwise change the
+    thread count of every later test. Costs nothing unless one is left."""
+    from asteria.pipeline.cpus import TorchThreadCap
+
+    yield
+    if not TorchThreadCap._live:
+        return
+    gc.collect()  # one only unreachable (in a cycle) is closed here by its finalizer
+    leaked = list(TorchThreadCap._live)
+    if leaked:
+        for cap in leaked:  # the later tests start clean
+            cap.restore()
+        pytest.fail(f"{len(leaked)} optimizer(s) with workers outlived the test: close them (or drop every "
+                    "reference); something keeps them alive", pytrace=False)
 
 
 @pytest.fixture(scope="module")

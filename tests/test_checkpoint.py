@@ -120,6 +120,18 @@ def test_resume_into_another_configuration_is_refused(finished, capsys, tmp_path
     assert f"Invalid out={str(finished)!r}" in capsys.readouterr().err
 
 
+def test_a_refused_resume_closes_the_optimizer_it_made(finished, capsys, monkeypatch):
+    # The optimizer is made before the checkpoint is read: a refusal must still stop its workers and put
+    # back the torch thread count they capped (a leaked one capped every later test's threads).
+    from asteria.train import loop
+    made, real = [], loop.make_optimizer
+    monkeypatch.setattr(loop, "make_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    argv = ["train", "--out", str(finished), *RUN, "--optimizer", "kl-shampoo", "--mode", "async", "--seq-len", "16",
+            "--resume"]
+    assert main(argv) == 2 and "seq_len=32 (this run: 16)" in capsys.readouterr().err
+    assert len(made) == 1 and not made[0]._finalizer.alive  # closed, not left to the garbage collector
+
+
 def test_resume_of_a_finished_run_extends_it(finished, tmp_path):
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(finished), str(copy)], check=True)

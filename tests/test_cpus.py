@@ -84,8 +84,13 @@ def test_workers_run_on_the_planned_cpus():
 
 @pytest.fixture
 def restore_torch_threads():
-    before = torch.get_num_threads()
+    """torch's thread count and TorchThreadCap's bookkeeping as a fresh process has them, put back after:
+    the caps' rules compose over every live cap, so a test sees only its own."""
+    cls = cpus.TorchThreadCap
+    before, saved = torch.get_num_threads(), (cls._live, cls._original, cls._last_set)
+    cls._live, cls._original, cls._last_set = [], None, None
     yield before
+    cls._live, cls._original, cls._last_set = saved
     torch.set_num_threads(before)
 
 

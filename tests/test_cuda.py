@@ -308,25 +308,34 @@ def test_late_activation_uses_a_version_finished_during_the_backward_pass(late):
 
 
 
+@pytest.mark.parametrize("late", ["at-a-refresh", "between-refreshes"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("optimizer", ["shampoo", "soap", "kl-shampoo"])
-def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimizer, mode):
-    """Blocks of one batch at different step counts (the second layer gets gradients from step 7 on): the
-    GPU run matches the CPU run, and in Asteria mode its steps with per-block counts (and a missing
-    gradient) never make the training thread wait for the GPU."""
-    from test_block_steps import LATE, OPTIMIZERS, STEPS, losses, two_layers
+def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimizer, mode, late):
+    """Blocks of one batch at different step counts (the second layer gets gradients from step 7 on, or from
+    step 5, between refreshes: SOAP and KL-Shampoo then carry its state into its first real basis): the GPU
+    run matches the CPU run, and in Asteria mode its steps with per-block counts (and a missing gradient, and
+    the carry) never make the training thread wait for the GPU."""
+    from test_block_steps import BETWEEN, LATE, OPTIMIZERS, STEPS, losses, two_layers
 
-    runtime = dict(mode="sync") if mode == "sync" else dict(staleness=2, workers=2, stagger=False)
+    late = LATE if late == "at-a-refresh" else BETWEEN
+
+    # Staleness 1: the late layer's first real basis comes into use at step 11, inside the checked steps.
+    runtime = dict(mode="sync") if mode == "sync" else dict(staleness=1, workers=2, stagger=False)
     results = []
     for device in ("cpu", "cuda"):
         model = two_layers().to(device)
         # Their hyperparameters keep Shampoo's roots well conditioned (eps 1e-2): with a tiny eps the
         # rank-deficient early factors amplify the GPU's and the CPU's rounding apart.
         with OPTIMIZERS[optimizer](model.parameters(), asteria.RuntimeConfig(**runtime)) as opt:
+            carried = []
+            if optimizer != "shampoo":
+                carry = opt._into_basis
+                opt._into_basis = lambda *args: carried.append(args[1]) or carry(*args)
             for step in range(STEPS):
                 opt.zero_grad(set_to_none=True)
-                sum(losses(model, step)).backward()
-                checked = device == "cuda" and mode == "async" and step >= LATE + 3
+                sum(losses(model, step, late)).backward()
+                checked = device == "cuda" and mode == "async" and step >= late + 3
                 if checked:
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
@@ -334,7 +343,9 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
                     opt.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            assert sorted(c for g in opt._groups for c in g.steps.counts) == [STEPS - LATE] * 2 + [STEPS] * 2
+            assert sorted(c for g in opt._groups for c in g.steps.counts) == [STEPS - late] * 2 + [STEPS] * 2
+            # Sync mode carries only the layer that stepped in its identity basis (first gradient between refreshes).
+            assert carried == ([0, 1] if optimizer != "shampoo" and (mode == "async" or late == BETWEEN) else [])
         results.append([p.detach().cpu() for p in model.parameters()])
     for cpu, gpu in zip(*results):
         torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)

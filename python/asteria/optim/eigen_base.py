@@ -123,6 +123,9 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         """One factor, basis and installed flag per mode; ``reorder(mode, blocks, order)`` makes the state
         in eigen-coordinates follow a new basis' column order."""
         batch, device = group.batch, group.device
+        # The refresher (kept by the optimizer's finalizer) holds these closures: they must not hold the
+        # optimizer, or one dropped without close() would never be collected and its workers never stop.
+        masks = self._unordered
         sets = []
         for mode, dim in enumerate(group.shape):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
@@ -130,7 +133,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
             installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
 
             def permute(blocks: Tensor, order: Tensor, mode: int = mode) -> None:
-                unordered = self._unordered.get((id(group), mode))
+                unordered = masks.get((id(group), mode))
                 if unordered is not None:  # blocks awaiting their first real basis keep their columns
                     kept = torch.arange(order.shape[-1], device=order.device).expand_as(order)
                     order = torch.where(unordered[blocks].unsqueeze(-1), kept, order)

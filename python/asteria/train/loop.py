@@ -388,6 +388,20 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
 
 def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None,
            profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One run on this process (see ``train``). An optimizer it made is closed however the run ends: a
+    refused checkpoint, a failed step or Ctrl-C leaves no workers, pinned buffers or torch thread cap."""
+    made: list[torch.optim.Optimizer] = []
+    try:
+        return _train_run(cfg, out, progress, resume, run, profile_steps, made)
+    except BaseException:
+        for opt in made:
+            if hasattr(opt, "close"):
+                opt.close()
+        raise
+
+
+def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None,
+               profile_steps: tuple[int, int] | None, made: list[torch.optim.Optimizer]) -> dict[str, Any]:
     from torch.utils.tensorboard import SummaryWriter
 
     lead = run is None or run.lead
@@ -410,6 +424,7 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     net = run.wrap(model) if run is not None else model  # what the forward pass calls (DDP: the wrapper)
     # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
     opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size if run is not None else None)
+    made.append(opt)
     # The shadow-state pipeline's hooks: refresh installs are prefetched during the forward pass.
     hooks = (asteria.attach(model, opt, prefetch=cfg.prefetch,
                             late_activation=cfg.late_activation if cfg.mode == "async" else False)
