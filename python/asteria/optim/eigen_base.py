@@ -46,6 +46,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
     def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
         """Carries the state that ``group`` keeps in eigen-coordinates of dimension ``mode`` from plain
         coordinates into the first real bases of ``blocks``, given ``weights`` = Q ** 2 (b, n, n)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps state in eigen-coordinates and must define _into_basis")
 
     def _real_basis(self, index: int, group: ShapeGroup) -> list[bool]:
         """Per block of factor set ``index``: whether its basis in use comes from a factor that held the
