@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -38,6 +39,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def thread_count() -> int:
+    """This process's threads, workers included (Linux)."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Module:

@@ -5,7 +5,6 @@ tests/test_api_validation.py; the gradient policies' basic cases in tests/test_f
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 import asteria
 from asteria import testing
-from conftest import small_mlp, train
+from conftest import small_mlp, thread_count, train
 
 NAMES = ["shampoo", "soap", "kl"]
 PARAM = "0.weight"  # (16, 8): two factors, one engine block per mode
@@ -274,16 +273,13 @@ def test_a_refresh_that_times_out_loses_nothing_and_training_goes_on(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("budget", ["host_budget", "gpu_budget"])
 def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budget):
-    def threads() -> int:
-        return len(os.listdir("/proc/self/task"))
-
     _, warm = make(name)  # torch and OpenBLAS start their own thread pools lazily
     warm.close()
     gc.collect()
-    before = threads()
+    before = thread_count()
     with pytest.raises(ValueError, match=rf"Invalid {budget}=64: too small for this model's state "
                                          r"\(placement 'device': device needs \d+ bytes, host needs \d+ bytes; "
                                          r"per kind: host \{.*\}, nvme "):
         make(name, memory=asteria.MemoryConfig(**{budget: 64}))
     gc.collect()
-    assert threads() == before
+    assert thread_count() == before

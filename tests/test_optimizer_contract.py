@@ -7,15 +7,17 @@ hyperparameters, sparse and strided gradients."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 import asteria
-from conftest import small_mlp, train
+from conftest import small_mlp, thread_count, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -36,26 +38,19 @@ def test_an_optimizer_dropped_without_close_is_collected_and_stops_its_workers(o
     """``close()`` is optional, as for torch's optimizers: once the last reference goes, the garbage collector
     takes the optimizer and its finalizer stops the workers. Nothing the workers keep may refer back to it
     (the finalizer holds them: such a cycle would keep it, its state and its threads for the process's life)."""
-    import gc
-    import os
-    import weakref
-
-    def threads() -> int:
-        return len(os.listdir("/proc/self/task"))
-
     model, warm = make(optimizer, staleness=1)  # torch and OpenBLAS start their own thread pools lazily
     train(model, warm, 4)
     warm.close()
     gc.collect()
-    before = threads()
+    before = thread_count()
     model, opt = make(optimizer, staleness=1)
     train(model, opt, 4)  # installs and reorders: every closure the refresher holds has been made and used
-    assert threads() == before + 1  # its worker
+    assert thread_count() == before + 1  # its worker
     alive, finalizer = weakref.ref(opt), opt._finalizer
     del opt
     gc.collect()
     assert alive() is None and not finalizer.alive
-    assert threads() == before
+    assert thread_count() == before
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)

@@ -13,6 +13,7 @@ refresh, the usual case) have no state yet and are left alone."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -43,10 +44,13 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         self._unordered: dict[tuple[int, int], Tensor] = {}
         super().__init__(*args, **kwargs)
 
+    @abstractmethod
     def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
         """Carries the state that ``group`` keeps in eigen-coordinates of dimension ``mode`` from plain
-        coordinates into the first real bases of ``blocks``, given ``weights`` = Q ** 2 (b, n, n)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps state in eigen-coordinates and must define _into_basis")
+        coordinates into the first real bases of ``blocks``, given ``weights`` = Q ** 2 (b, n, n). Each
+        subclass defines it (torch's Optimizer is no ABC, so nothing enforces that at construction: the
+        body makes a missing one fail at the first carry instead of skipping it)."""
+        raise NotImplementedError(f"{type(self).__name__}._into_basis")
 
     def _real_basis(self, index: int, group: ShapeGroup) -> list[bool]:
         """Per block of factor set ``index``: whether its basis in use comes from a factor that held the
