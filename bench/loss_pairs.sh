@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Native against Asteria on many seeds at once, on one GPU. With torch's deterministic kernels held
+# strictly (--deterministic-kernels) and the deterministic install rule (--lag-steps), a run's losses do
+# not depend on its timing: neither on the runs beside it on the GPU nor on how fast its workers are
+# (tested on the CPU: same bits with 1 worker and with all, run side by side). So seeds can share the
+# machine. Each seed runs bench/loss_arms.sh (native, then Asteria at lag $LAG) into $OUT/s<seed>;
+# $JOBS seeds run at a time; no seed starts after $DEADLINE_S seconds (a lease's call is short).
+# Usage: OUT=DIR OPT=shampoo LAG=2 JOBS=3 DEADLINE_S=400 bash bench/loss_pairs.sh SEEDS...
+# NA=0 runs only the Asteria arm (for seeds whose native arm exists in $OUT).
+# Pool:  python3 -m asteria.train.cli seeds DIR/s*/d2 --baseline DIR/s*/na --out REPORT
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+export OPT=${OPT:-shampoo} LAG=${LAG:-2} START=$(date +%s) DEADLINE_S=${DEADLINE_S:-100000}
+export ARGS="--deterministic-kernels ${ARGS:-}"
+one_seed() {
+  if (( $(date +%s) - START >= DEADLINE_S )); then echo "seed $1: not started (deadline)"; return 0; fi
+  mkdir -p "$OUT/s$1"
+  OUT="$OUT/s$1" NA_CONFIGS="$OPT-sync" LAGS="$LAG" bash bench/loss_arms.sh "$1" >>"$OUT/s$1/log.txt" 2>&1
+  echo "seed $1: exit $? after $(( $(date +%s) - START )) s"
+}
+export -f one_seed
+export OUT
+printf '%s\n' "$@" | xargs -P "${JOBS:-3}" -I{} bash -c 'one_seed {}'
