@@ -7,7 +7,8 @@
 # $JOBS seeds run at a time; no seed starts after $DEADLINE_S seconds (a lease's call is short).
 # Usage: OUT=DIR OPT=shampoo LAG=2 JOBS=3 DEADLINE_S=400 bash bench/loss_pairs.sh SEEDS...
 # NA=0 runs only the Asteria arm (for seeds whose native arm exists in $OUT).
-# Pool:  python3 -m asteria.train.cli seeds DIR/s*/d2 --baseline DIR/s*/na --out REPORT
+# At the end the seeds with both arms are pooled into $OUT/report (seeds.md): Asteria against native,
+# paired by seed. Seeds of several calls pool the same way: asteria seeds DIR/s*/d2 --baseline DIR/s*/na.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -22,3 +23,8 @@ one_seed() {
 export -f one_seed
 export OUT
 printf '%s\n' "$@" | xargs -P "${JOBS:-3}" -I{} bash -c 'one_seed {}'
+shopt -s nullglob
+asteria_arms=("$OUT"/s*/d"$LAG") native_arms=("$OUT"/s*/na)
+if (( ${#asteria_arms[@]} && ${#native_arms[@]} )); then
+  python3 -m asteria.train.cli seeds "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
+fi
