@@ -46,6 +46,11 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def relative_errors(actual, expected) -> list[float]:
+    """Per tensor pair, ||actual - expected|| / ||expected|| in float64."""
+    return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
+
+
 def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Module:
     """A small MLP with a bias on every layer (1-D parameters too)."""
     gen = torch.Generator().manual_seed(seed)

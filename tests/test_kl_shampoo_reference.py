@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, resume_is_exact, small_mlp, train
+from conftest import regression_data, relative_errors, resume_is_exact, small_mlp, train
 
 SIZES = (8, 8, 8)
 HYPER = dict(lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -26,6 +26,10 @@ class ReferenceKLShampoo:
         self.init = init
         self.t = 0
         self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
 
     def step(self):
         self.t += 1
@@ -80,12 +84,7 @@ class ReferenceKLShampoo:
 def run_reference(steps: int, init: float | None = INIT) -> list[torch.Tensor]:
     model = small_mlp(sizes=SIZES)
     ref = ReferenceKLShampoo(list(model.parameters()), frequency=FREQUENCY, init=init, **HYPER)
-    x, y = regression_data(sizes=SIZES)
-    for step in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        torch.nn.functional.mse_loss(model(x[(step * 32) % 128:][:32]), y[(step * 32) % 128:][:32]).backward()
-        ref.step()
+    train(model, ref, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -95,10 +94,6 @@ def run_kl(steps: int, runtime: asteria.RuntimeConfig, init: float | None = INIT
                            **HYPER) as opt:
         train(model, opt, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
-
-
-def relative_errors(actual, expected) -> list[float]:
-    return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
 
 
 def test_sync_matches_float64_reference():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import asteria
-from conftest import blob_classification, regression_data, resume_is_exact, small_mlp, train, train_classifier
+from conftest import (blob_classification, regression_data, relative_errors, resume_is_exact, small_mlp, train,
+                      train_classifier)
 
 SIZES = (8, 8, 8)  # square weights: the first factors are full rank, so their eigenbases are unique
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -29,6 +30,10 @@ class ReferenceSOAP:
         self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
         self.t = 0
         self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
 
     def step(self):
         self.t += 1
@@ -65,12 +70,7 @@ class ReferenceSOAP:
 def run_reference(steps: int) -> list[torch.Tensor]:
     model = small_mlp(sizes=SIZES)
     ref = ReferenceSOAP(list(model.parameters()), frequency=FREQUENCY, **HYPER)
-    x, y = regression_data(sizes=SIZES)
-    for step in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        torch.nn.functional.mse_loss(model(x[(step * 32) % 128:][:32]), y[(step * 32) % 128:][:32]).backward()
-        ref.step()
+    train(model, ref, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -79,10 +79,6 @@ def run_soap(steps: int, runtime: asteria.RuntimeConfig) -> list[torch.Tensor]:
     with asteria.SOAP(model.parameters(), precondition_frequency=FREQUENCY, runtime=runtime, **HYPER) as opt:
         train(model, opt, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
-
-
-def relative_errors(actual, expected) -> list[float]:
-    return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
 
 
 def test_sync_matches_float64_reference():

@@ -18,6 +18,7 @@
 #include "asteria/common/errors.h"
 #include "asteria/linalg/inverse_root.h"
 #include "asteria/linalg/lapack.h"
+#include "jacobi_reference.h"
 
 namespace asteria::linalg {
 namespace {
@@ -56,46 +57,10 @@ double relative_error(const Matrix& actual, const Matrix& expected) {
   return frobenius(diff) / frobenius(expected);
 }
 
-// Cyclic Jacobi: rotates away each off-diagonal entry in turn until A is diagonal to working
-// precision. Returns the eigenvalues (unordered) and the eigenvectors as columns of v.
-void jacobi_eigen(int n, Matrix a, std::vector<double>& w, Matrix& v) {
-  v = identity(n);
-  for (int sweep = 0; sweep < 100; ++sweep) {
-    double off = 0, total = 0;
-    for (int j = 0; j < n; ++j) {
-      for (int i = 0; i < n; ++i) {
-        total += at(a, n, i, j) * at(a, n, i, j);
-        if (i != j) off += at(a, n, i, j) * at(a, n, i, j);
-      }
-    }
-    if (off <= 1e-30 * total) break;
-    for (int p = 0; p < n; ++p) {
-      for (int q = p + 1; q < n; ++q) {
-        const double apq = at(a, n, p, q);
-        if (apq == 0.0) continue;
-        const double theta = (at(a, n, q, q) - at(a, n, p, p)) / (2 * apq);
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::abs(theta) + std::sqrt(theta * theta + 1));
-        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
-        for (int k = 0; k < n; ++k) {  // A <- A J
-          const double akp = at(a, n, k, p), akq = at(a, n, k, q);
-          at(a, n, k, p) = c * akp - s * akq;
-          at(a, n, k, q) = s * akp + c * akq;
-        }
-        for (int k = 0; k < n; ++k) {  // A <- J^T A
-          const double apk = at(a, n, p, k), aqk = at(a, n, q, k);
-          at(a, n, p, k) = c * apk - s * aqk;
-          at(a, n, q, k) = s * apk + c * aqk;
-        }
-        for (int k = 0; k < n; ++k) {  // V <- V J
-          const double vkp = at(v, n, k, p), vkq = at(v, n, k, q);
-          at(v, n, k, p) = c * vkp - s * vkq;
-          at(v, n, k, q) = s * vkp + c * vkq;
-        }
-      }
-    }
-  }
-  w.resize(n);
-  for (int i = 0; i < n; ++i) w[i] = at(a, n, i, i);
+// The shared Jacobi reference (jacobi_reference.h) on this file's layout.
+void jacobi_eigen(int n, const Matrix& a, std::vector<double>& w, Matrix& v) {
+  reference::jacobi_eigen(n, a, w, v,
+                          [](Matrix& m, int size, int i, int j) -> double& { return at(m, size, i, j); });
 }
 
 // The contract of inverse_root.h, evaluated from Jacobi's eigenpairs.
