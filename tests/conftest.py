@@ -51,6 +51,20 @@ def relative_errors(actual, expected) -> list[float]:
     return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
 
 
+class ReferenceOptimizer:
+    """What the tests' float64 reference optimizers share besides their math: the hyperparameters,
+    the step count and ``zero_grad`` (so that ``train`` drives them as it drives an optimizer)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.t = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Module:
     """A small MLP with a bias on every layer (1-D parameters too)."""
     gen = torch.Generator().manual_seed(seed)

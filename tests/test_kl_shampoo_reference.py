@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, relative_errors, resume_is_exact, small_mlp, train
+from conftest import ReferenceOptimizer, regression_data, relative_errors, resume_is_exact, small_mlp, train
 
 SIZES = (8, 8, 8)
 HYPER = dict(lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -15,21 +15,16 @@ FREQUENCY = 3
 INIT = 0.1
 
 
-class ReferenceKLShampoo:
+class ReferenceKLShampoo(ReferenceOptimizer):
     """2-D weights: S_L <- b S_L + (1-b)/n G Q_R D_R^-1 Q_R^T G^T (and symmetric), eigenvalues re-estimated
     each step in the stale bases, bases refreshed by QR(S Q) after ordering Q's columns by Rayleigh
     quotient; 1-D parameters: Adam. The eigenvalue estimates start at ``init`` (the reference's constant
     0.1), or with ``init=None`` at sqrt(mean g^2) of the first gradient (Asteria's default)."""
 
     def __init__(self, params, lr, betas, eps, weight_decay, frequency, init=INIT):
-        self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
-        self.init = init
-        self.t = 0
-        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self.f, self.init = frequency, init
+        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in self.params]
 
     def step(self):
         self.t += 1

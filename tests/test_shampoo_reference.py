@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import relative_errors, small_mlp, train
+from conftest import ReferenceOptimizer, relative_errors, small_mlp, train
 
 
 def reference_root(matrix: np.ndarray, exponent: float, eps: float) -> np.ndarray:
@@ -52,26 +52,20 @@ def grafted_direction(s: dict, b1: float, b2: float, t: int, grafting_eps: float
     return direction * np.linalg.norm(adam) / np.linalg.norm(direction)
 
 
-class ReferenceShampoo:
+class ReferenceShampoo(ReferenceOptimizer):
     """Shampoo with Adam grafting in float64 numpy, one block at a time."""
 
     def __init__(self, params, lr, betas, eps, weight_decay, frequency, start, max_dim, grafting_eps=1e-8):
-        self.params = params
-        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.frequency, self.start, self.grafting_eps = frequency, start, grafting_eps
-        self.t = 0
         self.blocks = []
-        for p in params:
+        for p in self.params:
             merged, regions = reference_blocks(tuple(p.shape), max_dim)
             for region in regions:
                 dims = [r.stop - r.start for r in region]
                 self.blocks.append(dict(param=p, merged=merged, region=region,
                                         factors=[np.zeros((d, d)) for d in dims], roots=None,
                                         m=np.zeros(dims), v=np.zeros(dims)))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
     def step(self):
         self.t += 1

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import asteria
-from conftest import (blob_classification, regression_data, relative_errors, resume_is_exact, small_mlp, train,
-                      train_classifier)
+from conftest import (ReferenceOptimizer, blob_classification, regression_data, relative_errors, resume_is_exact,
+                      small_mlp, train, train_classifier)
 
 SIZES = (8, 8, 8)  # square weights: the first factors are full rank, so their eigenbases are unique
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -23,17 +23,13 @@ def eig_desc(matrix: np.ndarray) -> np.ndarray:
     return np.linalg.eigh(matrix)[1][:, ::-1]
 
 
-class ReferenceSOAP:
+class ReferenceSOAP(ReferenceOptimizer):
     """SOAP for 2-D weights (Adam in the eigenbases of L = E[G G^T], R = E[G^T G]) and Adam for 1-D."""
 
     def __init__(self, params, lr, betas, eps, weight_decay, frequency):
-        self.params, self.lr, self.betas, self.eps, self.wd, self.f = params, lr, betas, eps, weight_decay, frequency
-        self.t = 0
-        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self.f = frequency
+        self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in self.params]
 
     def step(self):
         self.t += 1
