@@ -2,7 +2,7 @@
 # Native against Asteria on many seeds at once, on one GPU. With torch's deterministic kernels held
 # strictly (--deterministic-kernels) and the deterministic install rule (--lag-steps), a run's losses do
 # not depend on its timing: neither on the runs beside it on the GPU nor on how fast its workers are
-# (tested on the CPU: same bits with 1 worker and with all, run side by side). So seeds can share the
+# (checked on the CPU: same bits with 1 worker and with all, run side by side). So seeds can share the
 # machine. Each seed runs bench/loss_arms.sh (native, then Asteria at lag $LAG) into $OUT/s<seed>;
 # $JOBS seeds run at a time; no seed starts after $DEADLINE_S seconds (a lease's call is short).
 # Usage: OUT=DIR OPT=shampoo LAG=2 JOBS=3 DEADLINE_S=400 bash bench/loss_pairs.sh SEEDS...
