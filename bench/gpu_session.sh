@@ -3,7 +3,7 @@
 # (default: build cuda memory bench bench-large ladder refresh):
 #   build    the package;                  cuda     the CUDA tests;
 #   memory   bench/memory.py --compare;    ladder   bench/memory.py --ladder (NVMe column: stage nvme);
-#   refresh  the refresh-engine benchmark;
+#   refresh  the refresh-engine benchmark, on all cores and on one;
 #   profile  bench/profile_step.py, where a step's time goes ($PROFILE_CONFIGS, $PROFILE_STEPS, $PROFILE_ARGS);
 #   bench    asteria bench on olmo-160m at the small batch (8 x 512);
 #   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
@@ -52,6 +52,9 @@ has nvme && python3 bench/memory.py --ladder --cap-gib 24 --setups asteria_host_
   --host-budget-gib 22 --out "$OUT/nvme" 2>&1 | tee "$OUT/nvme.txt"
 has refresh && python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 32 --out "$OUT/refresh_engine.json" \
   2>&1 | tee "$OUT/refresh_engine.txt"
+# the same on one core, alone: against the figures above, what 16 busy cores cost each configuration
+has refresh && taskset -c 0 python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 4 2 --cores 1 \
+  --out "$OUT/refresh_engine_1core.json" 2>&1 | tee "$OUT/refresh_engine_1core.txt"
 has scaling && python3 bench/scaling.py --out "$OUT/scaling" --nprocs 1 2 --parallel ddp fsdp --model olmo-160m \
   --steps ${SCALING_STEPS:-40} --batch-size 8 --seq-len 512 ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling.txt"
 has opt && python3 bench/opt_step.py --model olmo-160m --max-preconditioner-dim 1024 --tf32 ${OPT_ARGS:-} \

@@ -10,9 +10,13 @@ For blocks of size n (default 1024 and 2048) it measures blocks per second of
                    step and a QR factorization from the previous basis) on blocks that drift a little
                    between refreshes, with the eigenbasis quality (off-diagonal ratio of Q^T A Q)
                    printed beside the exact eigh's;
-and prints the ratios of asteria to the best torch configuration. Each figure is the best of three timed
-rounds after a warm-up; the rounds are interleaved (one of each configuration in turn), and the median of
-the per-round ratios is printed too, so that a drift of the host's speed does not favour one side.
+and prints the ratios of asteria to the best torch configuration. A calibration row, `gemm` (one n x n
+float32 matrix product per block, one thread per core, the faster of torch's BLAS and NumPy's
+OpenBLAS), gives each configuration's time in gemm-times under the same load: one power step plus a
+Householder QR with Q formed cannot take less than about 2.3 of them (4.7 n^3 flops at gemm speed),
+whatever the implementation. Each figure is the best of three timed rounds after a warm-up; the rounds
+are interleaved (one of each configuration in turn), and the median of the per-round ratios is printed
+too, so that a drift of the host's speed does not favour one side.
 
     python3 bench/refresh_engine.py --sizes 1024 2048 --blocks 64 16 --out results/refresh_engine.json
 """
@@ -28,9 +32,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
+# NumPy's OpenBLAS (the gemm calibration) at one thread per caller, as the engine's workers run theirs;
+# read when the library loads, so before NumPy's import.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from asteria import _core
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from asteria import _core  # noqa: E402
 
 
 ROUNDS = 3  # timed rounds per configuration (interleaved); each reports its best
@@ -91,6 +100,38 @@ class TorchThreads:
         start = time.perf_counter()
         list(self.pool.map(self.work, self.blocks))
         return len(self.blocks) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class Gemm:
+    """Calibration: one n x n float32 matrix product per block, one Python thread per core at one BLAS
+    thread each, through torch's BLAS and through NumPy's OpenBLAS; a round reports the faster."""
+
+    def __init__(self, blocks: torch.Tensor, cores: int) -> None:
+        self.blocks, self.arrays = blocks, [b.numpy() for b in blocks]
+        self.other = torch.randn(blocks.shape[-1], blocks.shape[-1], generator=torch.Generator().manual_seed(2))
+        self.other_array = self.other.numpy()
+        self.pool = ThreadPoolExecutor(cores)
+        torch.set_num_threads(1)
+        list(self.pool.map(self.torch_work, blocks[:cores]))  # warm-up
+        list(self.pool.map(self.numpy_work, self.arrays[:cores]))
+
+    def torch_work(self, block: torch.Tensor) -> torch.Tensor:
+        return block @ self.other
+
+    def numpy_work(self, block: np.ndarray) -> np.ndarray:
+        return block @ self.other_array
+
+    def round(self) -> float:
+        torch.set_num_threads(1)
+        rates = []
+        for work, items in ((self.torch_work, self.blocks), (self.numpy_work, self.arrays)):
+            start = time.perf_counter()
+            list(self.pool.map(work, items))
+            rates.append(len(items) / (time.perf_counter() - start))
+        return max(rates)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -157,6 +198,7 @@ def measure(blocks: torch.Tensor, cores: int, rounds: int) -> dict[str, float]:
         "torch-root": TorchThreads(blocks, cores, with_root=True),
         "asteria": AsteriaEngine(blocks, cores),
         "asteria-qr": AsteriaEngine(blocks, cores, eigenbasis=True),
+        "gemm": Gemm(blocks, cores),
     }
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     try:
@@ -174,6 +216,8 @@ def measure(blocks: torch.Tensor, cores: int, rounds: int) -> dict[str, float]:
         row[f"{name}/best-torch-eigh paired median"] = statistics.median(
             a / b for a, b in zip(rates[name], best_eigh))
     row["asteria/torch-root"] = row["asteria"] / row["torch-root"]
+    for name in ("torch-serial", "torch-threads", "asteria", "asteria-qr"):  # time per block in gemm-times
+        row[f"{name} gemm-times"] = row["gemm"] / row[name]
     return row | {"qr-offdiag": qr_offdiag, "eigh-offdiag": eigh_offdiag, "rounds": rates}
 
 
@@ -202,6 +246,10 @@ def main() -> None:
               f"{r['torch-root']:>11.2f} {r['asteria']:>8.2f} {r['asteria/best-torch-eigh']:>12.2f}x "
               f"{r['asteria/torch-root']:>13.2f}x {r['asteria-qr']:>11.2f} {r['asteria-qr/best-torch-eigh']:>10.2f}x "
               f"{r['qr-offdiag']:>11.2e} {r['eigh-offdiag']:>13.2e}")
+    for r in rows:
+        print(f"n={r['n']}: one block's time in gemm-times (gemm {r['gemm']:.1f} blocks/s): torch-serial "
+              f"{r['torch-serial gemm-times']:.2f}, torch-threads {r['torch-threads gemm-times']:.2f}, asteria "
+              f"{r['asteria gemm-times']:.2f}, asteria-qr {r['asteria-qr gemm-times']:.2f}")
     for r in rows:
         print(f"n={r['n']}: median over {args.rounds} interleaved rounds of the per-round ratio to the best torch "
               f"eigh: asteria {r['asteria/best-torch-eigh paired median']:.2f}x, "
