@@ -18,9 +18,10 @@ SIZES = (8, 32, 32, 32, 4)
 GROUP_BYTES = 8 * 8 * 4 * 2 * 4  # four (8, 8) blocks per shape group: many sets of one shape
 
 
-def make(name: str, nvme_dir=None, budget: int | None = None):
+def make(name: str, nvme_dir=None, budget: int | None = None, nvme_budget: int | None = None):
     model = small_mlp(sizes=SIZES)
-    memory = asteria.MemoryConfig(nvme_dir=nvme_dir, host_budget=budget, group_bytes=GROUP_BYTES)
+    memory = asteria.MemoryConfig(nvme_dir=nvme_dir, host_budget=budget, group_bytes=GROUP_BYTES,
+                                  nvme_budget=nvme_budget)
     runtime = asteria.RuntimeConfig(staleness=2, workers=1, memory=memory)
     kwargs = {"lr": 0.02, "eps": 1e-6} if name == "shampoo" else {}
     cls = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[name]
@@ -133,6 +134,32 @@ def test_nvme_configuration_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Invalid host_budget=100: too small .* host needs \d+ bytes"):
         make("shampoo", str(tmp_path), 100)
     assert os.listdir(tmp_path) == []
+
+
+def test_nvme_budget_bounds_the_page_files(tmp_path):
+    budget = tiny_budget("shampoo")
+    _, probe = make("shampoo", str(tmp_path), budget)
+    with probe:
+        need = probe.memory_report()["nvme"]["total"]
+    assert need > 0
+    with pytest.raises(ValueError, match=rf"Invalid nvme_budget={need - 1}: the page files need {need} bytes to fit "
+                                         rf"host_budget={budget} \(placement"):
+        make("shampoo", str(tmp_path), budget, nvme_budget=need - 1)
+    assert os.listdir(tmp_path) == []  # the refused optimizer removed its page files
+    model, opt = make("shampoo", str(tmp_path), budget, nvme_budget=need)
+    with opt:
+        train(model, opt, 4, data=regression_data(sizes=SIZES))
+        assert opt.memory_report()["nvme"]["total"] == need
+    with pytest.raises(ValueError, match="Invalid nvme_budget=4096: bounds the page files under nvme_dir"):
+        asteria.MemoryConfig(nvme_budget=4096)
+
+
+def test_an_nvme_dir_that_cannot_hold_files_is_refused_by_name(tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with pytest.raises(ValueError, match=rf"Invalid memory.nvme_dir='{not_a_directory}': must be a directory this "
+                                         r"process can create files in \(File exists\)"):
+        make("shampoo", str(not_a_directory), tiny_budget("shampoo"))
 
 
 def test_a_step_that_times_out_on_the_nvme_tier_goes_on_as_all_host(tmp_path):

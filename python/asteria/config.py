@@ -39,7 +39,9 @@ class MemoryConfig:
     With ``nvme_dir`` (async mode, preconditioners in host memory: placement ``"host"``, or CPU
     parameters), sets of preconditioners move to page files in a fresh directory under it, largest
     shapes first, until the host state fits ``host_budget``; they are read back every step ahead of use
-    (see ``asteria.pipeline.nvme``), and the directory is removed at ``close()``.
+    (see ``asteria.pipeline.nvme``), and the directory is removed at ``close()``. ``nvme_budget`` bounds
+    the bytes of those page files: the optimizer refuses a model whose host state needs more of them to
+    fit ``host_budget``.
     """
 
     gpu_budget: int | None = None
@@ -58,6 +60,8 @@ class MemoryConfig:
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
         _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir != ""), "nvme_dir",
                self.nvme_dir, "must be None or a directory path")
+        _check(self.nvme_budget is None or self.nvme_dir is not None, "nvme_budget", self.nvme_budget,
+               "bounds the page files under nvme_dir: set nvme_dir too, or leave nvme_budget None")
 
 
 @dataclass(kw_only=True)

@@ -138,8 +138,9 @@ class MemoryTiers:
         """Bytes of optimizer state per tier and per kind of state: ``device`` (the parameters'
         device: factors, moments, and the preconditioners under the device placement, plus the
         staging ring), ``host`` (pinned host memory: preconditioners under the host placements, the
-        refresh buffers), ``nvme`` (nothing in this release); with the placement, the peak staging
-        bytes and the bytes staged to the device so far."""
+        refresh buffers, the NVMe tier's read-ahead buffers), ``nvme`` (the page files of the sets the
+        NVMe tier holds); with the placement, the peak staging bytes and the bytes staged to the device so
+        far (and with the NVMe tier, the bytes it has read and written)."""
         tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
         homes = {id(fset.preconditioners) for fset, _ in self._home_sets}
         for index, group in enumerate(self._groups):
@@ -181,3 +182,6 @@ class MemoryTiers:
             raise ValueError(f"Invalid gpu_budget={memory.gpu_budget}: too small for this model's state ({needs})")
         if memory.host_budget is not None and report["host"]["total"] > memory.host_budget:
             raise ValueError(f"Invalid host_budget={memory.host_budget}: too small for this model's state ({needs})")
+        if memory.nvme_budget is not None and report["nvme"]["total"] > memory.nvme_budget:
+            raise ValueError(f"Invalid nvme_budget={memory.nvme_budget}: the page files need "
+                             f"{report['nvme']['total']} bytes to fit host_budget={memory.host_budget} ({needs})")

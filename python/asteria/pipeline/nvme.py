@@ -29,8 +29,12 @@ class PagedSets:
 
     def __init__(self, directory: str, sets: list[FactorSet], contents: list[Tensor], pin: bool,
                  timeout_s: float, buffers_per_shape: int = 2) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="asteria-nvme-", dir=directory)
+        try:  # the directory is created if missing; the page files go to a fresh directory inside it
+            os.makedirs(directory, exist_ok=True)
+            self.root = tempfile.mkdtemp(prefix="asteria-nvme-", dir=directory)
+        except OSError as error:
+            raise ValueError(f"Invalid memory.nvme_dir={directory!r}: must be a directory this process can create "
+                             f"files in ({error.strerror or error})") from error
         self.timeout_s = timeout_s
         self.pin = pin
         self.key: dict[int, int] = {}
