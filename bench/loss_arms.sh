@@ -5,8 +5,8 @@
 #   d<L>/ Asteria under the deterministic rule with --lag-steps L for each L in $LAGS (default 0: every
 #        version computed by the workers and used at its own step, as native mode does).
 # Native against d0 isolates where the arithmetic runs (GPU or CPU, float32 in both since native refreshes
-# ignore TF32) and the staggered schedule; d0 against the newest-finished rule isolates how late the
-# versions come. Pool the seeds with `asteria seeds OUT/na ...`, and compare d0 with native through
+# ignore TF32): at lag 0 the schedule is native's, unstaggered (before the nineteenth session d0 was
+# staggered too); d0 against the newest-finished rule isolates how late the versions come and the stagger. Pool the seeds with `asteria seeds OUT/na ...`, and compare d0 with native through
 # `asteria seeds OUT/d0 --baseline OUT/na --out DIR`.
 # Usage (inside bench/gpu_session.sh's `extra` stage, or alone): OUT=DIR OPT=kl-shampoo bash bench/loss_arms.sh SEEDS...
 # LAGS=" " runs no d<L> arm; NA=0 skips the na arm (e.g. to add lag arms to seeds whose na arm exists);

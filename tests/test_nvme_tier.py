@@ -54,6 +54,9 @@ def test_nvme_tier_gives_the_all_host_bits(name, tmp_path):
         assert report["nvme_bytes_read"] > 0 and report["nvme_bytes_written"] > 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), paged_model.parameters()))
     assert os.listdir(tmp_path) == []  # close() removes the page files
+    with pytest.raises(RuntimeError, match=r"Invalid state_dict\(\) after close\(\): the preconditioners on the "
+                                           "NVMe tier went with their page files"):
+        paged.state_dict()  # and a checkpoint without them would not resume
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])

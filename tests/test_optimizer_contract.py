@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import small_mlp, thread_count, train
+from conftest import regression_data, small_mlp, thread_count, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -51,6 +51,38 @@ def test_an_optimizer_dropped_without_close_is_collected_and_stops_its_workers(o
     gc.collect()
     assert alive() is None and not finalizer.alive
     assert thread_count() == before
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_closed_optimizer_refuses_to_step_and_its_state_dict_goes_on_exactly(optimizer, mode):
+    """After ``close()``: ``step()`` raises by name in both modes (it would train on silently in sync mode, and
+    fail inside the stopped engine in async mode), ``prefetch()`` (the hooks' call) does nothing, and the
+    state_dict, refreshes in flight included, goes on in a new optimizer as the optimizer left open does."""
+    data = regression_data()
+    settings = {"staleness": 1} if mode == "async" else {}
+    model, opt = make(optimizer, mode, **settings)
+    with opt:  # the optimizer left open: 7 steps, then 4 more
+        train(model, opt, 7, data=data)
+        train(model, opt, 4, data=data)
+    closed_model, closed = make(optimizer, mode, **settings)
+    train(closed_model, closed, 7, data=data)
+    closed.close()
+    before = [p.detach().clone() for p in closed_model.parameters()]
+    with pytest.raises(RuntimeError, match=r"Invalid step\(\) after close\(\): .* load its state_dict\(\) into a new"):
+        closed.step()
+    closed.prefetch()
+    assert all(torch.equal(a, b) for a, b in zip(before, closed_model.parameters()))
+    assert closed._step == 7
+    saved = closed.state_dict()
+    resumed_model, resumed = make(optimizer, mode, **settings)
+    with resumed:
+        with torch.no_grad():
+            for p, q in zip(resumed_model.parameters(), before):
+                p.copy_(q)
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, 4, data=data)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)

@@ -74,7 +74,9 @@ class RuntimeConfig:
             factors into host buffers and computes the refresh on the C++ workers.
         staleness: S >= 0. A block's preconditioner in use is at most S refresh intervals behind its
             newest snapshot; the optimizer waits (bounded barrier) rather than exceed it.
-            ``staleness=0`` in async mode reproduces the sync trajectory.
+            ``staleness=0`` in async mode reproduces the sync trajectory (to rounding: the eigensolvers
+            differ), as long as both modes use the same schedule, which they do unless ``stagger=True``
+            is given to one of them only.
         workers: C++ worker threads; ``None``: one per CPU of the workers' set (``worker_cpus``), capped
             at 32; unpinned, this rank's share of the CPUs less 2 (cores left to the training process
             and its data loader).
@@ -102,9 +104,10 @@ class RuntimeConfig:
         stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
             their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
             the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
-            (the native baseline refreshes everything together); on several ranks only where every rank
-            has the same factor sets (DDP), as a block's replicas must refresh it at the same step.
-            Deterministic either way.
+            (the native baseline refreshes everything together) and off where async mode uses every
+            version at its own step (``staleness=0`` or ``lag_steps=0``), so that it follows the sync
+            trajectory; on several ranks only where every rank has the same factor sets (DDP), as a
+            block's replicas must refresh it at the same step. Deterministic either way.
         stagger_split: also cut the factor sets that would carry more than an even share
             (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
             it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
@@ -199,8 +202,13 @@ class RuntimeConfig:
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
 
     def stagger_wanted(self) -> bool:
-        """``stagger`` resolved before the ranks are consulted: its value, or whether the mode is async."""
-        return self.stagger if self.stagger is not None else self.mode == "async"
+        """``stagger`` resolved before the ranks are consulted: its value, or whether the mode is async and
+        some version is used later than its own step (where every one is used at its own step, async mode
+        follows the sync trajectory, and so the sync schedule)."""
+        if self.stagger is not None:
+            return self.stagger
+        at_own_step = self.staleness == 0 or (self.deterministic and self.lag_steps == 0)
+        return self.mode == "async" and not at_own_step
 
     def activation_lag(self, interval: int) -> int:
         """Steps from a version's snapshot to its first use under the deterministic rule, for refreshes

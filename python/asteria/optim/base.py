@@ -75,6 +75,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
         self._step = 0
+        self._closed = False  # close() was called: step() refuses, prefetch() does nothing
         #: what the refresh engine has seen ("": nothing, no step and no checkpoint loaded): only then may an
         #: async optimizer load a state_dict (its engine cannot go back to earlier versions)
         self._used = ""
@@ -159,7 +160,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                 and not (memory.placement == "auto" and memory.gpu_budget is not None))
 
     def _staggered(self, sets: list[FactorSet]) -> bool:
-        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode).
+        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode
+        unless every version is used at its own step).
         On several ranks the replicas of a block must refresh it at the same step, so the schedule is
         staggered only where every rank has the same factor sets, hence the same phases (DDP; FSDP2 with
         even shards); where they differ, ``stagger=None`` falls back to the unstaggered schedule."""
@@ -264,7 +266,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         nothing. One that raises after (a refresh of this step that failed, or that did not finish in
         time) counts as a step without a parameter update: its gradients stay in the statistics and its
         refreshes stay on their way, so nothing computed is lost, and calling ``step()`` again goes on
-        with the next step, which uses them."""
+        with the next step, which uses them. After ``close()`` it raises ``RuntimeError``."""
+        if self._closed:
+            raise RuntimeError("Invalid step() after close(): this optimizer's workers are stopped; load its "
+                               "state_dict() into a new optimizer to go on training")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -360,7 +365,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         whose version is used at once (staleness 0 or the bootstrap refresh): then ``step()`` does it.
         Called by the hooks of ``asteria.attach``; harmless to call at any time between steps."""
         step = self._step + 1 - self.ACTIVATION_LAG
-        if step < 1 or self._activated_step >= step:
+        if self._closed or step < 1 or self._activated_step >= step:
             return
         if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
                                            for _, version in self.schedule.due(step)):
@@ -466,6 +471,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         return {"staleness": self.runtime.staleness, "lag_steps": self._refresher.lag if deterministic else None}
 
     def _state_dict(self) -> dict[str, Any]:
+        if self._closed and self._paged_keys:
+            raise RuntimeError("Invalid state_dict() after close(): the preconditioners on the NVMe tier went with "
+                               "their page files at close(); take the state_dict() before closing")
         param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(g["params"])))}
                         for g in self.param_groups]
         return {
@@ -569,7 +577,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         return stats
 
     def close(self) -> None:
-        """Stops the refresh workers and releases their buffers. Idempotent; also runs at exit."""
+        """Stops the refresh workers and closes the NVMe tier (its page files are removed). Idempotent;
+        also runs when the optimizer is collected or the interpreter exits. The host buffers that hold
+        the refreshes in flight stay until the optimizer is collected, so that ``state_dict()`` still
+        saves them (except with the NVMe tier, whose state went with its files: it raises then);
+        ``step()`` raises ``RuntimeError``."""
+        self._closed = True
         self._finalizer()
 
     def __enter__(self) -> SecondOrderOptimizer:

@@ -37,7 +37,8 @@ HELP = {
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
                       "step, waited for if need be; later ones follow the staleness rule",
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
-               "one process); --no-stagger refreshes every set at the same step, as native mode does",
+               "one process, unless every version is used at its own step: --staleness 0 or --lag-steps 0); "
+               "--no-stagger refreshes every set at the same step, as native mode does",
     "stagger_split": "split shape groups whose factor sets would carry more than 1/f of an interval's refresh work, "
                      "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches; "
                      "default: wherever one process staggers)",
