@@ -115,6 +115,8 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
     (["--optimizer", "adamw", "--stagger"], "Invalid --stagger with --optimizer adamw"),
+    (["--mode", "sync", "--placement", "host"], "Invalid --placement host with --mode sync: native mode keeps"),
+    (["--optimizer", "adamw", "--placement", "device_view"], "Invalid --placement device_view with --optimizer"),
     (["--seed", str(2**32)], "Invalid seed=4294967296: must be below 2**32"),
     (["--staleness", "1000000"], "Invalid staleness=1000000: must be at most 1000"),
     (["--precondition-frequency", "10000000"], "Invalid precondition_frequency=10000000: must be at most"),

@@ -108,8 +108,8 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 
 def check_async_only(cfg: RunConfig) -> None:
     """Refuses the activation options that only Asteria's async mode reads when the run has no async
-    refreshes (a sync run or AdamW), and the refresh schedule's options for AdamW (which has no
-    refreshes; native mode may stagger its own), rather than ignoring them."""
+    refreshes (a sync run or AdamW), the refresh schedule's options for AdamW (which has no refreshes;
+    native mode may stagger its own) and a host placement for either, rather than ignoring them."""
     adamw = cfg.optimizer == "adamw"
     if cfg.mode == "async" and not adamw:
         return
@@ -120,6 +120,10 @@ def check_async_only(cfg: RunConfig) -> None:
         if asked:
             raise ValueError(f"Invalid {flag} with {what}: it sets how the refreshes are scheduled or activated, "
                              f"which {what} does not use")
+    if cfg.placement not in ("auto", "device"):
+        raise ValueError(f"Invalid --placement {cfg.placement} with {what}: "
+                         + ("AdamW has no preconditioners" if adamw else
+                            "native mode keeps its preconditioners on the device") + "; use auto or device")
 
 
 def out_dir(text: str) -> Path:
