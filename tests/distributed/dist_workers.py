@@ -163,16 +163,19 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
             "params": params, "stats": stats, "staleness": staleness_seen, "phases": list(opt.schedule.phases),
             "identical": all(all(torch.equal(g[k], params[k]) for k in params) for g in gathered),
         }
-        state = opt.state_dict()
-        result["runs"][(kind, staleness, lag_steps)]["state_layout"] = state["distributed"]
-        # Another rank's checkpoint is refused before anything changes.
+        state = opt.state_dict()  # each rank's part under its own key
+        result["runs"][(kind, staleness, lag_steps)]["state_keys"] = sorted(state)
+        result["runs"][(kind, staleness, lag_steps)]["state_layout"] = state[f"rank{rank}"]["distributed"]
+        # Another rank's checkpoint is refused before anything changes: as it comes, and its part taken out.
         states: list[Any] = [None] * world
         dist.all_gather_object(states, state)
-        try:
-            opt.load_state_dict(states[(rank + 1) % world])
-            result["runs"][(kind, staleness, lag_steps)]["foreign_load"] = "accepted"
-        except ValueError as error:
-            result["runs"][(kind, staleness, lag_steps)]["foreign_load"] = str(error)
+        other = (rank + 1) % world
+        for name, foreign in (("foreign_load", states[other][f"rank{other}"]), ("foreign_wrapped", states[other])):
+            try:
+                opt.load_state_dict(foreign)
+                result["runs"][(kind, staleness, lag_steps)][name] = "accepted"
+            except ValueError as error:
+                result["runs"][(kind, staleness, lag_steps)][name] = str(error)
         opt.close()
     result["split"] = split_run((rank, world))
     try:
@@ -267,10 +270,28 @@ def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, i
         resumed.load_state_dict(saved)
         train(again, resumed, batches[before:], None)
         resumed.close()
+        # The same through torch.distributed.checkpoint: every rank's part in one checkpoint, each rank
+        # loading its own into a fresh optimizer (the optimizer is a Stateful for DCP).
+        import torch.distributed.checkpoint as dcp
+
+        third = model()
+        third.load_state_dict(weights)
+        writer = optimizer(kind, third.parameters(), staleness, local_world_size=LOCAL)
+        writer.load_state_dict(saved)
+        dcp.save({"optim": writer}, checkpoint_id=str(out / f"dcp-{kind}-{staleness}"))
+        writer.close()
+        third = model()
+        third.load_state_dict(weights)
+        reader = optimizer(kind, third.parameters(), staleness, local_world_size=LOCAL)
+        dcp.load({"optim": reader}, checkpoint_id=str(out / f"dcp-{kind}-{staleness}"))
+        train(third, reader, batches[before:], None)
+        reader.close()
+        own = saved[f"rank{rank}"]
         result[(kind, staleness)] = {
-            "in_flight": len(saved["refresher"]["scheduled"]),
+            "in_flight": len(own["refresher"]["scheduled"]),
             "identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters())),
-            "layout": saved["distributed"],
+            "dcp_identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), third.parameters())),
+            "layout": own["distributed"],
         }
     out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")

@@ -104,6 +104,9 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
                 torch.testing.assert_close(run["params"][name], value, **TOLS[kind], msg=f"{kind} S={staleness} {name}")
             assert run["state_layout"]["rank"] == rank and run["state_layout"]["world_size"] == W.WORLD
             assert "Invalid state_dict: saved on rank" in run["foreign_load"]
+            assert run["state_keys"] == ["format", f"rank{rank}"]
+            assert (f"Invalid state_dict: it holds the state of ['rank{(rank + 1) % W.WORLD}'], and this optimizer "
+                    f"runs on rank {rank}") in run["foreign_wrapped"]
         stats = per_rank[0]["stats"]
         assert [s["rank"] for s in stats] == [0, 1, 2, 3]
         assert all(s["max_staleness_seen"] <= staleness for s in stats)
@@ -174,7 +177,8 @@ def test_fsdp2_and_hsdp_match_single_process(trained):
 
 def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
     """4 Gloo processes (2 nodes x 2 ranks): a checkpoint taken with refreshes in flight, loaded into a
-    fresh model and optimizer on the same ranks, continues exactly as the uninterrupted run."""
+    fresh model and optimizer on the same ranks, continues exactly as the uninterrupted run; so does one
+    saved and loaded through torch.distributed.checkpoint."""
     out, codes, _ = trained
     assert codes == [0] * W.WORLD
     results = W.load(out / "resume")
@@ -182,6 +186,7 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
         key = run[:2]
         for rank, result in enumerate(results):
             assert result[key]["identical"], (key, rank)
+            assert result[key]["dcp_identical"], (key, rank)  # the same through torch.distributed.checkpoint
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD
 

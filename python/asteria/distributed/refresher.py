@@ -493,7 +493,7 @@ class DistributedRefresher(WorkerRefresher):
             scheduled.append({"version": version, "due": due, "snapshots": snapshots,
                               "requests": {index: r.saved() for index, r in requests.items()}})
         return {"distributed": self.identity(), "newest_versions": list(self._newest_versions),
-                "scheduled": scheduled,
+                "scheduled": tuple(scheduled),  # stored whole by torch.distributed.checkpoint (see AsyncRefresher)
                 "consecutive_failures": [c.tolist() for c in self._consecutive]}  # ints: weights_only loads
 
     def load_state(self, state: dict[str, Any]) -> None:

@@ -35,6 +35,10 @@ NONFINITE_STREAK = "nonfinite_streak"
 NONFINITE_TOTAL = "nonfinite_total"
 
 
+#: the format of a state_dict taken on several ranks: each rank's own state under "rank<r>"
+RANKS_FORMAT = "asteria.ranks.v1"
+
+
 class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     """Base of the Asteria optimizers (see the module docstring)."""
 
@@ -454,8 +458,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         """The optimizer's full state: step, hyperparameters, every shape group's batched tensors
         (factors, preconditioners in use, moments, counters), the version each block uses, and the
         refreshes scheduled but not yet in use (as their snapshots, recomputed on load). With
-        ``deterministic=True`` a run resumed from it continues bit for bit. Runs torch's state-dict
-        hooks (``register_state_dict_pre_hook`` / ``_post_hook``)."""
+        ``deterministic=True`` a run resumed from it continues bit for bit. On several ranks it is
+        ``{"format": "asteria.ranks.v1", "rank<r>": <that state>}``, each rank's part under its own key,
+        which ``load_state_dict`` on the same rank takes. It also saves and loads through
+        torch.distributed.checkpoint (``dcp.save({"optim": opt})``, ``dcp.load({"optim": opt})``), on one
+        process or several. Runs torch's state-dict hooks (``register_state_dict_pre_hook`` / ``_post_hook``)."""
         for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             pre_hook(self)
         state_dict = self._state_dict()
@@ -471,6 +478,28 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         return {"staleness": self.runtime.staleness, "lag_steps": self._refresher.lag if deterministic else None}
 
     def _state_dict(self) -> dict[str, Any]:
+        state = self._own_state_dict()
+        identity = self._refresher.identity()
+        if identity is None:
+            return state
+        # On several ranks each rank's state sits under its own key, so that torch.distributed.checkpoint
+        # saves every rank's part (it keeps one copy of a key that every rank has) and each rank loads its own.
+        return {"format": RANKS_FORMAT, f"rank{identity['rank']}": state}
+
+    def _own_part(self, state_dict: Any) -> Any:
+        """This rank's state in a state_dict taken on several ranks (others pass through unchanged)."""
+        if not (isinstance(state_dict, dict) and state_dict.get("format") == RANKS_FORMAT):
+            return state_dict
+        identity = self._refresher.identity()
+        saved = sorted(k for k in state_dict if k != "format")
+        key = None if identity is None else f"rank{identity['rank']}"
+        if key not in state_dict:
+            where = "one process" if identity is None else f"rank {identity['rank']}"
+            raise ValueError(f"Invalid state_dict: it holds the state of {saved}, and this optimizer runs on {where}; "
+                             "resume with the same ranks")
+        return state_dict[key]
+
+    def _own_state_dict(self) -> dict[str, Any]:
         if self._closed and self._paged_keys:
             raise RuntimeError("Invalid state_dict() after close(): the preconditioners on the NVMe tier went with "
                                "their page files at close(); take the state_dict() before closing")
@@ -513,6 +542,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        state_dict = self._own_part(state_dict)
         validate_state_dict(self, state_dict)
         if self.runtime.mode == "async" and self._used:
             done = f"stepped (step {self._step})" if self._used == "stepped" else self._used

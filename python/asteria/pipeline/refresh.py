@@ -447,10 +447,12 @@ class AsyncRefresher(WorkerRefresher):
         """The versions not yet applied travel as their snapshots: recomputing them on the workers after a
         resume gives the same bits (one BLAS thread per job), so the resumed run continues exactly."""
         self.stager.wait_all()
-        scheduled = [{"set": index, "version": version, "due": due,
-                      "request": request.saved(),
-                      "snapshot": self.snapshots[index][version % self.depth].clone()}
-                     for index, version, due, request in self._scheduled]
+        scheduled = tuple({"set": index, "version": version, "due": due,
+                           "request": request.saved(),
+                           "snapshot": self.snapshots[index][version % self.depth].clone()}
+                          for index, version, due, request in self._scheduled)
+        # A tuple: torch.distributed.checkpoint stores it whole, as the one entry a fresh optimizer's
+        # state_dict (its load template) has, however many refreshes are in flight.
         return {"newest_versions": list(self._newest_versions), "scheduled": scheduled}
 
     def load_state(self, state: dict[str, Any]) -> None:
