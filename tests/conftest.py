@@ -128,6 +128,21 @@ def train_classifier(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torc
     return losses[0], losses[-1]
 
 
+def resumed_run(model: torch.nn.Module, opt, weights: list[torch.Tensor], load, steps: int, data) -> None:
+    """A resume into a fresh (model, opt): the saved weights copied in, ``load(opt)`` (the optimizer's
+    checkpoint loaded however the test saves it), then ``steps`` steps; closes ``opt``."""
+    with opt:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), weights):
+                p.copy_(q)
+        load(opt)
+        train(model, opt, steps, data=data)
+
+
+def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
 def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:
     """Trains `before` steps, saves, trains `after` more; a second run loads the checkpoint into a fresh
     (model, optimizer) from `make()` and trains the same `after` steps. True if both end bit for bit equal."""
@@ -137,10 +152,5 @@ def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:
         saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
         train(model, opt, after, data=data)
     resumed_model, resumed = make()
-    with resumed:
-        with torch.no_grad():
-            for p, q in zip(resumed_model.parameters(), params):
-                p.copy_(q)
-        resumed.load_state_dict(saved)
-        train(resumed_model, resumed, after, data=data)
-    return all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    resumed_run(resumed_model, resumed, params, lambda o: o.load_state_dict(saved), after, data)
+    return same_parameters(model, resumed_model)

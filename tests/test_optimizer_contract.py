@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, small_mlp, thread_count, train
+from conftest import regression_data, resumed_run, same_parameters, small_mlp, thread_count, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -77,13 +77,8 @@ def test_a_closed_optimizer_refuses_to_step_and_its_state_dict_goes_on_exactly(o
     assert closed._step == 7
     saved = closed.state_dict()
     resumed_model, resumed = make(optimizer, mode, **settings)
-    with resumed:
-        with torch.no_grad():
-            for p, q in zip(resumed_model.parameters(), before):
-                p.copy_(q)
-        resumed.load_state_dict(saved)
-        train(resumed_model, resumed, 4, data=data)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    resumed_run(resumed_model, resumed, before, lambda o: o.load_state_dict(saved), 4, data)
+    assert same_parameters(model, resumed_model)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
@@ -107,19 +102,18 @@ def test_torch_distributed_checkpoint_saves_and_resumes_exactly(optimizer, mode,
         dcp.save({"optim": opt if as_stateful else opt.state_dict()}, checkpoint_id=str(tmp_path))
         weights = [p.detach().clone() for p in model.parameters()]
         train(model, opt, 5, data=data)
-        resumed_model, resumed = make(optimizer, mode, **settings)
-        with resumed:
-            with torch.no_grad():
-                for p, q in zip(resumed_model.parameters(), weights):
-                    p.copy_(q)
+
+        def load(resumed) -> None:
             if as_stateful:
                 dcp.load({"optim": resumed}, checkpoint_id=str(tmp_path))
             else:
                 template = {"optim": resumed.state_dict()}
                 dcp.load(template, checkpoint_id=str(tmp_path))
                 resumed.load_state_dict(template["optim"])
-            train(resumed_model, resumed, 5, data=data)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+        resumed_model, resumed = make(optimizer, mode, **settings)
+        resumed_run(resumed_model, resumed, weights, load, 5, data)
+    assert same_parameters(model, resumed_model)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)

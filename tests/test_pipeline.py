@@ -9,7 +9,7 @@ import asteria
 from asteria import testing
 from asteria.errors import RefreshError
 from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
-from conftest import regression_data, resume_is_exact, small_mlp, train
+from conftest import regression_data, resume_is_exact, resumed_run, same_parameters, small_mlp, train
 
 SIZES = (8, 16, 12, 4)
 OPTIMIZERS = {
@@ -326,13 +326,8 @@ def test_resume_with_hooks_is_exact(name):
         saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
         train(model, opt, 6, data=data)
     again, resumed, _ = make()
-    with resumed:
-        with torch.no_grad():
-            for p, q in zip(again.parameters(), params):
-                p.copy_(q)
-        resumed.load_state_dict(saved)
-        train(again, resumed, 6, data=data)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    resumed_run(again, resumed, params, lambda o: o.load_state_dict(saved), 6, data)
+    assert same_parameters(model, again)
 
 
 def test_attach_rejects_bad_arguments():
