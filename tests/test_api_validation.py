@@ -26,6 +26,7 @@ OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
     ({"max_preconditioner_dim": 64.0}, "Invalid max_preconditioner_dim=64.0"),
     ({"precondition_frequency": True}, "Invalid precondition_frequency=True"),
     ({"precondition_frequency": -3}, "Invalid precondition_frequency=-3"),
+    ({"precondition_frequency": 10**9}, r"Invalid precondition_frequency=1000000000: must be at most 1000000 steps"),
     ({"runtime": asteria.MemoryConfig()}, "Invalid runtime=MemoryConfig"),
 ])
 def test_constructor_arguments(optimizer, kwargs, match):
@@ -75,8 +76,58 @@ def test_non_floating_parameters_are_refused(optimizer):
         optimizer([counts])
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_parameters_on_the_meta_device_are_refused(optimizer):
+    layer = torch.nn.Linear(3, 4, device="meta")
+    with pytest.raises(ValueError, match=r"Invalid parameter weight on device 'meta': it holds no data"):
+        optimizer(layer.named_parameters())
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("key, value, match", [
+    ("lr", float("nan"), r"Invalid param_groups\[0\]\['lr'\]=nan"),
+    ("lr", -0.1, r"Invalid param_groups\[0\]\['lr'\]=-0.1"),
+    ("lr", "1e-3", r"Invalid param_groups\[0\]\['lr'\]='1e-3'"),
+    ("betas", (0.9, 1.5), r"Invalid param_groups\[0\]\['betas'\]\[1\]=1.5"),
+    ("weight_decay", float("nan"), r"Invalid param_groups\[0\]\['weight_decay'\]=nan"),
+])
+def test_hyperparameters_changed_after_construction_are_checked_at_the_step(optimizer, mode, key, value, match):
+    """An lr scheduler, or code that edits param_groups, can change a hyperparameter after construction:
+    the next step() refuses it by name before anything changes (the NaN would otherwise reach every weight)."""
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(mode=mode, workers=1) if mode == "async" else asteria.RuntimeConfig(mode=mode)
+    with optimizer(model.parameters(), precondition_frequency=2, runtime=runtime) as opt:
+        train(model, opt, 3)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=match):
+            train(model, opt, 1)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt._step == 3
+
+
+def test_a_scheduler_that_makes_the_lr_nan_is_refused_at_the_step():
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 if step < 2 else float("nan"))
+        train(model, opt, 2, hook=lambda step, _: scheduler.step())
+        with pytest.raises(ValueError, match=r"Invalid param_groups\[0\]\['lr'\]=nan"):
+            train(model, opt, 1)
+
+
+def test_a_grafting_typo_made_after_construction_is_refused_at_the_step():
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        opt.param_groups[0]["grafting"] = "adma"
+        with pytest.raises(ValueError, match=r"Invalid param_groups\[0\]\['grafting'\]='adma': must be one of"):
+            train(model, opt, 1)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"blas_threads": 0}, "Invalid blas_threads=0"),
+    ({"blas_threads": 2**40}, r"Invalid blas_threads=1099511627776: must be an int in \[1, 1024\]"),
+    ({"workers": 100000}, r"Invalid workers=100000: must be None or an int in \[1, 1024\]"),
+    ({"timeout_s": 1e10}, r"Invalid timeout_s=10000000000.0: must be a finite number of seconds in \(0, 1e\+07\]"),
     ({"workers": 2.0}, "Invalid workers=2.0"),
     ({"deterministic": 1}, "Invalid deterministic=1"),
     ({"sync_refreshes": -1}, "Invalid sync_refreshes=-1"),

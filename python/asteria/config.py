@@ -13,6 +13,9 @@ from asteria.pipeline import cpus
 MODES = ("sync", "async")
 PLACEMENTS = ("auto", "device", "host", "device_view")
 MAX_STALENESS = 1000  # async mode keeps up to S + 1 host snapshots of each block
+MAX_FREQUENCY = 10**6  # precondition_frequency: the schedule keeps per-step tables of an interval
+MAX_THREADS = 1024  # workers, blas_threads: beyond any host's cores
+MAX_TIMEOUT_S = 1e7  # about 115 days; the core counts waits in int64 nanoseconds
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -158,10 +161,10 @@ class RuntimeConfig:
         _check(self.mode in MODES, "mode", self.mode, f"must be one of {MODES}")
         _check(is_int(self.staleness) and 0 <= self.staleness <= MAX_STALENESS, "staleness", self.staleness,
                f"must be an int in [0, {MAX_STALENESS}] (async mode keeps up to S + 1 snapshots of each block)")
-        _check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", self.workers,
-               "must be None or an int >= 1")
-        _check(is_int(self.blas_threads) and self.blas_threads >= 1, "blas_threads", self.blas_threads,
-               "must be an int >= 1")
+        _check(self.workers is None or (is_int(self.workers) and 1 <= self.workers <= MAX_THREADS), "workers",
+               self.workers, f"must be None or an int in [1, {MAX_THREADS}]")
+        _check(is_int(self.blas_threads) and 1 <= self.blas_threads <= MAX_THREADS, "blas_threads", self.blas_threads,
+               f"must be an int in [1, {MAX_THREADS}]")
         if not (isinstance(self.worker_cpus, str) and self.worker_cpus in ("auto", "any")):
             allowed = cpus.allowed_cpus()
             _check(isinstance(self.worker_cpus, Sequence) and not isinstance(self.worker_cpus, str)
@@ -186,8 +189,8 @@ class RuntimeConfig:
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
         _check(is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
                "must be an int >= 0")
-        _check(is_real(self.timeout_s) and self.timeout_s > 0,
-               "timeout_s", self.timeout_s, "must be a finite number of seconds > 0")
+        _check(is_real(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S,
+               "timeout_s", self.timeout_s, f"must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
         _check(is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
                "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")
         _check(self.nonfinite_grad_policy in NONFINITE_POLICIES, "nonfinite_grad_policy",

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from asteria import _core
-from asteria.config import RuntimeConfig, plain
+from asteria.config import MAX_FREQUENCY, RuntimeConfig, plain
 from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
@@ -67,6 +67,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     ) -> None:
         check_count(max_preconditioner_dim, "max_preconditioner_dim")
         check_count(precondition_frequency, "precondition_frequency")
+        check_arg(precondition_frequency <= MAX_FREQUENCY, "precondition_frequency", precondition_frequency,
+                  f"must be at most {MAX_FREQUENCY} steps")
         check_count(start_preconditioning_step, "start_preconditioning_step", optional=True)
         max_preconditioner_dim, precondition_frequency, start_preconditioning_step = plain(
             (max_preconditioner_dim, precondition_frequency, start_preconditioning_step))
@@ -225,6 +227,15 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def _check_param_groups(self) -> None:
+        """The hyperparameters as they are at this step: an lr scheduler, or code that edits
+        ``param_groups``, may have changed them since they were checked. A learning rate held in a device
+        tensor is left to whoever set it (reading it here would wait for the device every step)."""
+        for index, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            hyper = group if not (isinstance(lr, Tensor) and lr.device.type != "cpu") else {**group, "lr": 0.0}
+            self.check_hyperparameters(hyper, f"param_groups[{index}]")
+
     def _root_request(self, fset: FactorSet, group: ShapeGroup) -> RootRequest:
         """What a refresh of factor set ``fset`` (of ``group``) computes now; override for other rules. The
         factors are EMAs started at zero: each block's is debiased by its own step count (one scale for the
@@ -274,6 +285,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError("Invalid step() after close(): this optimizer's workers are stopped; load its "
                                "state_dict() into a new optimizer to go on training")
+        self._check_param_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad():

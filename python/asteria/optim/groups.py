@@ -132,6 +132,9 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
             if not param.is_floating_point():
                 raise ValueError(f"Invalid parameter {label} of dtype {param.dtype}: must be a real floating-point "
                                  "tensor")
+            if param.device.type == "meta":
+                raise ValueError(f"Invalid parameter {label} on device 'meta': it holds no data; build the "
+                                 "optimizer once the model is materialized (e.g. after to_empty() and its init)")
             for block in partition(local(param), param_index, label, max_dim, merge):
                 base = (group_index, block.shape, param.device)
                 key = base + (chunks.get(base, 0),)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import asteria
-from asteria.config import MAX_STALENESS, is_int
+from asteria.config import MAX_FREQUENCY, MAX_STALENESS, is_int
 from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
@@ -42,7 +42,6 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
 MATMUL_PRECISIONS = ("highest", "high")
 #: set by the CLI's first Ctrl-C (one process): the loop stops after the step in progress and its checkpoint
 STOP_REQUESTED = threading.Event()
-MAX_FREQUENCY = 10**6  # the CLI's bound on a value that sizes schedules
 RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
 TRACE_PREFIX = "trace-rank"  # and, with --profile-steps, its traces
 LR_SCHEDULES = ("cosine", "constant")

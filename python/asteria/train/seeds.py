@@ -332,8 +332,9 @@ def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices:
 
 
 def check_seeds(seeds: list[int]) -> None:
-    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
-        raise ValueError(f"Invalid seeds={seeds!r}: must be distinct integers >= 0")
+    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or not 0 <= s < 2**32 for s in seeds):
+        raise ValueError(f"Invalid seeds={seeds!r}: must be distinct integers in [0, 2**32) (a run's data order is "
+                         "seeded from its seed)")
 
 
 def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[int],
