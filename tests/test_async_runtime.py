@@ -62,6 +62,20 @@ def test_bootstrap_waits_and_counts():
     assert stats["wait_seconds"] > 0
 
 
+def test_a_block_whose_buffers_would_need_a_converted_copy_is_refused():
+    """The engine reads the caller's snapshots and writes its results in place: a float64 array would be
+    converted to a hidden float32 copy, whose results the caller would never see."""
+    engine = _core.RefreshEngine(workers=1, staleness=0)
+    try:
+        with pytest.raises(TypeError, match="add_block"):
+            engine.add_block(torch.zeros(1, 4, 4, dtype=torch.float64), torch.zeros(1, 4, 4))
+        with pytest.raises(TypeError, match="add_block"):
+            engine.add_block(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4, dtype=torch.float64))
+        assert engine.num_blocks == 0
+    finally:
+        engine.close()
+
+
 def test_blocking_calls_release_the_gil():
     """activate() waits for a job that can only finish once another Python thread has run."""
     engine = _core.RefreshEngine(workers=1, staleness=0)

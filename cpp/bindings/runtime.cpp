@@ -149,8 +149,9 @@ void init_runtime(nb::module_& m) {
             memory.results = results.data();
             return e.add_block(memory);
           },
-          "snapshots"_a, "results"_a, "kind"_a = "root",
-          "Registers a block. `snapshots` is a (depth, n, n) float32 host array; `results` is (depth, n, n) for "
+          "snapshots"_a.noconvert(), "results"_a.noconvert(), "kind"_a = "root",
+          "Registers a block. `snapshots` is a (depth, n, n) float32 host array (no converted copy is made: the "
+          "engine reads and writes the caller's memory); `results` is (depth, n, n) for "
           "kind='root' (inverse roots) or (depth, n + 2, n) for kind='eigenbasis' (rows 0..n-1: the basis Q, "
           "vectors as columns; row n: eigenvalue estimates; row n + 1: the permutation of the previous basis's "
           "columns, as floats). Version v lives at index v % depth. Returns the block id.")
