@@ -283,6 +283,23 @@ def test_bad_input_names_the_value(argv, message, capsys, tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "adamw", "shampoo-async", "--placement", "host"],
+     "Invalid config 'shampoo-async': Invalid memory.placement='host': the host placements are for parameters "
+     "on a GPU"),
+    (["--configs", "shampoo-async", "shampoo-async-f2", "--lag-steps", "30"],
+     "Invalid config 'shampoo-async-f2': Invalid lag_steps=30: must be at most staleness x precondition_frequency "
+     "= 5 x 2 = 10"),
+])
+def test_bench_checks_every_config_before_its_first_run(argv, message, capsys, tmp_path):
+    """A setting that one config's optimizer refuses stops the bench before any config has run (it used to
+    fail after the configs before it had trained, and write no results)."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", "cpu", "--steps", "2", *argv, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 RANK0_OF_4 = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
 

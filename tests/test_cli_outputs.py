@@ -131,7 +131,7 @@ def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tm
 def test_out_must_be_a_folder(tmp_path, capsys):
     existing = tmp_path / "file"
     existing.write_text("keep me")
-    for out in ("", str(existing)):
+    for out in ("", str(existing), str(existing / "run")):
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--steps", "2", "--out", out, *RUN])
         assert exit_.value.code == 2

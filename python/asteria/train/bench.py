@@ -15,7 +15,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from asteria.train.loop import DEFAULT_LR, RunConfig, train
+import torch
+
+from asteria.train.loop import DEFAULT_LR, RunConfig, make_optimizer, train
 from asteria.train.provenance import software
 from asteria.train.report import Run, load_run, plt, run_warmup, write_report
 
@@ -57,19 +59,42 @@ def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
             "slowest_steps": sorted(((v, i + 1) for i, v in enumerate(values) if i >= warmup), reverse=True)[:5]}
 
 
+def config_of(base: RunConfig, label: str) -> RunConfig:
+    """The run of config ``label`` (e.g. ``soap-async-f5``) with ``base``'s other settings."""
+    optimizer, mode, frequency = parse_config(label)
+    try:
+        return RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
+                                            "lr": base.lr or DEFAULT_LR[optimizer],
+                                            "precondition_frequency": frequency or base.precondition_frequency}))
+    except ValueError as error:
+        raise ValueError(f"Invalid config {label!r}: {error}") from None
+
+
+def probe_optimizer(cfg: RunConfig, label: str) -> None:
+    """Builds config ``label``'s optimizer over a one-layer stand-in on the run's device and closes it, so
+    that a setting the optimizer refuses (a host placement for CPU parameters, a lag above one config's
+    bound) stops the bench before its first run rather than after the configs before it."""
+    if cfg.optimizer == "adamw":
+        return
+    probe = torch.nn.Linear(4, 4, device=cfg.device)
+    try:
+        make_optimizer(cfg, probe).close()
+    except ValueError as error:
+        raise ValueError(f"Invalid config {label!r}: {error}") from None
+
+
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
     """Trains each config with ``base``'s model, data, batch, seed and schedule (``base.lr`` for all when
     given, else each optimizer's default) and writes the comparison."""
     labels = [parse_config(label) and label for label in configs]  # validates every label before any run
     if len(set(labels)) != len(labels):
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
+    cfgs = {label: config_of(base, label) for label in labels}
+    for label, cfg in cfgs.items():  # every config's settings checked before the first run
+        probe_optimizer(cfg, label)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
-    for label in labels:
-        optimizer, mode, frequency = parse_config(label)
-        cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
-                                            "lr": base.lr or DEFAULT_LR[optimizer],
-                                            "precondition_frequency": frequency or base.precondition_frequency}))
+    for label, cfg in cfgs.items():
         train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")

@@ -133,6 +133,9 @@ def out_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"invalid --out={text!r}: it is an existing file, not a folder")
+    existing = next((p for p in path.absolute().parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"invalid --out={text!r}: {str(existing)!r} is an existing file, not a folder")
     return path
 
 
