@@ -60,27 +60,20 @@ def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
 
 
 def config_of(base: RunConfig, label: str) -> RunConfig:
-    """The run of config ``label`` (e.g. ``soap-async-f5``) with ``base``'s other settings."""
+    """The run of config ``label`` (e.g. ``soap-async-f5``) with ``base``'s other settings, checked before
+    any run: its optimizer is built over a one-layer stand-in on the run's device and closed, so that a
+    setting the optimizer refuses (a host placement for CPU parameters, a lag above one config's bound)
+    stops the bench before its first run rather than after the configs before it."""
     optimizer, mode, frequency = parse_config(label)
     try:
-        return RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
-                                            "lr": base.lr or DEFAULT_LR[optimizer],
-                                            "precondition_frequency": frequency or base.precondition_frequency}))
+        cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
+                                           "lr": base.lr or DEFAULT_LR[optimizer],
+                                           "precondition_frequency": frequency or base.precondition_frequency}))
+        if optimizer != "adamw":
+            make_optimizer(cfg, torch.nn.Linear(4, 4, device=cfg.device)).close()
     except ValueError as error:
         raise ValueError(f"Invalid config {label!r}: {error}") from None
-
-
-def probe_optimizer(cfg: RunConfig, label: str) -> None:
-    """Builds config ``label``'s optimizer over a one-layer stand-in on the run's device and closes it, so
-    that a setting the optimizer refuses (a host placement for CPU parameters, a lag above one config's
-    bound) stops the bench before its first run rather than after the configs before it."""
-    if cfg.optimizer == "adamw":
-        return
-    probe = torch.nn.Linear(4, 4, device=cfg.device)
-    try:
-        make_optimizer(cfg, probe).close()
-    except ValueError as error:
-        raise ValueError(f"Invalid config {label!r}: {error}") from None
+    return cfg
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -89,9 +82,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
     labels = [parse_config(label) and label for label in configs]  # validates every label before any run
     if len(set(labels)) != len(labels):
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
-    cfgs = {label: config_of(base, label) for label in labels}
-    for label, cfg in cfgs.items():  # every config's settings checked before the first run
-        probe_optimizer(cfg, label)
+    cfgs = {label: config_of(base, label) for label in labels}  # every config checked before the first run
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
     for label, cfg in cfgs.items():
