@@ -119,8 +119,7 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
             "-m", "asteria.train.cli", "train", "--out", str(out), "--overwrite", *optimizer_args(config),
             "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--seq-len", str(args.seq_len), "--staleness", str(args.staleness),
-            "--precondition-frequency", str(args.precondition_frequency), "--seed", str(args.seed),
+            "--seq-len", str(args.seq_len), "--seed", str(args.seed),
             "--eval-every", str(args.eval_every or args.steps), "--eval-batches", str(args.eval_batches),
             "--max-bytes", str(args.max_bytes), "--device", args.device,
             "--matmul-precision", args.matmul_precision]
@@ -128,9 +127,16 @@ def train_command(args: argparse.Namespace, config: str, procs: int, parallel: s
         argv += ["--parallel", parallel]
         if args.local_world_size is not None:
             argv += ["--local-world-size", str(args.local_world_size)]
-    asynchronous = config.endswith("-async")  # `asteria train` refuses async-only options elsewhere
-    for name in ("lr", "workers", "data", "tokenizer", "max_preconditioner_dim", "lag_steps", "prefetch"):
-        if getattr(args, name) is not None and (name != "lag_steps" or asynchronous):
+    # `asteria train` refuses the options a config would not read: the preconditioners' for AdamW, the
+    # async refreshes' for native mode.
+    second_order, asynchronous = config != "adamw", config.endswith("-async")
+    if second_order:
+        argv += ["--precondition-frequency", str(args.precondition_frequency)]
+    if asynchronous:
+        argv += ["--staleness", str(args.staleness)]
+    for name, wanted in (("lr", True), ("data", True), ("tokenizer", True), ("max_preconditioner_dim", second_order),
+                         ("prefetch", second_order), ("workers", asynchronous), ("lag_steps", asynchronous)):
+        if getattr(args, name) is not None and wanted:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.stagger_split is not None and asynchronous:
         argv += ["--stagger-split" if args.stagger_split else "--no-stagger-split"]

@@ -19,9 +19,11 @@ from asteria.train.checkpoint import CheckpointError, Manifest, pack, parse_mani
 from asteria.train.cli import main
 
 # 10 steps of the tiny model, a checkpoint every 4 steps: published at 4 and 8.
-RUN = ["--steps", "10", "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--precondition-frequency", "3",
-       "--staleness", "1", "--workers", "1", "--max-bytes", "200000", "--checkpoint-every", "4", "--keep-checkpoints",
-       "0", "--eval-batches", "1", "--device", "cpu"]
+# AdamW's options; RUN adds those of an async second-order run (`train` refuses the options a run would
+# not read).
+PLAIN = ["--steps", "10", "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--max-bytes", "200000",
+         "--checkpoint-every", "4", "--keep-checkpoints", "0", "--eval-batches", "1", "--device", "cpu"]
+RUN = [*PLAIN, "--precondition-frequency", "3", "--staleness", "1", "--workers", "1"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,9 +45,14 @@ def optimizer_args(label: str) -> list[str]:
     return ["--optimizer", optimizer, "--mode", mode]
 
 
+def run_args(label: str) -> list[str]:
+    """A config's run: its optimizer and the options it reads."""
+    return [*(PLAIN if label == "adamw" else RUN), *optimizer_args(label)]
+
+
 def spawn_killed(run: Path, label: str, kill_at: str) -> subprocess.Popen:
     env = dict(os.environ, ASTERIA_TEST_KILL=kill_at, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "asteria.train.cli", "train", "--out", str(run), *RUN, *optimizer_args(label)]
+    argv = [sys.executable, "-m", "asteria.train.cli", "train", "--out", str(run), *run_args(label)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -79,7 +86,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, killed_runs, label):
     kill_at, last_complete = KILLS[label]
     root, procs = killed_runs
     # The uninterrupted reference run, in this process.
-    assert main(["train", "--out", str(tmp_path / "reference"), *RUN, *optimizer_args(label)]) == 0
+    assert main(["train", "--out", str(tmp_path / "reference"), *run_args(label)]) == 0
     output, _ = procs[label].communicate(timeout=300)
     assert procs[label].returncode == -signal.SIGKILL, output
     run = root / label
@@ -90,7 +97,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, killed_runs, label):
         partial = ckpts / ".tmp-step-000000008"
         assert partial.is_dir() and (partial / "manifest.json").exists() == kill_at.startswith("checkpoint-manifest")
 
-    assert main(["train", "--out", str(run), *RUN, *optimizer_args(label), "--resume"]) == 0
+    assert main(["train", "--out", str(run), *run_args(label), "--resume"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step-{last_complete:09d}")
     assert not (ckpts / ".tmp-step-000000008").exists()  # the half-written one was discarded, never read
@@ -108,11 +115,11 @@ def finished(tmp_path_factory) -> Path:
 
 
 def test_resume_into_another_configuration_is_refused(finished, capsys, tmp_path):
-    for flags, named in ((["--optimizer", "adamw", "--mode", "sync"], "optimizer='kl-shampoo' (this run: 'adamw')"),
-                         (["--optimizer", "kl-shampoo", "--mode", "sync"], "mode='async' (this run: 'sync')"),
-                         (["--optimizer", "kl-shampoo", "--mode", "async", "--seq-len", "16"],
-                          "seq_len=32 (this run: 16)")):
-        assert main(["train", "--out", str(finished), *RUN, *flags, "--resume"]) == 2
+    native = [*PLAIN, "--precondition-frequency", "3", "--optimizer", "kl-shampoo", "--mode", "sync"]
+    for flags, named in ((run_args("adamw"), "optimizer='kl-shampoo' (this run: 'adamw')"),
+                         (native, "mode='async' (this run: 'sync')"),
+                         ([*run_args("kl-shampoo-async"), "--seq-len", "16"], "seq_len=32 (this run: 16)")):
+        assert main(["train", "--out", str(finished), *flags, "--resume"]) == 2
         err = capsys.readouterr().err
         assert "Invalid checkpoint=" in err and named in err, err
     # A fresh run into a directory with checkpoints needs --resume.

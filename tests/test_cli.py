@@ -6,14 +6,16 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import threading
 
 import pytest
 import torch
 
 from asteria.train.cli import main
 
-BASE = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1",
-        "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
+PLAIN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
+BASE = [*PLAIN, "--precondition-frequency", "3", "--workers", "1"]
 TINY = [*BASE, "--staleness", "1"]
 
 
@@ -41,7 +43,7 @@ def test_demo_writes_runs_and_report(tmp_path):
 
 
 def test_train_follows_the_lr_schedule_and_clips_gradients(tmp_path):
-    common = ["train", "--optimizer", "adamw", "--steps", "10", "--warmup-steps", "4", "--lr", "0.01", *TINY]
+    common = ["train", "--optimizer", "adamw", "--steps", "10", "--warmup-steps", "4", "--lr", "0.01", *PLAIN]
     assert main([*common, "--out", str(tmp_path / "free"), "--grad-clip", "0"]) == 0
     rows = records(tmp_path / "free")
     assert [r["lr"] for r in rows[:4]] == pytest.approx([0.002, 0.004, 0.006, 0.008])
@@ -217,10 +219,34 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
     fast.save_pretrained(tmp_path / "tok")
     run = tmp_path / "run"
     assert main(["train", "--out", str(run), "--optimizer", "adamw", "--steps", "3", "--data", str(text),
-                 "--tokenizer", str(tmp_path / "tok"), *TINY]) == 0
+                 "--tokenizer", str(tmp_path / "tok"), *PLAIN]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["vocab_size"] == 384  # 302 tokens rounded up to a multiple of 128
     assert summary["initial_loss_bound"] == math.log(384)
+
+
+def test_max_bytes_reads_only_the_head_of_the_data(tmp_path):
+    """A corpus larger than --max-bytes is read only up to it: the writer of a pipe holds it open (no end
+    of file) until load_documents has returned, which a read of the whole file would wait for."""
+    from asteria.train.data import load_documents
+
+    fifo, returned, closed_early = tmp_path / "corpus", threading.Event(), []
+    os.mkfifo(fifo)
+
+    def writer() -> None:
+        with fifo.open("wb") as pipe:
+            pipe.write(b"word " * 2000)  # 10000 bytes of text, then no end of file until the reader is done
+            pipe.flush()
+            closed_early.append(returned.wait(timeout=120))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        docs = load_documents(str(fifo), max_bytes=6000)
+    finally:
+        returned.set()
+        thread.join()
+    assert closed_early == [True] and docs == [(b"word " * 2000)[:6000]]
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,11 @@ import pytest
 
 from asteria.train.cli import main
 
-RUN = ["--batch-size", "4", "--seq-len", "32", "--precondition-frequency", "3", "--workers", "1", "--eval-batches",
-       "1", "--max-bytes", "20000", "--device", "cpu", "--staleness", "1"]
+# Options of every run; those of a native run; those of an async run (`train` refuses the options a run
+# would not read).
+BASE = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "20000", "--device", "cpu"]
+NATIVE = [*BASE, "--precondition-frequency", "3"]
+RUN = [*NATIVE, "--workers", "1", "--staleness", "1"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +40,7 @@ def steps_of(run) -> list[int]:
 
 def test_an_earlier_run_is_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--optimizer", "adamw", "--steps", "4", "--out", str(out), *RUN]) == 0
+    assert main(["train", "--optimizer", "adamw", "--steps", "4", "--out", str(out), *BASE]) == 0
     for extra in ([], ["--resume"]):  # no checkpoint to resume from either
         assert main(["train", "--steps", "2", "--out", str(out), *RUN, *extra]) == 2
         assert "holds an earlier run (metrics.jsonl, summary.json, tensorboard)" in capsys.readouterr().err
@@ -51,7 +54,7 @@ def test_an_earlier_run_is_refused_unless_overwritten(tmp_path, capsys):
 
 def test_resume_with_overwrite_resumes_a_checkpoint_or_replaces_a_run_without_one(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--optimizer", "adamw", "--steps", "3", "--out", str(out), *RUN]) == 0
+    assert main(["train", "--optimizer", "adamw", "--steps", "3", "--out", str(out), *BASE]) == 0
     assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--resume", "--overwrite", "--out", str(out),
                  *RUN]) == 0  # no checkpoint: replaced
     assert json.loads((out / "summary.json").read_text())["label"] == "shampoo-async" and steps_of(out) == [1, 2, 3, 4]
@@ -64,11 +67,10 @@ def test_resume_with_overwrite_resumes_a_checkpoint_or_replaces_a_run_without_on
 def test_a_native_run_may_stagger_and_resumes_only_so(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--mode", "sync", "--stagger", "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
-                 *RUN]) == 0
-    assert main(["train", "--mode", "sync", "--steps", "6", "--resume", "--out", str(out), *RUN]) == 2
+                 *NATIVE]) == 0
+    assert main(["train", "--mode", "sync", "--steps", "6", "--resume", "--out", str(out), *NATIVE]) == 2
     assert "stagger=True (this run: None)" in capsys.readouterr().err
-    assert main(["train", "--mode", "sync", "--stagger", "--staleness", "3", "--steps", "6", "--resume", "--out",
-                 str(out), *RUN]) == 0  # the staleness is not a native run's setting
+    assert main(["train", "--mode", "sync", "--stagger", "--steps", "6", "--resume", "--out", str(out), *NATIVE]) == 0
 
 
 def test_checkpoints_of_an_earlier_run_are_refused_unless_overwritten(tmp_path, capsys):
@@ -110,7 +112,19 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--mode", "sync", "--lag-steps", "2"], "Invalid --lag-steps with --mode sync"),
+    (["--mode", "sync", "--lag-steps", "2"], "Invalid --lag-steps 2 with --mode sync: native mode computes"),
+    (["--mode", "sync", "--staleness", "3"], "Invalid --staleness 3 with --mode sync"),
+    (["--mode", "sync", "--workers", "2"], "Invalid --workers 2 with --mode sync"),
+    (["--mode", "sync", "--sync-refreshes", "3"], "Invalid --sync-refreshes 3 with --mode sync: native mode "
+                                                  "computes every refresh inside its step and uses it there (and "
+                                                  "aligns a --stagger after the first --sync-refreshes)"),
+    (["--optimizer", "adamw", "--precondition-frequency", "5"], "Invalid --precondition-frequency 5 with --optimizer "
+                                                                "adamw: AdamW has no preconditioners; leave it out"),
+    (["--optimizer", "adamw", "--workers", "2"], "Invalid --workers 2 with --optimizer adamw"),
+    (["--optimizer", "adamw", "--prefetch", "step"], "Invalid --prefetch step with --optimizer adamw"),
+    (["--optimizer", "adamw", "--max-preconditioner-dim", "64"], "Invalid --max-preconditioner-dim 64 with"),
+    (["--keep-checkpoints", "3"], "Invalid --keep-checkpoints 3 without --checkpoint-every: it bounds"),
+    (["--parallel", "fsdp"], "Invalid --parallel fsdp on one process: it sets how torchrun's processes"),
     (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
@@ -123,7 +137,7 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--batch-size", "64", "--seq-len", "256", "--max-bytes", "5000"], "Invalid batch_size=64: data=None gives"),
 ])
 def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tmp_path, capsys):
-    assert main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *RUN, *argv]) == 2
+    assert main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *BASE, *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

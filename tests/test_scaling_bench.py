@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from asteria.train import cli
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "scaling.py"
 
 
@@ -38,7 +40,21 @@ def test_child_commands_environment_and_default_process_counts(scaling):
     single = " ".join(scaling.train_command(args, "adamw", 1, scaling.SINGLE, Path("X/adamw/p1")))
     assert "--nproc-per-node 1" in single and "--parallel" not in single and "--local-world-size" not in single
     assert "--optimizer adamw --mode sync" in single
-    assert "--lag-steps" not in single and "stagger-split" not in single  # async-only: `train` refuses them there
+    for option in ("--lag-steps", "stagger-split", "--staleness", "--workers", "--precondition-frequency",
+                   "--max-preconditioner-dim", "--prefetch"):  # `train` refuses them for AdamW
+        assert option not in single, option
+    native = " ".join(scaling.train_command(args, "soap-sync", 2, "ddp", Path("X/soap/ddp-p2")))
+    assert "--precondition-frequency 10" in native and "--prefetch step" in native
+    for option in ("--lag-steps", "stagger-split", "--staleness", "--workers"):  # async-only: refused in native mode
+        assert option not in native, option
+    # every config's command is one that `asteria train` accepts (on this machine's device)
+    args.device = "cpu"
+    for config in scaling.CONFIGS:
+        for procs, parallel in ((1, scaling.SINGLE), (2, "fsdp")):
+            argv = scaling.train_command(args, config, procs, parallel, Path("X/run"))
+            train_args = cli.build_parser().parse_args(argv[argv.index("train"):])
+            given = {name for name, value in vars(train_args).items() if value is not None}
+            cli.check_unused_options(cli._run_config(train_args), given, procs == 1)
     args.stagger_split = False
     assert "--no-stagger-split" in scaling.train_command(args, "soap-async", 2, "ddp", Path("X/soap/ddp-p2"))
     env = scaling.child_env("cuda")

@@ -17,14 +17,14 @@ import pytest
 from asteria.train.cli import main
 from asteria.train.distributed import gradient_bytes, resolve_layout, ring_crossings
 
-COMMON = ["--model", "tiny", "--seq-len", "32", "--precondition-frequency", "2", "--staleness", "1", "--workers", "1",
-          "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
+PLAIN = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
+COMMON = [*PLAIN, "--precondition-frequency", "2", "--staleness", "1", "--workers", "1"]  # an async run's
 SOAP = ["--optimizer", "soap", "--mode", "async"]
 DDP = [*COMMON, *SOAP, "--batch-size", "2", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
        "--keep-checkpoints", "0", "--parallel", "ddp", "--local-world-size", "1"]
 FSDP_KL = [*COMMON, "--batch-size", "2", "--steps", "4", "--eval-every", "4", "--optimizer", "kl-shampoo", "--mode",
            "async", "--parallel", "fsdp"]
-FSDP_ADAMW = [*COMMON, "--batch-size", "2", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
+FSDP_ADAMW = [*PLAIN, "--batch-size", "2", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
               "--keep-checkpoints", "0", "--optimizer", "adamw", "--mode", "sync", "--parallel", "fsdp"]
 
 

@@ -106,15 +106,41 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
         STOP_REQUESTED.clear()
 
 
-def check_async_only(cfg: RunConfig) -> None:
-    """Refuses the activation options that only Asteria's async mode reads when the run has no async
-    refreshes (a sync run or AdamW), the refresh schedule's options for AdamW (which has no refreshes;
-    native mode may stagger its own) and a host placement for either, rather than ignoring them."""
+# Options only a second-order optimizer reads (AdamW ignores them), and those of them that native mode
+# ignores too (it computes every refresh inside the step and uses it there).
+SECOND_ORDER_ONLY = ("staleness", "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "workers",
+                     "prefetch", "lag_steps")
+ASYNC_ONLY = ("staleness", "workers", "lag_steps")
+
+
+def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = True) -> None:
+    """Refuses, by name, the options of ``asteria train`` that the run would not read, rather than ignoring
+    them. ``given`` holds the RunConfig fields set on the command line. Refused: the refresh and activation
+    options without async refreshes (a sync run or AdamW), the preconditioner options for AdamW (native mode
+    may stagger its own refreshes, aligned after ``--sync-refreshes``), a host placement for either,
+    ``--keep-checkpoints`` without ``--checkpoint-every`` and ``--parallel fsdp`` on one process."""
+    if "keep_checkpoints" in given and cfg.checkpoint_every == 0:
+        raise ValueError(f"Invalid --keep-checkpoints {cfg.keep_checkpoints} without --checkpoint-every: it bounds "
+                         "the checkpoints kept, and the run writes none; give --checkpoint-every N too")
+    if "parallel" in given and cfg.parallel != "ddp" and one_process:
+        raise ValueError(f"Invalid --parallel {cfg.parallel} on one process: it sets how torchrun's processes "
+                         "share the model; run under torchrun with 2 or more processes, or leave it out")
     adamw = cfg.optimizer == "adamw"
     if cfg.mode == "async" and not adamw:
         return
     what = "--optimizer adamw" if adamw else "--mode sync"
-    for flag, asked in (("--lag-steps", cfg.lag_steps is not None), ("--late-activation", cfg.late_activation is True),
+    unread = SECOND_ORDER_ONLY if adamw else ASYNC_ONLY
+    if not adamw and cfg.stagger is not True:
+        unread += ("sync_refreshes",)
+    for name in unread:
+        if name in given:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"Invalid {flag} {getattr(cfg, name)} with {what}: "
+                             + ("AdamW has no preconditioners" if adamw else
+                                "native mode computes every refresh inside its step and uses it there")
+                             + (" (and aligns a --stagger after the first --sync-refreshes)"
+                                if name == "sync_refreshes" else "") + "; leave it out")
+    for flag, asked in (("--late-activation", cfg.late_activation is True),
                         ("--no-deterministic", not cfg.deterministic), ("--stagger", adamw and cfg.stagger is True),
                         ("--stagger-split", adamw and cfg.stagger_split is True)):
         if asked:
@@ -230,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                              "runs on several processes (bench/scaling.py launches torchrun itself)")
         if args.command == "train":
             cfg = _run_config(args)
-            check_async_only(cfg)
+            given = {f.name for f in fields(RunConfig) if getattr(args, f.name, None) is not None}
+            check_unused_options(cfg, given, world == "1")
             with stop_after_the_step(world == "1"):
                 summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
                                 profile_steps=tuple(args.profile_steps) if args.profile_steps else None)

@@ -13,12 +13,18 @@ import torch
 BYTE_VOCAB_SIZE = 256
 
 
+def head(path: Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a file, without reading the rest."""
+    with path.open("rb") as file:
+        return file.read(limit)
+
+
 def default_corpus(max_bytes: int = 4_000_000) -> list[bytes]:
     """Python's own standard-library sources: a corpus present on every machine with Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs, total = [], 0
     for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()[: max_bytes - total]
+        data = head(path, max_bytes - total)
         docs.append(data)
         total += len(data)
         if total >= max_bytes:
@@ -44,7 +50,7 @@ def load_documents(path: str | None, max_bytes: int) -> list[bytes]:
     for file in files:
         if total >= max_bytes:
             break
-        data = file.read_bytes()[: max_bytes - total]
+        data = head(file, max_bytes - total)
         if is_binary(data[:8192]):
             if not source.is_dir():
                 raise ValueError(f"Invalid data={path!r}: not a text file (a NUL byte in its first 8 KiB)")
