@@ -125,6 +125,7 @@ RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(c
 RefreshEngine::~RefreshEngine() { close(); }
 
 std::int64_t RefreshEngine::add_block(const BlockMemory& memory) {
+  if (closed()) throw CancelledError("[RefreshEngine::add_block] the engine is closed");
   if (memory.n < 1) throw InvalidArgument("Invalid n=" + std::to_string(memory.n) + ": must be >= 1");
   if (memory.depth < 1) {
     throw InvalidArgument("Invalid depth=" + std::to_string(memory.depth) + ": must be >= 1");
@@ -186,6 +187,7 @@ void RefreshEngine::resume_at(const std::vector<std::int64_t>& blocks, const std
 
 void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version,
                                    std::chrono::nanoseconds timeout) {
+  if (closed()) throw CancelledError("[RefreshEngine::begin_snapshot] the engine is closed");
   const auto started = Clock::now();
   const auto deadline = deadline_after(timeout);
   bool any_waited = false;
@@ -206,6 +208,10 @@ void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std:
 
 void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t version,
                            std::int64_t activation_step, const linalg::RootSpec& spec, double skip_tol) {
+  if (activation_step < 0) {
+    throw InvalidArgument("[RefreshEngine::submit] Invalid activation_step=" + std::to_string(activation_step) +
+                          ": must be a step >= 0");
+  }
   const bool any_root = std::any_of(blocks.begin(), blocks.end(),
                                     [&](std::int64_t id) { return block(id).kind == RefreshKind::kInverseRoot; });
   if (any_root) {

@@ -252,7 +252,10 @@ TEST(RefreshEngine, RejectsBadArguments) {
   const auto block = engine.add_block(rings.memory(1));
   engine.begin_snapshot({block}, 1, 1s);
   EXPECT_THROW(engine.submit({block}, 1, 1, linalg::RootSpec{0.5, 1e-12, 1.0}), InvalidArgument);
+  EXPECT_THROW(engine.submit({block}, 1, -1, linalg::RootSpec{-0.5, 1e-12, 1.0}), InvalidArgument);
   EXPECT_THROW(engine.begin_snapshot({7}, 1, 1s), InvalidArgument);
+  engine.submit({block}, 1, 0, linalg::RootSpec{-0.5, 1e-12, 1.0});  // the snapshot was kept: usable at step 0
+  EXPECT_EQ(engine.activate(0, 5s).size(), 1u);
 }
 
 TEST(RefreshEngine, CloseCancelsQueuedWorkAndRefusesMore) {
@@ -272,6 +275,9 @@ TEST(RefreshEngine, CloseCancelsQueuedWorkAndRefusesMore) {
   engine.close();
   EXPECT_TRUE(engine.closed());
   EXPECT_THROW(engine.activate(100, 10ms), CancelledError);
+  EXPECT_THROW(engine.begin_snapshot(blocks, 2, 1s), CancelledError);
+  EXPECT_THROW(engine.add_block(rings.front().memory(1)), CancelledError);
+  EXPECT_EQ(engine.num_blocks(), 16);
   const auto stats = engine.stats();
   EXPECT_EQ(stats.pool.completed + stats.pool.cancelled, 16u);
 }
