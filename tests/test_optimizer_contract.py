@@ -7,6 +7,7 @@ hyperparameters, sparse and strided gradients."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 import gc
 import io
 import pickle
@@ -203,6 +204,61 @@ def test_a_checkpoint_missing_refresher_entries_is_refused_before_anything_chang
             fresh.load_state_dict(saved | {"refresher": {}})
         assert fresh._step == 0
         fresh.load_state_dict(saved)
+
+
+def malformed(path: tuple, value) -> Callable[[dict], None]:
+    """Sets ``state['refresher'][path...]`` to ``value`` (or to ``value(old)`` when callable)."""
+    def apply(state: dict) -> None:
+        target = state["refresher"]
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value(target[path[-1]]) if callable(value) else value
+    return apply
+
+
+REFRESHER = r"Invalid state_dict\['refresher'\]"
+
+
+@pytest.mark.parametrize("mode, change, match", [
+    ("sync", malformed(("newest_versions",), [1, 2]), REFRESHER + r"\['newest_versions'\]=\[1, 2\]: must be 4 ints"),
+    ("sync", malformed(("consecutive_failures", 1), ["x"]),
+     REFRESHER + r"\['consecutive_failures'\]\[1\]=\['x'\]: must be 1 ints >= 0"),
+    ("sync", malformed(("consecutive_failures",), 3), REFRESHER + r"\['consecutive_failures'\]=3: must be a list"),
+    ("async", malformed(("scheduled",), 7), REFRESHER + r"\['scheduled'\]='int': must be a tuple"),
+    ("async", malformed(("scheduled",), lambda s: (s[0], {"set": 0})),
+     REFRESHER + r"\['scheduled'\]\[1\]=.*must be a dict with the keys"),
+    ("async", malformed(("scheduled", 0, "set"), 9), r"\['scheduled'\]\[0\]\['set'\]=9: must be a factor set index"),
+    ("async", malformed(("scheduled", 0, "version"), "2"), r"\['scheduled'\]\[0\]\['version'\]='2'"),
+    ("async", malformed(("scheduled", 0, "version"), 5), r"\['version'\]=5: must be an int in \[1, 2\]"),
+    ("async", malformed(("scheduled", 0, "due"), -1), r"\['scheduled'\]\[0\]\['due'\]=-1"),
+    ("async", malformed(("scheduled", 0, "request"), (1.0,)), r"\['request'\]=\(1.0,\): must be \(scale, eps"),
+    ("async", malformed(("scheduled", 0, "request"), ([1.0, 2.0], 1e-8, 0.0)), r"the scale one or 1 of them"),
+    ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t[..., :3]),
+     r"\['snapshot'\]='torch.float32 \(1, 16, 3\)': must be torch.float32 \(1, 16, 16\)"),
+    ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t.double()), r"\['snapshot'\]='torch.float64"),
+    ("async", malformed(("scheduled", 0, "snapshot"), lambda t: torch.full_like(t, float("nan"))),
+     r"\['snapshot'\]='tensor with non-finite values'"),
+    ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t.tolist()), r"\['snapshot'\]='list'"),
+])
+def test_a_malformed_refresher_state_is_refused_by_name_before_anything_changes(mode, change, match):
+    """The refresher's part of a checkpoint is checked like the rest: a bad entry (a corrupted or edited
+    checkpoint) raised a raw TypeError or IndexError after the state tensors were already copied."""
+    model, opt = make(asteria.SOAP, mode, staleness=1)
+    with opt:
+        train(model, opt, 3)
+        saved = opt.state_dict()
+    assert mode == "sync" or len(saved["refresher"]["scheduled"]) == 4  # one refresh in flight per set
+    _, fresh = make(asteria.SOAP, mode, staleness=1)
+    with fresh:
+        before = [t.clone() for g in fresh._groups for t in g.state.values()]
+        bad = copy.deepcopy(saved)
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(bad)
+        assert fresh._step == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in fresh._groups for t in g.state.values()]))
+        fresh.load_state_dict(saved)  # the good one still loads into it
+        assert fresh._step == 3
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

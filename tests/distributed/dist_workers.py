@@ -4,6 +4,7 @@ one process per rank, over Gloo on the CPU. Each worker writes what the test che
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -247,6 +248,26 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
 
 
 # ---- checkpoint and resume on every rank -------------------------------------------------------------
+def malformed_loads(opt: Any, saved: dict[str, Any], rank: int) -> list[str]:
+    """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled: its request, or
+    the snapshot of a set this rank owns blocks of. The errors, or "accepted"."""
+    errors = []
+    for spoil in ("request", "snapshot"):
+        bad = copy.deepcopy(saved)
+        entry = bad[f"rank{rank}"]["refresher"]["scheduled"][0]
+        index = next(i for i, snapshot in entry["snapshots"].items() if snapshot is not None)
+        if spoil == "request":
+            entry["requests"][index] = (1.0,)
+        else:
+            entry["snapshots"][index] = entry["snapshots"][index][..., :1]
+        try:
+            opt.load_state_dict(bad)
+            errors.append("accepted")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
 def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int, int]]) -> None:
     """Per run (optimizer, S, steps before the checkpoint, steps after): every rank trains its replica on
     the full batches (identical gradients with no collective of the test's own: a fresh DDP would bucket
@@ -267,6 +288,7 @@ def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, i
         again = model()
         again.load_state_dict(weights)
         resumed = optimizer(kind, again.parameters(), staleness, local_world_size=LOCAL)
+        malformed = malformed_loads(resumed, saved, rank)  # refused by name, leaving it fresh
         resumed.load_state_dict(saved)
         train(again, resumed, batches[before:], None)
         resumed.close()
@@ -289,6 +311,7 @@ def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, i
         own = saved[f"rank{rank}"]
         result[(kind, staleness)] = {
             "in_flight": len(own["refresher"]["scheduled"]),
+            "malformed": malformed,
             "identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters())),
             "dcp_identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), third.parameters())),
             "layout": own["distributed"],

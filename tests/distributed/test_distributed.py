@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -188,6 +190,11 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
             assert result[key]["identical"], (key, rank)
             assert result[key]["dcp_identical"], (key, rank)  # the same through torch.distributed.checkpoint
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
+            request, snapshot = result[key]["malformed"]  # a spoiled entry of it was refused by name first
+            assert re.search(r"Invalid state_dict\['refresher'\]\['scheduled'\]\[0\]\['requests'\]\[\d+\]="
+                             r"\(1.0,\): must be \(scale, eps, skip_tol\)", request), request
+            assert re.search(r"\['scheduled'\]\[0\]\['snapshots'\]\[\d+\]='torch.float32 \(\d+, \d+, 1\)': "
+                             r"must be torch.float32", snapshot), snapshot
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD
 
 

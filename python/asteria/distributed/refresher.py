@@ -32,12 +32,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asteria.config import RuntimeConfig
+from asteria.config import RuntimeConfig, is_int
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
 from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.pipeline.refresh import WorkerRefresher
+from asteria.optim.validation import check_arg, check_entry, check_saved_request, check_saved_snapshot
+from asteria.pipeline.refresh import SAVED, WorkerRefresher
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
@@ -496,6 +497,37 @@ class DistributedRefresher(WorkerRefresher):
                 "scheduled": tuple(scheduled),  # stored whole by torch.distributed.checkpoint (see AsyncRefresher)
                 "consecutive_failures": [c.tolist() for c in self._consecutive]}  # ints: weights_only loads
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
+        if "newest_versions" not in state:  # written before staggered multi-rank schedules
+            check_arg(is_int(state.get("newest_version")) and state["newest_version"] >= 0,
+                      f"{SAVED}['newest_version']", state.get("newest_version"),
+                      "must be an int >= 0 (or newest_versions, one per factor set)")
+        scheduled = state["scheduled"]
+        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
+                  "must be a tuple of the refreshes in flight")
+        for i, entry in enumerate(scheduled):
+            name = f"{SAVED}['scheduled'][{i}]"
+            check_entry(entry, ("version", "due", "requests", "snapshots"), name)
+            check_arg(is_int(entry["version"]) and entry["version"] >= 1, f"{name}['version']", entry["version"],
+                      "must be an int >= 1")
+            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
+                      "must be an int >= 0, the step the version is due")
+            entry = _with_set_indices(entry, len(self.sets))
+            requests, snapshots = entry["requests"], entry["snapshots"]
+            check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
+                      type(snapshots).__name__, f"must hold one entry per factor set requested ({sorted(requests)})")
+            for index, request in requests.items():
+                check_arg(is_int(index) and 0 <= index < len(self.sets), f"{name}['requests']", sorted(requests),
+                          f"must be keyed by factor set indices in [0, {len(self.sets)})")
+                check_saved_request(request, self.sets[index].batch, f"{name}['requests'][{index}]")
+                mine = self.snapshots[index]
+                if mine is None:  # this rank owns no block of the set
+                    check_arg(snapshots[index] is None, f"{name}['snapshots'][{index}]",
+                              type(snapshots[index]).__name__, "must be None: this rank owns no block of the set")
+                else:
+                    check_saved_snapshot(snapshots[index], tuple(mine.shape[1:]), f"{name}['snapshots'][{index}]")
+
     def load_state(self, state: dict[str, Any]) -> None:
         saved = state.get("distributed")
         mine = self.identity()
@@ -590,6 +622,10 @@ def _with_set_indices(entry: dict[str, Any], sets: int) -> dict[str, Any]:
     written before staggered multi-rank schedules list them for every set, in order)."""
     if isinstance(entry["requests"], dict):
         return entry
+    if not isinstance(entry["requests"], (list, tuple)) or not isinstance(entry["snapshots"], (list, tuple)):
+        raise ValueError(f"Invalid state_dict: a scheduled version's requests and snapshots are "
+                         f"{type(entry['requests']).__name__} and {type(entry['snapshots']).__name__}: must be dicts "
+                         "keyed by factor set index (or lists, one per set)")
     if len(entry["requests"]) != sets:
         raise ValueError(f"Invalid state_dict: a scheduled version lists {len(entry['requests'])} factor sets, this "
                          f"optimizer has {sets}")

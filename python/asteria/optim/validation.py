@@ -52,6 +52,40 @@ def check_count(value: Any, name: str, minimum: int = 1, optional: bool = False)
               f"must be {prefix}an int >= {minimum}")
 
 
+def check_counts(value: Any, name: str, length: int, what: str, minimum: int = 0) -> None:
+    """``value`` must be a list (or tuple) of ``length`` ints >= ``minimum``: ``what`` says what they are."""
+    check_arg(isinstance(value, (list, tuple)) and len(value) == length
+              and all(is_int(v) and v >= minimum for v in value), name, value,
+              f"must be {length} ints >= {minimum}, {what}")
+
+
+def check_saved_request(saved: Any, batch: int, name: str) -> None:
+    """A ``RootRequest.saved()``: (scale, eps, skip_tol), the scale one number or one per block of the set."""
+    ok = isinstance(saved, (list, tuple)) and len(saved) == 3 and all(is_real(v) for v in saved[1:])
+    if ok:
+        scale = saved[0]
+        ok = is_real(scale) or (isinstance(scale, (list, tuple)) and len(scale) == batch
+                                and all(is_real(v) for v in scale))
+    check_arg(ok, name, saved, f"must be (scale, eps, skip_tol): finite numbers, the scale one or {batch} of them "
+              "(one per block)")
+
+
+def check_saved_snapshot(tensor: Any, shape: tuple[int, ...], name: str) -> None:
+    """A factor snapshot of a refresh in flight: a finite float32 tensor of the set's ``shape``."""
+    check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+    check_arg(tensor.dtype == torch.float32 and tuple(tensor.shape) == tuple(shape), name,
+              f"{tensor.dtype} {tuple(tensor.shape)}", f"must be torch.float32 {tuple(shape)}")
+    check_arg(bool(torch.isfinite(tensor).all()), name, "tensor with non-finite values",
+              "a snapshot of the factors must be finite (a corrupted checkpoint?)")
+
+
+def check_entry(entry: Any, keys: tuple[str, ...], name: str) -> None:
+    """A dict holding at least ``keys``."""
+    check_arg(isinstance(entry, dict) and all(key in entry for key in keys), name,
+              f"{type(entry).__name__} with keys {sorted(entry) if isinstance(entry, dict) else '?'}",
+              f"must be a dict with the keys {list(keys)}")
+
+
 def key_name(where: str, key: str) -> str:
     """``lr`` for the defaults (where == ""), ``param_groups[1]['lr']`` for a group."""
     return f"{where}[{key!r}]" if where else key
@@ -102,6 +136,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
               "state_dict['refresher']", f"{type(refresher).__name__} with keys "
               f"{sorted(refresher) if isinstance(refresher, dict) else '?'}",
               f"must be a dict with the keys {list(opt._refresher.STATE_KEYS)}")
+    opt._refresher.check_state(refresher)
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")

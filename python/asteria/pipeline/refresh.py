@@ -20,13 +20,15 @@ import torch
 from torch import Tensor
 
 from asteria import _core
-from asteria.config import RuntimeConfig
+from asteria.config import RuntimeConfig, is_int
 from asteria.errors import RefreshBacklogWarning, RefreshError
 from asteria.optim import functional as F
+from asteria.optim.validation import check_arg, check_counts, check_entry, check_saved_request, check_saved_snapshot
 from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 
+SAVED = "state_dict['refresher']"  # how a checkpoint's refresher state is named in errors
 BACKLOG_MIN_SECONDS = 0.05  # RefreshBacklogWarning: wait time that counts, at least...
 BACKLOG_FRACTION = 0.05     # ...and this fraction of the training time it spans
 
@@ -89,6 +91,21 @@ class Refresher(ABC):
     @abstractmethod
     def load_state(self, state: dict[str, Any]) -> None:
         """Restores ``state()`` into a refresher over the same factor sets."""
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raises ``ValueError`` naming the first entry of ``state`` (a checkpoint's ``state()``, holding
+        ``STATE_KEYS``) that ``load_state`` could not restore into this refresher; changes nothing."""
+        if "newest_versions" in state:
+            check_counts(state["newest_versions"], f"{SAVED}['newest_versions']", len(self.sets),
+                         "the newest version snapshotted of each factor set")
+        if "consecutive_failures" in state:
+            failures = state["consecutive_failures"]
+            check_arg(isinstance(failures, (list, tuple)) and len(failures) == len(self.sets),
+                      f"{SAVED}['consecutive_failures']", failures, f"must be a list of {len(self.sets)} entries, "
+                      "one per factor set")
+            for index, (counts, fset) in enumerate(zip(failures, self.sets)):
+                check_counts(counts, f"{SAVED}['consecutive_failures'][{index}]", fset.batch,
+                             f"the failed refreshes in a row of each block of {fset.name}")
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:
@@ -454,6 +471,26 @@ class AsyncRefresher(WorkerRefresher):
         # A tuple: torch.distributed.checkpoint stores it whole, as the one entry a fresh optimizer's
         # state_dict (its load template) has, however many refreshes are in flight.
         return {"newest_versions": list(self._newest_versions), "scheduled": scheduled}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
+        scheduled = state["scheduled"]
+        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
+                  "must be a tuple of the refreshes in flight")
+        for i, entry in enumerate(scheduled):
+            name = f"{SAVED}['scheduled'][{i}]"
+            check_entry(entry, ("set", "version", "due", "request", "snapshot"), name)
+            index = entry["set"]
+            check_arg(is_int(index) and 0 <= index < len(self.sets), f"{name}['set']", index,
+                      f"must be a factor set index in [0, {len(self.sets)})")
+            fset = self.sets[index]
+            newest = state["newest_versions"][index]
+            check_arg(is_int(entry["version"]) and 1 <= entry["version"] <= newest, f"{name}['version']",
+                      entry["version"], f"must be an int in [1, {newest}], a version of {fset.name} snapshotted")
+            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
+                      "must be an int >= 0, the step the version is due")
+            check_saved_request(entry["request"], fset.batch, f"{name}['request']")
+            check_saved_snapshot(entry["snapshot"], tuple(self.snapshots[index].shape[1:]), f"{name}['snapshot']")
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._newest_versions = list(state["newest_versions"])
