@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from asteria.train.model import PRESETS
-from asteria.train.report import load_run, run_warmup
+from asteria.train.report import load_run, steady_warmup
 
 CONFIGS = ("adamw", "soap-sync", "soap-async", "kl-shampoo-sync", "kl-shampoo-async")
 PARALLEL = ("ddp", "fsdp")
@@ -182,12 +182,14 @@ def launch(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> i
             return 124
 
 
-def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: int, seq_len: int) -> dict[str, Any]:
+def measure(run_dir: Path, procs: int, parallel: str, config: str, batch_size: int, seq_len: int,
+            frequency: int) -> dict[str, Any]:
     """One row's own figures from a finished run (no cross-run ratios yet). Step times are those after the
-    run's warm-up, counted as ``asteria bench`` counts it: (sync_refreshes + 1) x f steps."""
+    warm-up, counted as ``asteria bench`` counts it: (sync_refreshes + 1) x f steps, with the comparison's f
+    for every row (AdamW's runs are not given one: `asteria train` refuses it there)."""
     run = load_run(run_dir)
     s = run.summary
-    warmup = run_warmup(run)
+    warmup = steady_warmup(frequency, s.get("config", {}).get("sync_refreshes", 1))
     steady_records = [r for r in run.records if r["step"] > warmup] or run.records
     steady = [r["step_time"] for r in steady_records]
     median = statistics.median(steady)
@@ -331,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lag-steps", type=int, default=None,
                         help="Asteria runs: use each refresh this many steps after its snapshot (RuntimeConfig."
                              "lag_steps) [default: S intervals]")
-    parser.add_argument("--prefetch", default=None, help="Asteria runs: where asteria.attach activates "
+    parser.add_argument("--prefetch", default=None, help="second-order runs: where asteria.attach activates "
                         "(asteria train --prefetch) [default: asteria train's]")
     parser.add_argument("--stagger-split", action=argparse.BooleanOptionalAction, default=None,
                         help="Asteria runs: split the large factor sets for the stagger (asteria train "
@@ -395,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         failures.append({"config": config, "procs": procs, "parallel": parallel, "returncode": code,
                                          "log": str(run_dir / "torchrun.log")})
                         continue
-                rows.append(measure(run_dir, procs, parallel, config, args.batch_size, args.seq_len))
+                rows.append(measure(run_dir, procs, parallel, config, args.batch_size, args.seq_len,
+                                    args.precondition_frequency))
     results = {
         "device": rows[0]["device"] if rows else ("cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)),
         "command": " ".join(["python3 bench/scaling.py", *(sys.argv[1:] if argv is None else argv)]),

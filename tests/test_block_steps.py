@@ -3,6 +3,8 @@ the SOAP reference count per parameter: a parameter that first gets a gradient l
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -301,6 +303,18 @@ def test_a_checkpoint_loads_only_under_its_refresh_schedule():
     with OPTIMIZERS["shampoo"](two_layers().parameters(), asteria.RuntimeConfig(mode="sync")) as same:
         same.load_state_dict({k: v for k, v in state.items() if k != "schedule"})  # older checkpoints: not checked
         same.load_state_dict(state)
+    # Unstaggered, how many versions come aligned changes no step: another sync_refreshes loads; staggered, not.
+    with OPTIMIZERS["shampoo"](two_layers().parameters(), asteria.RuntimeConfig(mode="sync", sync_refreshes=1)) as one:
+        one.load_state_dict(state)
+    staggered = asteria.RuntimeConfig(mode="sync", stagger=True)
+    with OPTIMIZERS["shampoo"](model.parameters(), staggered) as opt:
+        train_layers(model, [opt], range(4))
+        state = opt.state_dict()
+    assert any(state["schedule"]["phases"])
+    refused = r"Invalid state_dict: saved under the refresh schedule .* \(aligned differ"
+    with OPTIMIZERS["shampoo"](two_layers().parameters(), replace(staggered, sync_refreshes=1)) as one, \
+            pytest.raises(ValueError, match=refused):
+        one.load_state_dict(state)
 
 
 BETWEEN = 4  # a first gradient at step 5, between the refreshes of steps 4 and 7 (f = 3)

@@ -73,6 +73,20 @@ def test_a_native_run_may_stagger_and_resumes_only_so(tmp_path, capsys):
     assert main(["train", "--mode", "sync", "--stagger", "--steps", "6", "--resume", "--out", str(out), *NATIVE]) == 0
 
 
+def test_an_unstaggered_native_run_resumes_whatever_sync_refreshes_it_was_saved_with(tmp_path):
+    """`train` refuses --sync-refreshes in native mode without --stagger (it would change nothing), so a
+    native run saved with another value (by the library, or before the refusal; a checkpoint older than the
+    setting counts as 1) must resume without it."""
+    from asteria.train.loop import RunConfig, train
+
+    out = tmp_path / "run"
+    cfg = RunConfig(mode="sync", sync_refreshes=1, steps=4, checkpoint_every=2, batch_size=4, seq_len=32,
+                    eval_batches=1, max_bytes=20000, precondition_frequency=3)
+    train(cfg, out)
+    assert main(["train", "--mode", "sync", "--steps", "6", "--resume", "--out", str(out), *NATIVE]) == 0
+    assert steps_of(out) == list(range(1, 7))
+
+
 def test_checkpoints_of_an_earlier_run_are_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
@@ -124,6 +138,8 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--optimizer", "adamw", "--prefetch", "step"], "Invalid --prefetch step with --optimizer adamw"),
     (["--optimizer", "adamw", "--max-preconditioner-dim", "64"], "Invalid --max-preconditioner-dim 64 with"),
     (["--keep-checkpoints", "3"], "Invalid --keep-checkpoints 3 without --checkpoint-every: it bounds"),
+    (["--mode", "sync", "--stagger-split"], "Invalid --stagger-split with --mode sync without --stagger: it sets"),
+    (["--optimizer", "adamw", "--no-stagger"], "Invalid --no-stagger with --optimizer adamw"),
     (["--parallel", "fsdp"], "Invalid --parallel fsdp on one process: it sets how torchrun's processes"),
     (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
@@ -140,6 +156,25 @@ def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tm
     assert main(["train", "--steps", "2", "--out", str(tmp_path / "run"), *BASE, *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--mode", "sync", "--stagger", "--sync-refreshes", "3", "--stagger-split", "--precondition-frequency", "4",
+     "--prefetch", "step", "--max-preconditioner-dim", "64"],
+    ["--mode", "async", "--staleness", "2", "--workers", "3", "--lag-steps", "4", "--sync-refreshes", "1"],
+    ["--mode", "async", "--no-deterministic", "--late-activation", "--no-stagger", "--no-stagger-split"],
+    ["--optimizer", "adamw", "--mode", "sync", "--placement", "auto", "--deterministic"],
+    ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--parallel", "ddp"],
+])
+def test_options_a_run_reads_are_accepted(argv):
+    from dataclasses import fields
+
+    from asteria.train.cli import _run_config, build_parser, check_unused_options
+    from asteria.train.loop import RunConfig
+
+    args = build_parser().parse_args(["train", "--out", "OUT", *argv])
+    given = {f.name for f in fields(RunConfig) if getattr(args, f.name) is not None}
+    check_unused_options(_run_config(args), given)
 
 
 def test_out_must_be_a_folder(tmp_path, capsys):

@@ -46,10 +46,10 @@ void require_symmetric(const T* a, int n, const char* name) {
       const double here = a[i * nn + j], mirrored = a[j * nn + i];
       if (std::abs(here - mirrored) > tolerance) {
         throw InvalidArgument(std::string("Invalid ") + name + ": not symmetric, " + name + "[" + std::to_string(i) +
-                              ", " + std::to_string(j) + "]=" + std::to_string(here) + " but " + name + "[" +
-                              std::to_string(j) + ", " + std::to_string(i) + "]=" + std::to_string(mirrored) +
+                              ", " + std::to_string(j) + "]=" + format_number(here) + " but " + name + "[" +
+                              std::to_string(j) + ", " + std::to_string(i) + "]=" + format_number(mirrored) +
                               " (allowed: a difference of at most 1e-4 of the largest |entry|, " +
-                              std::to_string(largest) + ")");
+                              format_number(largest) + ")");
       }
     }
   }
@@ -66,13 +66,13 @@ nb::ndarray<nb::numpy, T> owned_array(T* data, std::size_t rows, std::optional<s
 template <typename T>
 nb::tuple inverse_root_py(Matrix<T> a, double exponent, double eps, double scale) {
   const int n = square_dim(a.shape(0), a.shape(1), "a");
-  require_symmetric(a.data(), n, "a");
   const std::size_t nn = static_cast<std::size_t>(n);
   T* out = new T[nn * nn];
   auto result = owned_array(out, nn, nn);
   linalg::RootReport report;
   {
     nb::gil_scoped_release release;
+    require_symmetric(a.data(), n, "a");
     const int ld = std::max(1, n);  // LAPACK's rule, also for n = 0
     report = linalg::inverse_root(n, a.data(), ld, out, ld, linalg::RootSpec{exponent, eps, scale});
   }
@@ -94,7 +94,6 @@ nb::dict basis_info(const linalg::BasisReport& report) {
 template <typename T>
 nb::tuple eigenbasis_py(Matrix<T> a, double scale) {
   const int n = square_dim(a.shape(0), a.shape(1), "a");
-  require_symmetric(a.data(), n, "a");
   const std::size_t nn = static_cast<std::size_t>(n);
   T* q = new T[nn * nn];
   auto q_array = owned_array(q, nn, nn);
@@ -103,6 +102,7 @@ nb::tuple eigenbasis_py(Matrix<T> a, double scale) {
   linalg::BasisReport report;
   {
     nb::gil_scoped_release release;
+    require_symmetric(a.data(), n, "a");
     report = linalg::eigenbasis(n, a.data(), q, values, scale);
   }
   return nb::make_tuple(q_array, values_array, basis_info(report));
@@ -116,7 +116,6 @@ nb::tuple qr_refresh_py(Matrix<T> a, Matrix<T> q_prev, double scale, double skip
                           std::to_string(q_prev.shape(1)) + "): must match a's (" + std::to_string(n) + ", " +
                           std::to_string(n) + ")");
   }
-  require_symmetric(a.data(), n, "a");
   const std::size_t nn = static_cast<std::size_t>(n);
   T* q = new T[nn * nn];
   auto q_array = owned_array(q, nn, nn);
@@ -126,6 +125,7 @@ nb::tuple qr_refresh_py(Matrix<T> a, Matrix<T> q_prev, double scale, double skip
   linalg::BasisReport report;
   {
     nb::gil_scoped_release release;
+    require_symmetric(a.data(), n, "a");
     report = linalg::qr_refresh(n, a.data(), q_prev.data(), q, estimates, perm.data(), scale, skip_tol);
   }
   auto* perm_out = new std::int64_t[nn];

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -205,5 +206,38 @@ def test_scheduled_versions_of_older_checkpoints_list_every_set():
     entry = _with_set_indices(legacy, 2)
     assert entry["requests"] == {0: (1.0, 0.1, 0.0), 1: (1.0, 0.2, 0.0)} and entry["snapshots"] == {0: "a", 1: None}
     assert _with_set_indices(entry, 2) is entry
-    with pytest.raises(ValueError, match="a scheduled version lists 2 factor sets, this optimizer has 3"):
+    with pytest.raises(ValueError, match="Invalid a scheduled version: it lists 2 requests and 2 snapshots, one per "
+                                         "factor set: this optimizer has 3"):
         _with_set_indices(legacy, 3)
+
+
+def test_older_checkpoint_formats_pass_the_refresher_check():
+    """What ``load_state`` still reads, ``check_state`` accepts: failure counts as NumPy arrays, one
+    ``newest_version`` for every set, requests and snapshots listed per set (None where this rank owns no
+    block); and it names what it refuses."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from asteria.distributed.refresher import DistributedRefresher
+
+    refresher = object.__new__(DistributedRefresher)  # the check reads only the sets and the snapshot rings
+    refresher.sets = [SimpleNamespace(batch=2, name="set 0"), SimpleNamespace(batch=1, name="set 1")]
+    refresher.snapshots = [torch.zeros(3, 2, 4, 4), None]
+    old = {"distributed": {}, "newest_version": 3, "consecutive_failures": [np.zeros(2, np.int64), np.zeros(1, np.int64)],
+           "scheduled": ({"version": 3, "due": 9, "requests": [(1.0, 1e-8, 0.0), ([1.0], 1e-8, 0.0)],
+                          "snapshots": [torch.ones(2, 4, 4), None]},)}
+    refresher.check_state(old)
+    for change, match in (
+            (lambda s: s.update(newest_version=-1), r"\['newest_version'\]=-1: must be an int >= 0"),
+            (lambda s: s["consecutive_failures"].__setitem__(0, np.zeros(3, np.int64)),
+             r"\['consecutive_failures'\]\[0\]=\[0, 0, 0\]: must be 2 ints"),
+            (lambda s: s["scheduled"][0]["snapshots"].__setitem__(1, torch.ones(1, 4, 4)),
+             r"\['scheduled'\]\[0\]\['snapshots'\]\[1\]='Tensor': must be None: this rank owns no block"),
+            (lambda s: s["scheduled"][0].update(requests={0: (1.0, 1e-8, 0.0), "x": (1.0, 1e-8, 0.0)},
+                                                snapshots={0: None, "x": None}),
+             r"\['scheduled'\]\[0\]\['requests'\]=\[0, 'x'\]: must be keyed by factor set indices")):
+        bad = copy.deepcopy(old)
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            refresher.check_state(bad)

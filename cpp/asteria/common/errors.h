@@ -2,11 +2,20 @@
 // (cpp/bindings/errors.cpp is the only place that does so).
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 namespace asteria {
+
+// A number as error messages show it: the shortest text that reads back as the same double ("0.5",
+// "1e-12", "nan"), where std::to_string would print 1e-8 as "0.000000".
+inline std::string format_number(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
 
 // Base of every error the core throws on purpose.
 class Error : public std::runtime_error {

@@ -1,7 +1,6 @@
 // Internals shared by the numerics' translation units (not part of the core's interface).
 #pragma once
 
-#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -9,13 +8,6 @@
 #include <vector>
 
 namespace asteria::linalg::detail {
-
-// Shortest text that reads back as the same double ("0.5", "1e-12", "nan").
-inline std::string format(double value) {
-  char buffer[32];
-  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, result.ptr);
-}
 
 // |x| <= max is false for inf and NaN; unlike a branch on std::isfinite it vectorizes.
 template <typename T, typename Limit = T>

@@ -18,7 +18,6 @@ namespace asteria::linalg {
 namespace {
 
 using detail::all_within;
-using detail::format;
 using detail::grow;
 
 void check_arguments(const char* routine, int n, bool pointers_ok, double scale, double skip_tol) {
@@ -28,10 +27,10 @@ void check_arguments(const char* routine, int n, bool pointers_ok, double scale,
     throw InvalidArgument(where + "Invalid null matrix pointer for n=" + std::to_string(n));
   }
   if (!(std::isfinite(scale) && scale > 0)) {
-    throw InvalidArgument(where + "Invalid scale=" + format(scale) + ": must be a finite number > 0");
+    throw InvalidArgument(where + "Invalid scale=" + format_number(scale) + ": must be a finite number > 0");
   }
   if (!(std::isfinite(skip_tol) && skip_tol >= 0)) {
-    throw InvalidArgument(where + "Invalid skip_tol=" + format(skip_tol) + ": must be a finite number >= 0");
+    throw InvalidArgument(where + "Invalid skip_tol=" + format_number(skip_tol) + ": must be a finite number >= 0");
   }
 }
 
@@ -44,7 +43,7 @@ void require_finite_input(const char* routine, const char* name, int n, const In
       static_cast<std::size_t>(std::find_if_not(x, x + count, [](In v) { return std::isfinite(v); }) - x);
   const std::size_t nn = static_cast<std::size_t>(n);
   throw NumericalError(std::string("[") + routine + "] non-finite input " + name + "(" + std::to_string(k / nn) +
-                       ", " + std::to_string(k % nn) + ")=" + format(x[k]) + " (n=" + std::to_string(n) + ")");
+                       ", " + std::to_string(k % nn) + ")=" + format_number(x[k]) + " (n=" + std::to_string(n) + ")");
 }
 
 // dst[j * n + r] = src[r * n + order[j]] (order: the identity when null), converting: turns torch's
@@ -101,7 +100,7 @@ Workspace<T>& workspace() {
 }
 
 std::string non_finite_result(int n, double scale) {
-  return "non-finite result (n=" + std::to_string(n) + ", scale=" + format(scale) + ")";
+  return "non-finite result (n=" + std::to_string(n) + ", scale=" + format_number(scale) + ")";
 }
 
 // Eigenvectors of A loaded into ws.a, sorted by descending eigenvalue, left in ws.a; the eigenvalues

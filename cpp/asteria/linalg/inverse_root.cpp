@@ -17,12 +17,12 @@ namespace asteria::linalg {
 namespace {
 
 using detail::all_within;
-using detail::format;
 using detail::grow;
 
 void require_finite_number(bool ok, const char* field, double value, const char* rule) {
   if (!ok) {
-    throw InvalidArgument(std::string("Invalid ") + field + "=" + format(value) + ": must be a finite number " + rule);
+    throw InvalidArgument(std::string("Invalid ") + field + "=" + format_number(value) + ": must be a finite number " +
+                          rule);
   }
 }
 
@@ -76,7 +76,7 @@ void load(int n, const In* a, int lda, Workspace<T>& ws) {
                                                      }) -
                                                      column);
       throw NumericalError("[inverse_root] non-finite input a(" + std::to_string(i) + ", " + std::to_string(j) +
-                           ")=" + format(column[i]) + " (n=" + std::to_string(n) + ")");
+                           ")=" + format_number(column[i]) + " (n=" + std::to_string(n) + ")");
     }
     std::copy(column, column + nn, ws.matrix.data() + j * nn);
   }
@@ -146,9 +146,9 @@ void store_symmetric(int n, const From* lower, To* out, int ldo) {
 }
 
 std::string non_finite_result(int n, const RootSpec& spec, const RootReport& report) {
-  return "non-finite result (n=" + std::to_string(n) + ", exponent=" + format(spec.exponent) +
-         ", eps=" + format(spec.eps) + ", lambda in [" + format(report.lambda_min) + ", " +
-         format(report.lambda_max) + "])";
+  return "non-finite result (n=" + std::to_string(n) + ", exponent=" + format_number(spec.exponent) +
+         ", eps=" + format_number(spec.eps) + ", lambda in [" + format_number(report.lambda_min) + ", " +
+         format_number(report.lambda_max) + "])";
 }
 
 }  // namespace

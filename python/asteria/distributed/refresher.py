@@ -513,13 +513,13 @@ class DistributedRefresher(WorkerRefresher):
                       "must be an int >= 1")
             check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
                       "must be an int >= 0, the step the version is due")
-            entry = _with_set_indices(entry, len(self.sets))
+            entry = _with_set_indices(entry, len(self.sets), name)
             requests, snapshots = entry["requests"], entry["snapshots"]
             check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
-                      type(snapshots).__name__, f"must hold one entry per factor set requested ({sorted(requests)})")
+                      type(snapshots).__name__, f"must hold one entry per factor set requested ({sorted(requests, key=str)})")
+            check_arg(all(is_int(index) and 0 <= index < len(self.sets) for index in requests), f"{name}['requests']",
+                      sorted(requests, key=str), f"must be keyed by factor set indices in [0, {len(self.sets)})")
             for index, request in requests.items():
-                check_arg(is_int(index) and 0 <= index < len(self.sets), f"{name}['requests']", sorted(requests),
-                          f"must be keyed by factor set indices in [0, {len(self.sets)})")
                 check_saved_request(request, self.sets[index].batch, f"{name}['requests'][{index}]")
                 mine = self.snapshots[index]
                 if mine is None:  # this rank owns no block of the set
@@ -617,16 +617,16 @@ class DistributedRefresher(WorkerRefresher):
             self._registrations.clear()
 
 
-def _with_set_indices(entry: dict[str, Any], sets: int) -> dict[str, Any]:
-    """A scheduled entry of ``state()`` with its requests and snapshots keyed by set index (checkpoints
-    written before staggered multi-rank schedules list them for every set, in order)."""
+def _with_set_indices(entry: dict[str, Any], sets: int, name: str = "a scheduled version") -> dict[str, Any]:
+    """A scheduled entry of ``state()`` (``name`` in errors) with its requests and snapshots keyed by set
+    index (checkpoints written before staggered multi-rank schedules list them for every set, in order)."""
     if isinstance(entry["requests"], dict):
         return entry
     if not isinstance(entry["requests"], (list, tuple)) or not isinstance(entry["snapshots"], (list, tuple)):
-        raise ValueError(f"Invalid state_dict: a scheduled version's requests and snapshots are "
-                         f"{type(entry['requests']).__name__} and {type(entry['snapshots']).__name__}: must be dicts "
-                         "keyed by factor set index (or lists, one per set)")
-    if len(entry["requests"]) != sets:
-        raise ValueError(f"Invalid state_dict: a scheduled version lists {len(entry['requests'])} factor sets, this "
-                         f"optimizer has {sets}")
+        raise ValueError(f"Invalid {name}: its requests and snapshots are {type(entry['requests']).__name__} and "
+                         f"{type(entry['snapshots']).__name__}: must be dicts keyed by factor set index (or lists, "
+                         "one per set)")
+    if len(entry["requests"]) != sets or len(entry["snapshots"]) != sets:
+        raise ValueError(f"Invalid {name}: it lists {len(entry['requests'])} requests and {len(entry['snapshots'])} "
+                         f"snapshots, one per factor set: this optimizer has {sets}")
     return entry | {"requests": dict(enumerate(entry["requests"])), "snapshots": dict(enumerate(entry["snapshots"]))}

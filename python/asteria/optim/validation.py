@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from asteria.config import is_int, is_real
@@ -53,7 +54,10 @@ def check_count(value: Any, name: str, minimum: int = 1, optional: bool = False)
 
 
 def check_counts(value: Any, name: str, length: int, what: str, minimum: int = 0) -> None:
-    """``value`` must be a list (or tuple) of ``length`` ints >= ``minimum``: ``what`` says what they are."""
+    """``value`` must be a list (or tuple, or a 1-D integer NumPy array, as older checkpoints hold) of
+    ``length`` ints >= ``minimum``: ``what`` says what they are."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
+        value = value.tolist()
     check_arg(isinstance(value, (list, tuple)) and len(value) == length
               and all(is_int(v) and v >= minimum for v in value), name, value,
               f"must be {length} ints >= {minimum}, {what}")
@@ -82,13 +86,18 @@ def check_saved_snapshot(tensor: Any, shape: tuple[int, ...], name: str) -> None
 def check_entry(entry: Any, keys: tuple[str, ...], name: str) -> None:
     """A dict holding at least ``keys``."""
     check_arg(isinstance(entry, dict) and all(key in entry for key in keys), name,
-              f"{type(entry).__name__} with keys {sorted(entry) if isinstance(entry, dict) else '?'}",
+              f"{type(entry).__name__} with keys {sorted(entry, key=str) if isinstance(entry, dict) else '?'}",
               f"must be a dict with the keys {list(keys)}")
 
 
 def key_name(where: str, key: str) -> str:
     """``lr`` for the defaults (where == ""), ``param_groups[1]['lr']`` for a group."""
     return f"{where}[{key!r}]" if where else key
+
+
+def unstaggered(schedule: Any) -> bool:
+    """Whether a saved refresh schedule (``_schedule_key()``) refreshes every set at the same steps."""
+    return isinstance(schedule, dict) and isinstance(schedule.get("phases"), list) and not any(schedule["phases"])
 
 
 def validate_state_dict(opt: Any, state_dict: Any) -> None:
@@ -100,7 +109,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
               type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
     for key in STATE_DICT_KEYS:
         if key not in state_dict:
-            raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict)})")
+            raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict, key=str)})")
     saved, mine = state_dict.get("distributed"), opt._refresher.identity()
     if saved != mine:
         raise ValueError(f"Invalid state_dict: saved on {describe_layout(saved)}, loaded on {describe_layout(mine)}; "
@@ -124,6 +133,8 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
                   f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",
                   f"must be a list of {expected} entries, one per {what} of this optimizer")
     saved_schedule, schedule = state_dict.get("schedule"), opt._schedule_key()  # None: written before it was saved
+    if unstaggered(saved_schedule) and unstaggered(schedule):  # then how many versions are aligned changes nothing
+        saved_schedule = saved_schedule | {"aligned": schedule["aligned"]}
     if saved_schedule is not None and saved_schedule != schedule:
         recorded = saved_schedule if isinstance(saved_schedule, dict) else {}
         differ = [key for key in schedule if recorded.get(key) != schedule[key]]
@@ -134,7 +145,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     refresher = state_dict["refresher"]
     check_arg(isinstance(refresher, dict) and all(key in refresher for key in opt._refresher.STATE_KEYS),
               "state_dict['refresher']", f"{type(refresher).__name__} with keys "
-              f"{sorted(refresher) if isinstance(refresher, dict) else '?'}",
+              f"{sorted(refresher, key=str) if isinstance(refresher, dict) else '?'}",
               f"must be a dict with the keys {list(opt._refresher.STATE_KEYS)}")
     opt._refresher.check_state(refresher)
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
@@ -142,7 +153,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
         expected = opt._expected_state(i)
         if saved.keys() != expected.keys():
-            raise ValueError(f"Invalid state_dict: state {sorted(saved)} of {group.name} does not match "
+            raise ValueError(f"Invalid state_dict: state {sorted(saved, key=str)} of {group.name} does not match "
                              f"{sorted(expected)} (a different optimizer class?)")
         for key, (shape, dtype) in expected.items():
             tensor, name = saved[key], f"state_dict['groups'][{i}][{key!r}]"

@@ -140,12 +140,18 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
                                 "native mode computes every refresh inside its step and uses it there")
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
-    for flag, asked in (("--late-activation", cfg.late_activation is True),
-                        ("--no-deterministic", not cfg.deterministic), ("--stagger", adamw and cfg.stagger is True),
-                        ("--stagger-split", adamw and cfg.stagger_split is True)):
+    def switch(name: str) -> str:  # the flag as given: --name or --no-name
+        return f"--{'' if getattr(cfg, name) else 'no-'}{name.replace('_', '-')}"
+
+    for flag, asked, unused in (
+            ("--late-activation", cfg.late_activation is True, what),
+            ("--no-deterministic", not cfg.deterministic, what),
+            (switch("stagger"), adamw and "stagger" in given, what),
+            (switch("stagger_split"), "stagger_split" in given and (adamw or cfg.stagger is not True),
+             what if adamw else f"{what} without --stagger")):
         if asked:
-            raise ValueError(f"Invalid {flag} with {what}: it sets how the refreshes are scheduled or activated, "
-                             f"which {what} does not use")
+            raise ValueError(f"Invalid {flag} with {unused}: it sets how the refreshes are scheduled or activated, "
+                             f"which {unused} does not use")
     if cfg.placement not in ("auto", "device"):
         raise ValueError(f"Invalid --placement {cfg.placement} with {what}: "
                          + ("AdamW has no preconditioners" if adamw else

@@ -249,6 +249,8 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     this["stagger_split"] = resolved_stagger_split(this, processes)
     unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer == "adamw" else ()) + (
         SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
+    if cfg.mode == "sync" and saved["stagger"] is not True and this["stagger"] is not True:
+        unused += ("sync_refreshes",)  # it only aligns a staggered schedule (`train` refuses it here otherwise)
     diffs = [f"{name}={saved[name]!r} (this run: {this[name]!r})" for name in RESUME_MUST_MATCH
              if saved[name] != this[name] and name not in unused]
     if diffs:
