@@ -224,7 +224,8 @@ def test_older_checkpoint_formats_pass_the_refresher_check():
     refresher = object.__new__(DistributedRefresher)  # the check reads only the sets and the snapshot rings
     refresher.sets = [SimpleNamespace(batch=2, name="set 0"), SimpleNamespace(batch=1, name="set 1")]
     refresher.snapshots = [torch.zeros(3, 2, 4, 4), None]
-    old = {"distributed": {}, "newest_version": 3, "consecutive_failures": [np.zeros(2, np.int64), np.zeros(1, np.int64)],
+    old = {"distributed": {}, "newest_version": 3,
+           "consecutive_failures": [np.zeros(2, np.int64), np.zeros(1, np.int64)],
            "scheduled": ({"version": 3, "due": 9, "requests": [(1.0, 1e-8, 0.0), ([1.0], 1e-8, 0.0)],
                           "snapshots": [torch.ones(2, 4, 4), None]},)}
     refresher.check_state(old)

@@ -516,7 +516,8 @@ class DistributedRefresher(WorkerRefresher):
             entry = _with_set_indices(entry, len(self.sets), name)
             requests, snapshots = entry["requests"], entry["snapshots"]
             check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
-                      type(snapshots).__name__, f"must hold one entry per factor set requested ({sorted(requests, key=str)})")
+                      type(snapshots).__name__,
+                      f"must hold one entry per factor set requested ({sorted(requests, key=str)})")
             check_arg(all(is_int(index) and 0 <= index < len(self.sets) for index in requests), f"{name}['requests']",
                       sorted(requests, key=str), f"must be keyed by factor set indices in [0, {len(self.sets)})")
             for index, request in requests.items():
