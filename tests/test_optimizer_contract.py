@@ -206,6 +206,51 @@ def test_a_checkpoint_missing_refresher_entries_is_refused_before_anything_chang
         fresh.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_state_holds_each_parameters_step_count_read_only(optimizer):
+    """``opt.state[p]`` as torch's optimizers have it, where it means the same: the steps in which ``p`` had
+    a gradient. A parameter that had none stays at 0."""
+    model = small_mlp(sizes=(8, 12, 4))
+    late = model[-1].bias
+    with optimizer(model.parameters(), runtime=runtime("sync")) as opt:
+        params = list(model.parameters())
+        assert list(opt.state) == params and all(opt.state[p] == {"step": 0} for p in params)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            model(torch.randn(5, 8)).square().mean().backward()
+            if step < 2:
+                late.grad = None
+            opt.step()
+        assert [opt.state[p]["step"] for p in params] == [3, 3, 3, 1]
+        with pytest.raises(KeyError, match=r"not a parameter of this optimizer: tensor of shape \(3,\)"):
+            opt.state[torch.zeros(3)]
+        with pytest.raises(TypeError):
+            opt.state[late] = {"step": 7}  # type: ignore[index]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_torch_per_parameter_checkpoint_api_is_refused_before_anything_changes(mode):
+    """torch.distributed.checkpoint.state_dict's functions rebuild the state per parameter FQN, which an
+    Asteria optimizer does not keep: refused by name. They initialize an optimizer with an empty ``state``
+    by a step with zero gradients; ``state`` is never empty here, so that step is never taken."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+
+    model, opt = make(asteria.SOAP, mode)
+    with opt:
+        train(model, opt, 3)
+        opt.zero_grad(set_to_none=True)  # what makes torch take its initializing step
+        before = [t.clone() for g in opt._groups for t in g.state.values()]
+        weights = [p.detach().clone() for p in model.parameters()]
+        for call in (lambda: get_optimizer_state_dict(model, opt), lambda: get_state_dict(model, opt)):
+            with pytest.raises(TypeError, match=r"Invalid optimizers=\(SOAP,\) for torch.distributed.checkpoint."
+                                                r"state_dict's get_optimizer_state_dict.*dcp.save\(\{'optim': opt\}"):
+                call()
+        assert opt.runtime_stats()["step"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in opt._groups for t in g.state.values()]))
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        assert opt.state_dict()["step"] == 3  # a call of its own is not refused
+
+
 def malformed(path: tuple, value) -> Callable[[dict], None]:
     """Sets ``state['refresher'][path...]`` to ``value`` (or to ``value(old)`` when callable)."""
     def apply(state: dict) -> None:

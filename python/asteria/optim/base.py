@@ -21,6 +21,7 @@ from asteria.errors import NonFiniteGradientError
 from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
+from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
 from asteria.optim.steps import BlockSteps, to_device
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -150,6 +151,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         # Stops the workers when the optimizer is collected or the interpreter exits.
         self._tier_box = [self._tier]  # the finalizer closes the tier in use, also after _fit_gpu_budget
         self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier_box)
+        #: torch's per-parameter ``state``: here a read-only view of each parameter's step count (the state
+        #: itself is kept per block shape: ``state_dict()``). Weak references: no cycle through the view.
+        me = weakref.ref(self)
+        self.state = ParameterStates(lambda: me()._parameter_steps(),  # type: ignore[assignment,union-attr]
+                                     lambda: [p for g in me().param_groups for p in g["params"]])  # type: ignore
         try:
             self._fit_gpu_budget()
             self._place_on_nvme()
@@ -462,6 +468,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         weights = group.gather_params()  # a stacked copy: updated in place, then written back
         group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 
+    def _parameter_steps(self) -> dict[int, int]:
+        """id(parameter) -> the steps in which it had a gradient (its blocks all count the same)."""
+        steps = {id(p): 0 for g in self.param_groups for p in g["params"]}
+        for group in self._groups:
+            for param, count in zip(group.params, group.steps.counts):
+                steps[id(param)] = count
+        return steps
+
     # ---- checkpoints --------------------------------------------------------------------------
     def _layout(self) -> list[list]:
         return [[g.group_index, list(g.shape), g.batch, [b.name for b in g.blocks]] for g in self._groups]
@@ -475,6 +489,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         which ``load_state_dict`` on the same rank takes. It also saves and loads through
         torch.distributed.checkpoint (``dcp.save({"optim": opt})``, ``dcp.load({"optim": opt})``), on one
         process or several. Runs torch's state-dict hooks (``register_state_dict_pre_hook`` / ``_post_hook``)."""
+        refuse_per_parameter_readers(self)
         for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             pre_hook(self)
         state_dict = self._state_dict()

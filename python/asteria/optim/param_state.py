@@ -1,0 +1,64 @@
+"""``optimizer.state`` of the Asteria optimizers, and the refusal of torch's per-parameter checkpoint API.
+
+torch's optimizers keep a dict of tensors per parameter in ``optimizer.state``. Asteria keeps its state per
+block shape, stacked over the blocks of many parameters (``state_dict()`` carries it), so its ``state`` is a
+read-only view with what is per parameter: the steps in which the parameter had a gradient.
+
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (and ``get_state_dict``,
+``set_optimizer_state_dict``) rebuild an optimizer's state per parameter FQN from torch's layout. Asteria's
+is not in that layout, so they are refused by name, before anything changes. That API also initializes an
+optimizer whose ``state`` is empty by taking a step with zero gradients: the view is never empty, so it never
+does that to an Asteria optimizer.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch import Tensor
+
+# torch.distributed.checkpoint.state_dict's functions that read an optimizer's state per parameter
+PER_PARAMETER_READERS = {("torch.distributed.checkpoint.state_dict", "_get_optim_state_dict")}
+
+
+class ParameterStates(Mapping[Tensor, dict[str, Any]]):
+    """``opt.state[p]``: ``{"step": s}``, the steps in which parameter ``p`` had a gradient (as torch's
+    optimizers count them), for every parameter of the optimizer; read-only."""
+
+    def __init__(self, counts: Callable[[], dict[int, int]], params: Callable[[], list[Tensor]]) -> None:
+        self._counts = counts  # id(param) -> step count
+        self._params = params
+
+    def __getitem__(self, param: Tensor) -> dict[str, Any]:
+        counts = self._counts()
+        if id(param) not in counts:
+            raise KeyError(f"not a parameter of this optimizer: tensor of shape {tuple(param.shape)}")
+        return {"step": counts[id(param)]}
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self._params())
+
+    def __len__(self) -> int:
+        return len(self._params())
+
+    def __repr__(self) -> str:
+        return f"ParameterStates({len(self)} parameters; the state itself: state_dict())"
+
+
+def refuse_per_parameter_readers(optimizer: Any, depth: int = 4) -> None:
+    """Raises ``TypeError`` when ``state_dict()`` was called (within ``depth`` frames) by one of torch's
+    functions that expect the state per parameter (``PER_PARAMETER_READERS``)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in PER_PARAMETER_READERS:
+            name = type(optimizer).__name__
+            raise TypeError(
+                f"Invalid optimizers=({name},) for torch.distributed.checkpoint.state_dict's get_optimizer_state_dict, "
+                f"get_state_dict and set_optimizer_state_dict: {name} keeps its state per block shape, not per "
+                "parameter FQN; checkpoint the optimizer itself with DCP (dcp.save({'optim': opt}, ...), "
+                "dcp.load({'optim': opt}, ...); it is a Stateful) or with opt.state_dict() / opt.load_state_dict()")
+        frame = frame.f_back
