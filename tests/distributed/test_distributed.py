@@ -213,8 +213,8 @@ def test_scheduled_versions_of_older_checkpoints_list_every_set():
 
 def test_older_checkpoint_formats_pass_the_refresher_check():
     """What ``load_state`` still reads, ``check_state`` accepts: failure counts as NumPy arrays, one
-    ``newest_version`` for every set, requests and snapshots listed per set (None where this rank owns no
-    block); and it names what it refuses."""
+    ``newest_version`` for every set, requests without skip_tol, requests and snapshots listed per set (None
+    where this rank owns no block); and it names what it refuses."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -226,7 +226,7 @@ def test_older_checkpoint_formats_pass_the_refresher_check():
     refresher.snapshots = [torch.zeros(3, 2, 4, 4), None]
     old = {"distributed": {}, "newest_version": 3,
            "consecutive_failures": [np.zeros(2, np.int64), np.zeros(1, np.int64)],
-           "scheduled": ({"version": 3, "due": 9, "requests": [(1.0, 1e-8, 0.0), ([1.0], 1e-8, 0.0)],
+           "scheduled": ({"version": 3, "due": 9, "requests": [(1.0, 1e-8), ([1.0], 1e-8, 0.0)],  # no skip_tol
                           "snapshots": [torch.ones(2, 4, 4), None]},)}
     refresher.check_state(old)
     for change, match in (
