@@ -140,6 +140,7 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
                                 "native mode computes every refresh inside its step and uses it there")
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
+
     def switch(name: str) -> str:  # the flag as given: --name or --no-name
         return f"--{'' if getattr(cfg, name) else 'no-'}{name.replace('_', '-')}"
 
