@@ -90,6 +90,55 @@ def test_report_table_target_and_energy(tmp_path):
     assert (tmp_path / "r2" / "loss.png").stat().st_size > 1000
 
 
+def fake_run(folder, label: str, losses: list[float], **summary) -> str:
+    """A finished run's files as `asteria train` leaves them (what the reports read)."""
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"step": i + 1, "loss": loss, "wall": 0.1 * (i + 1), "step_time": 0.1})
+             for i, loss in enumerate(losses)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"label": label, "device": "cpu", "vocab_size": 256,
+                                                     "final_loss": losses[-1]} | summary))
+    return str(folder)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s, r: ([], r), "summary.json holds a list, not an object"),
+    (lambda s, r: ({k: v for k, v in s.items() if k != "label"}, r), "summary.json's label='(missing)': must be"),
+    (lambda s, r: (s | {"final_loss": "5.2"}, r), "summary.json's final_loss='5.2': must be a number"),
+    (lambda s, r: (s | {"vocab_size": 0}, r), "summary.json's vocab_size=0: must be an int >= 2"),
+    (lambda s, r: (s | {"runtime_stats": None, "config": []}, r), "summary.json's config=[]: must be an object"),
+    (lambda s, r: (s, r[:1] + [5] + r[2:]), "metrics.jsonl line 2 holds 5, not an object"),
+    (lambda s, r: (s, r[:2] + [{k: v for k, v in r[2].items() if k != "wall"}]),
+     "metrics.jsonl line 3: wall='(missing)'"),
+    (lambda s, r: (s, [r[0] | {"step": "1"}] + r[1:]), "metrics.jsonl line 1: step='1': must be an int >= 1"),
+    (lambda s, r: (s, [r[0] | {"step_time": None}] + r[1:]), "metrics.jsonl line 1: step_time=None: must be a number"),
+])
+def test_report_names_what_it_cannot_read_in_a_run(tmp_path, capsys, edit, message):
+    run = tmp_path / "run"
+    fake_run(run, "adamw", [3.0, 2.5, 2.0])
+    summary = json.loads((run / "summary.json").read_text())
+    rows = records(run)
+    summary, rows = edit(summary, rows)
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"asteria: error: Invalid run={str(run)!r}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "loss.png").exists()  # refused before anything is written
+
+
+def test_report_of_a_diverged_adamw_run_takes_no_target_from_it(tmp_path):
+    runs = [fake_run(tmp_path / "adamw", "adamw", [3.0, float("nan")]),
+            fake_run(tmp_path / "soap", "soap-async", [3.0, 2.0], device="GPU X")]
+    assert main(["report", *runs, "--out", str(tmp_path / "out")]) == 0
+    figures = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert figures["target_loss"] is None and figures["reference_diverged"]
+    assert figures["device"] == "cpu, GPU X"  # runs of several devices: every one named
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "Target loss: n/a (AdamW's run diverged: its final loss is not finite; give --target-loss)" in table
+    assert main(["report", *runs, "--out", str(tmp_path / "out2"), "--target-loss", "2.5"]) == 0
+    assert json.loads((tmp_path / "out2" / "report.json").read_text())["runs"]["soap-async"]["steps_to_target"] == 2
+
+
 def test_report_steady_max_over_median_skips_the_warm_up(tmp_path):
     """Steps up to (sync_refreshes + 1) x f of the run's own config are the warm-up, as in asteria bench."""
     from asteria.train.report import Run, steady_max_over_median
@@ -169,7 +218,9 @@ def test_spread_verdict_follows_the_intervals():
     assert _spread_verdict([stats(1.00, 0.02), stats(1.01, 0.02)])[1] == "undecided"
     assert _spread_verdict([stats(1.0, 0.01)]) == (None, None)
     assert _spread_verdict([{"ci95": None}, stats(1.0, 0.01)]) == (None, None)
-    assert _spread_verdict([stats(float("nan"), 0.01), stats(1.0, 0.01)]) == (None, "not met")
+    diverged = {"ci95": None, "diverged": 1}  # spread_stats of a seed whose loss is not finite
+    assert _spread_verdict([diverged, stats(1.0, 0.01)]) == (None, "not met")
+    assert _spread_verdict([stats(1.0, 0.01) | {"diverged": 1}, stats(1.0, 0.01)]) == (None, "not met")
 
 
 def test_sweep_with_newest_finished_activation(tmp_path):
@@ -203,6 +254,29 @@ def test_sweep_reuse_trains_only_what_is_missing(tmp_path, capsys):
     assert retrained["config"]["steps"] == 6 and retrained["final_loss"] == pytest.approx(first[2]["final_loss"])
     for s in (0, 2):
         assert json.loads((tmp_path / f"S{s}" / "seed2" / "summary.json").read_text())["config"]["seed"] == 2
+    # A run whose metrics lost their last step is not reused either (its summary alone is not enough).
+    metrics = tmp_path / "S0" / "seed2" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))
+    assert main([*args, "--seeds", "1", "2", "--reuse"]) == 0
+    out = capsys.readouterr().out
+    assert "S=0 seed=1: reusing" in out and "S=0 seed=2: reusing" not in out and "S=2 seed=2: reusing" in out
+    assert len(metrics.read_text().splitlines()) == 6
+
+
+def test_sweep_of_diverged_runs_reports_them_rather_than_a_spread(tmp_path, capsys):
+    """A diverged run (lr far too large: its loss is NaN) made the statistics over seeds crash, and the
+    spread over S came out as 0 without seeds (NaN in max/min). Now the S are named and the verdict is not met."""
+    args = ["sweep", "--staleness", "0", "1", "--steps", "4", "--eval-every", "4", "--optimizer", "shampoo",
+            "--mode", "async", "--lr", "1e30", *BASE]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    result = json.loads((tmp_path / "one" / "sweep.json").read_text())
+    assert result["spread_final_loss_s_le_5"] is None and result["diverged_s"] == [0, 1]
+    assert "n/a (diverged at S = 0, 1)" in (tmp_path / "one" / "sweep.md").read_text()
+    assert main([*args, "--seeds", "1", "2", "--out", str(tmp_path / "seeds")]) == 0
+    result = json.loads((tmp_path / "seeds" / "sweep.json").read_text())
+    assert result["spread_verdict"] == "not met" and result["runs"]["0"]["final_loss_stats"]["diverged"] == 2
+    assert "not met (a run diverged)" in (tmp_path / "seeds" / "sweep.md").read_text()
+    assert "spread over S <= 5: n/a (not met against < 0.02)" in capsys.readouterr().out
 
 
 def test_hf_tokenizer_from_a_local_folder(tmp_path):
@@ -225,10 +299,12 @@ def test_hf_tokenizer_from_a_local_folder(tmp_path):
     assert summary["initial_loss_bound"] == math.log(384)
 
 
-def test_max_bytes_reads_only_the_head_of_the_data(tmp_path):
-    """A corpus larger than --max-bytes is read only up to it: the writer of a pipe holds it open (no end
-    of file) until load_documents has returned, which a read of the whole file would wait for."""
-    from asteria.train.data import load_documents
+def test_max_bytes_reads_only_the_head_of_the_data(tmp_path, monkeypatch):
+    """A corpus larger than --max-bytes is read only up to it. ``head`` on a pipe whose writer holds it open
+    (no end of file) until ``head`` has returned, which a read of the whole file would wait for; and
+    load_documents reads every file through it, asking for no more than what is left of the budget. A pipe
+    given as --data itself is refused (it would be read without end)."""
+    from asteria.train import data
 
     fifo, returned, closed_early = tmp_path / "corpus", threading.Event(), []
     os.mkfifo(fifo)
@@ -242,11 +318,21 @@ def test_max_bytes_reads_only_the_head_of_the_data(tmp_path):
     thread = threading.Thread(target=writer)
     thread.start()
     try:
-        docs = load_documents(str(fifo), max_bytes=6000)
+        head = data.head(fifo, 6000)
     finally:
         returned.set()
         thread.join()
-    assert closed_early == [True] and docs == [(b"word " * 2000)[:6000]]
+    assert closed_early == [True] and head == (b"word " * 2000)[:6000]
+    with pytest.raises(ValueError, match=r"Invalid data='.*corpus': must be a regular file or a folder"):
+        data.load_documents(str(fifo), max_bytes=6000)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (folder / name).write_bytes(b"word " * 1000)  # 5000 bytes each
+    asked, real = [], data.head
+    monkeypatch.setattr(data, "head", lambda path, limit: asked.append((path.name, limit)) or real(path, limit))
+    docs = data.load_documents(str(folder), max_bytes=8000)
+    assert asked == [("a.txt", 8000), ("b.txt", 3000)] and [len(d) for d in docs] == [5000, 3000]
 
 
 @pytest.mark.parametrize(
@@ -256,6 +342,8 @@ def test_max_bytes_reads_only_the_head_of_the_data(tmp_path):
         (["train", "--steps", "-3", "--out", "OUT"], "Invalid steps=-3"),
         (["train", "--model", "gpt5", "--out", "OUT"], "Invalid model='gpt5'"),
         (["train", "--lr", "-0.1", "--out", "OUT"], "Invalid lr=-0.1"),
+        (["train", "--data", "", "--out", "OUT"], "Invalid data='': must be a file or folder path"),
+        (["train", "--tokenizer", " ", "--out", "OUT"], "Invalid tokenizer=' ': must be a file or folder path"),
         (["train", "--max-preconditioner-dim", "0", "--out", "OUT"], "Invalid max_preconditioner_dim=0"),
         (["train", "--sync-refreshes", "-1", "--out", "OUT"], "Invalid sync_refreshes=-1"),
         (["train", "--lag-steps", "-1", "--out", "OUT"], "Invalid lag_steps=-1: must be an int >= 0"),

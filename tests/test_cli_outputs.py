@@ -87,6 +87,30 @@ def test_an_unstaggered_native_run_resumes_whatever_sync_refreshes_it_was_saved_
     assert steps_of(out) == list(range(1, 7))
 
 
+def test_a_resume_whose_metrics_were_lost_is_refused_and_keeps_the_summary(tmp_path, capsys):
+    """The records of the steps before the checkpoint are kept on resume: without them the summary would be
+    built from the new steps alone. Missing or damaged, they are refused by name, and the finished run's
+    summary stays."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
+    good, summary = (out / "metrics.jsonl").read_text(), (out / "summary.json").read_text()
+    lines = good.splitlines()
+    for damaged, message in ((None, "its metrics.jsonl is missing"),
+                             ([lines[0], "42", *lines[2:]], "not all there (missing: 2)"),
+                             ([lines[1], lines[0], *lines[2:]], "out of order or repeated")):
+        if damaged is None:
+            (out / "metrics.jsonl").unlink()
+        else:
+            (out / "metrics.jsonl").write_text("\n".join(damaged) + "\n")
+        assert main(["train", "--steps", "6", "--checkpoint-every", "2", "--resume", "--out", str(out), *RUN]) == 2
+        err = capsys.readouterr().err
+        assert f"Invalid metrics={str(out / 'metrics.jsonl')!r}: the run resumes from step 4" in err and message in err
+        assert (out / "summary.json").read_text() == summary
+    (out / "metrics.jsonl").write_text(good)
+    assert main(["train", "--steps", "6", "--checkpoint-every", "2", "--resume", "--out", str(out), *RUN]) == 0
+    assert steps_of(out) == list(range(1, 7))
+
+
 def test_checkpoints_of_an_earlier_run_are_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0

@@ -101,7 +101,8 @@ def fake_run(run_dir: Path, step_ms: list[float], losses: list[float], procs: in
             "gradient_bytes_per_step_computed": {"total_sent": 8e6, "inter_node_sent": 4e6},
             "replica_agreement": {"max_abs_diff": 0.0 if parallel == "ddp" else None},
         }
-    summary = {"device": "cpu", "label": run_dir.parent.name, "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+    summary = {"device": "cpu", "label": run_dir.parent.name, "vocab_size": 256,
+               "final_loss": sum(losses[-10:]) / len(losses[-10:]),
                "final_val_loss": losses[-1] + 0.25, "energy_joules_per_step": None, "distributed": distributed,
                # f = 1 with two sync refreshes: a warm-up of 3 steps, as asteria bench counts it (AdamW's runs
                # are given no f: the comparison's counts for them too)

@@ -63,6 +63,32 @@ def test_seeds_verdict_follows_the_interval(tmp_path, deltas, verdict):
     assert T95[len(deltas) - 2] == pytest.approx((high - low) / 2 / pair["stats"]["se"])
 
 
+def test_a_diverged_run_is_counted_as_such_and_the_rest_still_summarized(tmp_path, capsys):
+    """A run whose loss went to NaN (a too large lr) crashed the statistics, so no summary was written for
+    the runs beside it. Now it is left out of the means and named: an Asteria run that diverged where
+    native did not is behind, and the loss target is not met; a diverged native run is left out."""
+    nan = float("nan")
+    for seed, (native, asteria) in enumerate([(1.0, 1.001), (1.1, 1.1012), (1.2, nan), (nan, 1.3), (1.4, 1.4013)]):
+        write(tmp_path / f"seed{seed}", seed, {"soap-sync": native, "soap-async": asteria})
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "seeds.json").read_text())
+    pair = summary["pairs"]["soap-async"]["final_val_loss"]
+    assert pair["diverged"] == {"asteria": [2], "native": [3]}
+    assert list(pair["per_seed"]) == ["0", "1", "4"] and pair["stats"]["n"] == 3
+    assert pair["asteria_behind"] == 4 and pair["within_tolerance"] == "not met"  # within 1% otherwise
+    stats = summary["configs"]["soap-async"]["final_val_loss_stats"]
+    assert stats["n"] == 4 and stats["diverged"] == 1
+    assert stats["mean"] == pytest.approx(statistics.fmean([1.001, 1.1012, 1.3, 1.4013]))
+    table = (tmp_path / "out" / "seeds.md").read_text()
+    assert "2: Asteria diverged, 3: native diverged (left out)" in table and "| 4 of 4 | not met |" in table
+    assert "(1 diverged)" in table
+    # every run of a config diverged: its figures are n/a, nothing crashes
+    write(tmp_path / "all" / "seed0", 0, {"soap-sync": nan, "soap-async": nan})
+    write(tmp_path / "all" / "seed1", 1, {"soap-sync": nan, "soap-async": nan})
+    assert main(["seeds", str(tmp_path / "all"), "--out", str(tmp_path / "out2")]) == 0
+    assert "n/a (2 diverged)" in (tmp_path / "out2" / "seeds.md").read_text()
+
+
 def test_seeds_refuses_runs_of_other_settings_and_bad_paths(tmp_path, capsys):
     write(tmp_path / "x" / "seed1", 1, {"shampoo-sync": 1.0, "shampoo-async": 1.01})
     write(tmp_path / "y" / "seed2", 2, {"shampoo-sync": 1.0, "shampoo-async": 1.01}, CONFIG | {"stagger": True})
@@ -132,11 +158,34 @@ def test_seeds_reads_each_file_once_and_refuses_malformed_results(tmp_path, caps
     capsys.readouterr()
     for name, payload in (("noseed", {"device": "X", "config": {"model": "tiny"}, "runs": {}}),
                           ("nullconfig", {"device": "X", "config": None, "runs": {}}),
-                          ("listruns", {"device": "X", "config": {"seed": 1}, "runs": []})):
+                          ("listruns", {"device": "X", "config": {"seed": 1}, "runs": []}),
+                          ("norun", {"device": "X", "config": {"seed": 1}, "runs": {}}),
+                          ("boolseed", {"device": "X", "config": {"seed": True}, "runs": {"adamw": {}}}),
+                          ("numberdevice", {"device": 3, "config": {"seed": 1}, "runs": {"adamw": {}}})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(payload))
         assert main(["seeds", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
-        assert "config.seed (an int) and runs (config label -> row)" in capsys.readouterr().err, name
+        assert "config.seed (an int >= 0), the device's name and runs (config label -> row)" in \
+            capsys.readouterr().err, name
+    for name, row, message in (("text", {"final_val_loss": "5.2"}, "runs['adamw']['final_val_loss']='5.2': must be"),
+                               ("label", {}, "Invalid config='foo'")):
+        (tmp_path / name).mkdir()
+        payload = {"device": "X", "config": {"seed": 1}, "runs": {"foo" if name == "label" else "adamw": row}}
+        (tmp_path / name / "results.json").write_text(json.dumps(payload))
+        assert main(["seeds", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert f"Invalid results file {str(tmp_path / name / 'results.json')!r}" in err and message in err, err
+    # A file named on the command line must be a bench results.json (below a folder, others are skipped).
+    (tmp_path / "other.json").write_text(json.dumps({"steps": [1, 2]}))
+    assert main(["seeds", str(tmp_path / "a"), str(tmp_path / "other.json"), "--out", str(tmp_path / "out")]) == 2
+    assert f"Invalid run path {str(tmp_path / 'other.json')!r}: not an `asteria bench` results.json" in \
+        capsys.readouterr().err
+    # A baseline with no native config to compare with
+    write(tmp_path / "adamw-only" / "seed1", 1, {"adamw": 1.2})
+    assert main(["seeds", str(tmp_path / "a"), "--baseline", str(tmp_path / "adamw-only"),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "Invalid baseline: its configs ['adamw'] hold no native (X-sync) config to compare the runs' " \
+           "['shampoo-sync', 'shampoo-async'] with" in capsys.readouterr().err
 
 
 def test_seeds_names_the_files_whose_settings_differ_and_pools_timing_only_settings(tmp_path, capsys):

@@ -45,6 +45,8 @@ def load_documents(path: str | None, max_bytes: int) -> list[bytes]:
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"Invalid data={path!r}: no such file or folder")
+    if not source.is_dir() and not source.is_file():  # a pipe or device would be read without end
+        raise ValueError(f"Invalid data={path!r}: must be a regular file or a folder")
     files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     docs, total, binary = [], 0, 0
     for file in files:

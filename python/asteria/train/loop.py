@@ -146,6 +146,10 @@ class RunConfig:
               "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
               "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        for name in ("data", "tokenizer"):  # "" would be the current folder
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, str) and value.strip() != ""), name,
+                  "must be a file or folder path (or None: the default)")
         check(isinstance(self.deterministic, bool), "deterministic", "must be True or False")
         check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
@@ -298,16 +302,34 @@ def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.opti
 
 
 def _read_records(path: Path, up_to: int) -> list[dict[str, Any]]:
-    if not path.exists():
+    """The records of steps 1..``up_to`` in the metrics file ``path`` (a resumed run keeps them and goes on
+    from there). A line cut short by a crash is dropped; records missing before ``up_to`` (a checkpoint
+    whose metrics were lost or edited) raise ``ValueError`` naming the file, before anything changes."""
+    if up_to == 0:
         return []
+    where = f"Invalid metrics={str(path)!r}"
+    if not path.is_file():
+        raise ValueError(f"{where}: the run resumes from step {up_to}, and its metrics.jsonl is missing; the "
+                         "records of steps 1 to that cannot be restored (--overwrite starts the run again)")
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: unreadable ({error})") from None
     records = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
-        if record.get("step", up_to + 1) <= up_to:
+        if isinstance(record, dict) and is_int(record.get("step")) and record["step"] <= up_to:
             records.append(record)
+    steps = [r["step"] for r in records]
+    if steps != list(range(1, up_to + 1)):
+        missing = sorted(set(range(1, up_to + 1)) - set(steps))
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"{where}: the run resumes from step {up_to}, and its records of steps 1 to {up_to} are "
+                         + (f"not all there (missing: {shown})" if missing else "out of order or repeated")
+                         + "; restore the file as the run left it, or --overwrite to start the run again")
     return records
 
 
@@ -330,6 +352,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     layout = resolve_layout(cfg.local_world_size)  # a bad environment or node size fails before anything runs
     profile_steps = check_profile_steps(profile_steps, cfg.steps)
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"Invalid out={str(out)!r}: it is an existing file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     if not (overwrite and layout.rank != 0):  # rank 0 alone replaces an earlier run; the others need not look
         _claim_out(out, resume, overwrite)

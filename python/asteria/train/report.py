@@ -72,7 +72,56 @@ def load_run(run_dir: Path) -> Run:
         raise ValueError(f"Invalid run={str(run_dir)!r}: unreadable metrics ({error})") from None
     if not records:
         raise ValueError(f"Invalid run={str(run_dir)!r}: no steps recorded")
+    _check_run(run_dir, summary, records)
     return Run(run_dir, summary, records)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What the reports read of a run: summary.json's entries and each metrics.jsonl record's, with what they must be.
+SUMMARY_ENTRIES = {"label": (lambda v: isinstance(v, str) and v != "", "a config label"),
+                   "device": (lambda v: isinstance(v, str) and v != "", "the device's name"),
+                   "final_loss": (_number, "a number")}
+OPTIONAL_ENTRIES = {"final_val_loss": (_number, "a number or null"),
+                    "median_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
+                    "max_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
+                    "vocab_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2,
+                                   "an int >= 2"),
+                    "initial_loss_bound": (lambda v: _number(v) and v > 0, "a number > 0"),
+                    "energy_joules_total": (_number, "a number or null"),
+                    "energy_joules_per_step": (_number, "a number or null"),
+                    "runtime_stats": (lambda v: isinstance(v, dict), "an object"),
+                    "config": (lambda v: isinstance(v, dict), "an object")}
+RECORD_ENTRIES = {"step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+                  "loss": (_number, "a number"), "wall": (_number, "a number of seconds"),
+                  "step_time": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0")}
+
+
+def _check_run(run_dir: Path, summary: Any, records: list[Any]) -> None:
+    """Raises ``ValueError`` naming the first entry of a run's files that the reports could not read."""
+    where = f"Invalid run={str(run_dir)!r}"
+    if not isinstance(summary, dict):
+        raise ValueError(f"{where}: summary.json holds a {type(summary).__name__}, not an object")
+    for key, (ok, allowed) in SUMMARY_ENTRIES.items():
+        if key not in summary or not ok(summary[key]):
+            raise ValueError(f"{where}: summary.json's {key}={summary.get(key, '(missing)')!r}: must be {allowed}")
+    for key, (ok, allowed) in OPTIONAL_ENTRIES.items():
+        if summary.get(key) is not None and not ok(summary[key]):
+            raise ValueError(f"{where}: summary.json's {key}={summary[key]!r}: must be {allowed}")
+    if summary.get("vocab_size") is None and summary.get("initial_loss_bound") is None:
+        raise ValueError(f"{where}: summary.json has neither vocab_size nor initial_loss_bound")
+    for line, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: metrics.jsonl line {line} holds {record!r}, not an object")
+        for key, (ok, allowed) in RECORD_ENTRIES.items():
+            if key not in record or not ok(record[key]):
+                raise ValueError(f"{where}: metrics.jsonl line {line}: {key}={record.get(key, '(missing)')!r}: "
+                                 f"must be {allowed}")
+        if "energy_joules" in record and not _number(record["energy_joules"]):
+            raise ValueError(f"{where}: metrics.jsonl line {line}: energy_joules={record['energy_joules']!r}: "
+                             "must be a number")
 
 
 def steady_warmup(precondition_frequency: int, sync_refreshes: int) -> int:
@@ -108,7 +157,8 @@ def _unique_labels(runs: list[Run]) -> list[str]:
 def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]:
     """The report's figures per run (the JSON behind the Markdown table)."""
     reference = next((r for r in runs if r.label == "adamw"), None)
-    if target_loss is None and reference is not None:
+    diverged_reference = reference is not None and not math.isfinite(reference.summary["final_loss"])
+    if target_loss is None and reference is not None and not diverged_reference:
         target_loss = reference.summary["final_loss"]
     ref_energy = reference.summary.get("energy_joules_total") if reference and reference.has_energy else None
     ref_per_step = reference.summary.get("energy_joules_per_step") if ref_energy else None
@@ -123,8 +173,8 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
             "final_val_loss": s.get("final_val_loss"),
             "steps": run.records[-1]["step"],
             "wall_seconds": run.records[-1]["wall"],
-            "median_step_seconds": s["median_step_seconds"],
-            "max_step_seconds": s["max_step_seconds"],
+            "median_step_seconds": s.get("median_step_seconds"),
+            "max_step_seconds": s.get("max_step_seconds"),
             "steady_max_over_median": steady_max_over_median(run),
             "initial_loss": l_init,
             "time_to_target_seconds": reached["wall"] if reached else None,
@@ -140,8 +190,10 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
         if reference is not None and reached and reference.reach(target_loss):
             row["time_to_target_vs_adamw"] = reached["wall"] / reference.reach(target_loss)["wall"]
         rows[name] = row
-    return {"device": runs[0].summary["device"], "target_loss": target_loss,
-            "reference": "adamw" if reference is not None else None, "runs": rows}
+    devices = list(dict.fromkeys(run.summary["device"] for run in runs))
+    return {"device": ", ".join(devices), "target_loss": target_loss,
+            "reference": "adamw" if reference is not None else None, "runs": rows,
+            "reference_diverged": diverged_reference}
 
 
 def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
@@ -199,6 +251,8 @@ def write_report(run_dirs: list[Path], out: Path, target_loss: float | None = No
         "",
         f"Target loss: {_fmt(target, '.4f')}"
         + (" (AdamW's final loss)" if target_loss is None and target is not None else "")
+        + (" (AdamW's run diverged: its final loss is not finite; give --target-loss)"
+           if figures["reference_diverged"] and target is None else "")
         + f". Final loss is the mean of the last {SMOOTHING} steps' training loss; time to target is the "
           f"training wall clock at the first step whose trailing {SMOOTHING}-step mean reaches it. Efficiency is "
           "(L_init - L_final) / (E / E_AdamW) with L_init = ln(vocabulary size) and E the run's GPU energy. "

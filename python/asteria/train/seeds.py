@@ -25,6 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from asteria.config import is_int
 from asteria.train.bench import parse_config, run_bench
 from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
@@ -49,19 +50,29 @@ def _t95(df: int) -> float:
 
 def spread_stats(values: list[float]) -> dict[str, Any]:
     """Mean, sample standard deviation, standard error of the mean and its 95% interval (None for one
-    value), min, max and count."""
+    value), min, max and count of the finite values; ``diverged`` counts the others (a run whose loss went
+    to NaN or infinity), and every figure is None when no value is finite."""
+    finite = [v for v in values if math.isfinite(v)]
+    diverged = len(values) - len(finite)
+    if not finite:
+        return {"mean": None, "sd": None, "se": None, "ci95": None, "min": None, "max": None, "n": 0,
+                "diverged": diverged}
+    values = finite
     n = len(values)
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if n > 1 else None
     se = sd / math.sqrt(n) if sd is not None else None
     half = None if se is None else _t95(n - 1) * se
     return {"mean": mean, "sd": sd, "se": se, "ci95": None if half is None else [mean - half, mean + half],
-            "min": min(values), "max": max(values), "n": n}
+            "min": min(values), "max": max(values), "n": n, "diverged": diverged}
 
 
-def _verdict(stats: dict[str, Any] | None) -> str | None:
+def _verdict(stats: dict[str, Any] | None, diverged: int = 0) -> str | None:
     """Whether Asteria's mean loss is within ``LOSS_TOLERANCE`` of native's: "met" when the 95% interval
-    of the paired difference lies at or below it, "not met" when it lies above, else "undecided"."""
+    of the paired difference lies at or below it, "not met" when it lies above or an Asteria run
+    ``diverged`` where native's did not, else "undecided"."""
+    if diverged:
+        return "not met"
     if stats is None or stats["ci95"] is None:
         return None
     low, high = stats["ci95"]
@@ -107,15 +118,23 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
             continue
         pair: dict[str, Any] = {"native": native + ("" if baseline is None else BASELINE)}
         for key in ("final_loss", "final_val_loss"):
-            deltas = {}
+            deltas, diverged = {}, {"asteria": [], "native": []}  # seeds whose run's loss is not finite
             for seed in seeds:
                 ours, theirs = seed_mean(per_seed, seed, label, key), seed_mean(reference, seed, native, key)
-                if ours is not None and theirs:
+                if ours is None or not theirs:
+                    continue
+                if math.isfinite(ours) and math.isfinite(theirs):
                     deltas[str(seed)] = ours / theirs - 1.0
+                else:  # a diverged native run says nothing of Asteria's gap; a diverged Asteria run is behind
+                    diverged["native" if not math.isfinite(theirs) else "asteria"].append(seed)
             stats = spread_stats(list(deltas.values())) if deltas else None
-            pair[key] = {"per_seed": deltas, "stats": stats, "asteria_behind": sum(d > 0 for d in deltas.values()),
-                         "within_tolerance": _verdict(stats)}
+            pair[key] = {"per_seed": deltas, "stats": stats, "diverged": diverged,
+                         "asteria_behind": sum(d > 0 for d in deltas.values()) + len(diverged["asteria"]),
+                         "within_tolerance": _verdict(stats, len(diverged["asteria"]))}
         pairs[label] = pair
+    if baseline is not None and not pairs:
+        raise ValueError(f"Invalid baseline: its configs {natives} hold no native (X-sync) config to compare the "
+                         f"runs' {labels_of(per_seed)} with")
     return {"seeds": seeds, "configs": configs, "pairs": pairs, "loss_tolerance": LOSS_TOLERANCE}
 
 
@@ -175,10 +194,21 @@ def _read_results(file: Path) -> dict[str, Any] | None:
     if not isinstance(results, dict) or not {"runs", "config", "device"} <= results.keys():
         return None
     config, runs = results["config"], results["runs"]
-    if not (isinstance(config, dict) and isinstance(config.get("seed"), int) and isinstance(runs, dict)
-            and all(isinstance(row, dict) for row in runs.values())):
+    if not (isinstance(config, dict) and is_int(config.get("seed")) and config["seed"] >= 0
+            and isinstance(runs, dict) and runs and all(isinstance(row, dict) for row in runs.values())
+            and isinstance(results["device"], str)):
         raise ValueError(f"Invalid results file {str(file)!r}: an `asteria bench` results.json has config.seed "
-                         "(an int) and runs (config label -> row)")
+                         "(an int >= 0), the device's name and runs (config label -> row)")
+    for label, row in runs.items():
+        try:
+            parse_config(label)
+        except ValueError as error:
+            raise ValueError(f"Invalid results file {str(file)!r}: {error}") from None
+        for key in ("final_loss", "final_val_loss", "energy_vs_adamw"):
+            value = row.get(key)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                raise ValueError(f"Invalid results file {str(file)!r}: runs[{label!r}][{key!r}]={value!r}: must be "
+                                 "a number or null")
     return results
 
 
@@ -203,13 +233,17 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
         if not path.exists():
             raise ValueError(f"Invalid run path {str(path)!r}: it does not exist")
         files += [path] if path.is_file() else sorted(path.rglob("results.json"))
+    named = {path.resolve() for path in paths if path.is_file()}  # files given as such must be bench results
     per_seed: dict[int, dict[str, list[dict[str, Any]]]] = {}
     devices: list[str] = []
     codes: Counter[str] = Counter()
     settings: dict[Path, dict[str, Any]] = {}
     for file in dict.fromkeys(f.resolve() for f in files):
         results = _read_results(file)
-        if results is None:
+        if results is None and file in named:
+            raise ValueError(f"Invalid run path {str(file)!r}: not an `asteria bench` results.json (one has device, "
+                             "config and runs)")
+        if results is None:  # another tool's results.json below a folder (bench/scaling.py's)
             continue
         settings[file] = _math_settings(results["config"], list(results["runs"]))
         for label, row in results["runs"].items():
@@ -246,12 +280,18 @@ def setting_differences(runs: dict[str, Any], baseline: dict[str, Any]) -> dict[
     return {key: [runs[key], baseline[key]] for key in keys if runs[key] != baseline[key]}
 
 
+def _diverged(stats: dict[str, Any]) -> str:
+    return f" ({stats['diverged']} diverged)" if stats.get("diverged") else ""
+
+
 def _fmt(stats: dict[str, Any] | None, spec: str, percent: bool = False) -> str:
     if stats is None:
         return "n/a"
+    if stats["mean"] is None:
+        return "n/a" + _diverged(stats)
     scale, unit = (100.0, "%") if percent else (1.0, "")
     sd = "" if stats["sd"] is None else f" ± {scale * stats['sd']:{spec}}{unit}"
-    return f"{scale * stats['mean']:{'+' if percent else ''}{spec}}{unit}{sd}"
+    return f"{scale * stats['mean']:{'+' if percent else ''}{spec}}{unit}{sd}{_diverged(stats)}"
 
 
 def _interval(stats: dict[str, Any] | None) -> str:
@@ -289,10 +329,14 @@ def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
                   f"within {tolerance:g}% | final loss, mean ± SE |", "|---|---|---|---|---|---|---|"]
         for label, pair in summary["pairs"].items():
             val, final = pair["final_val_loss"], pair["final_loss"]
-            per_seed = ", ".join(f"{seed}: {100 * d:+.1f}%" for seed, d in val["per_seed"].items()) or "n/a"
-            verdict = val["within_tolerance"] or f"n/a ({len(val['per_seed'])} paired seeds)"
+            diverged = val.get("diverged", {"asteria": [], "native": []})
+            per_seed = ", ".join([f"{seed}: {100 * d:+.1f}%" for seed, d in val["per_seed"].items()]
+                                 + [f"{seed}: Asteria diverged" for seed in diverged["asteria"]]
+                                 + [f"{seed}: native diverged (left out)" for seed in diverged["native"]]) or "n/a"
+            paired = len(val["per_seed"]) + len(diverged["asteria"])
+            verdict = val["within_tolerance"] or f"n/a ({paired} paired seeds)"
             lines.append(f"| {label} vs {pair['native']} | {per_seed} | {_fmt_se(val['stats'])} | "
-                         f"{_interval(val['stats'])} | {val['asteria_behind']} of {len(val['per_seed'])} | "
+                         f"{_interval(val['stats'])} | {val['asteria_behind']} of {paired} | "
                          f"{verdict} | {_fmt_se(final['stats'])} |")
     return "\n".join(lines) + "\n"
 
@@ -308,7 +352,7 @@ def _baseline_line(differences: dict[str, list[Any]]) -> str:
 
 
 def _fmt_se(stats: dict[str, Any] | None) -> str:
-    if stats is None:
+    if stats is None or stats["mean"] is None:
         return "n/a"
     se = "" if stats["se"] is None else f" ± {100 * stats['se']:.2f}%"
     return f"{100 * stats['mean']:+.2f}%{se}"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria.train.loop import RunConfig, train
-from asteria.train.report import plt, write_report
+from asteria.train.report import load_run, plt, write_report
 from asteria.train.seeds import check_seeds, spread_stats
 
 DEFAULT_STALENESS = (0, 1, 2, 3, 5, 10)
@@ -50,21 +50,25 @@ def _spread_verdict(stats: list[dict[str, Any]]) -> tuple[list[float] | None, st
     simultaneous) 95% intervals of their offsets, and the verdict against ``SPREAD_TARGET``: "met" when
     even the outer edges are closer than it, "not met" when even the inner edges are further apart (or a
     run diverged), else "undecided"; None without intervals."""
+    if any(st.get("diverged") for st in stats):
+        return None, "not met"  # a loss that is not finite at some S <= 5
     if len(stats) < 2 or any(st["ci95"] is None for st in stats):
         return None, None
-    if not all(math.isfinite(x) for st in stats for x in st["ci95"]):
-        return None, "not met"  # a loss that is not finite at some S <= 5
     outer = max(st["ci95"][1] for st in stats) - min(st["ci95"][0] for st in stats)
     inner = max(0.0, max(st["ci95"][0] for st in stats) - min(st["ci95"][1] for st in stats))
     verdict = "met" if outer < SPREAD_TARGET else "not met" if inner >= SPREAD_TARGET else "undecided"
     return [inner, outer], verdict
 
 
+# What ``_aggregate`` reads of a run's summary beyond what ``load_run`` checks
+SWEEP_READS = {"runtime_stats": dict, "median_step_seconds": (int, float)}
+
+
 def _aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One S's row over its runs (one per seed): mean losses and step time, waits summed over the runs,
     the largest staleness seen."""
     n = len(summaries)
-    vals = [m["final_val_loss"] for m in summaries]
+    vals = [m.get("final_val_loss") for m in summaries]
     stats = [m["runtime_stats"] for m in summaries]
     waits = [st.get("waits") for st in stats]
     seen = [st["max_staleness_seen"] for st in stats if st.get("max_staleness_seen") is not None]
@@ -85,6 +89,14 @@ def finished_run(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
         return None
     wanted = json.loads(json.dumps(asdict(cfg)))  # as the summary stores it
     if not isinstance(summary, dict) or summary.get("config") != wanted or summary.get("steps_done") != cfg.steps:
+        return None
+    try:  # and its files as the sweep's report reads them, every step recorded
+        run = load_run(run_dir)
+    except (OSError, ValueError):
+        return None
+    steps = [r["step"] for r in run.records]
+    if steps != list(range(1, cfg.steps + 1)) or not all(
+            isinstance(summary.get(key), kind) for key, kind in SWEEP_READS.items()):
         return None
     return summary
 
@@ -125,8 +137,11 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
             rows[s]["final_loss_stats"] = spread_stats([m["final_loss"] for m in summaries.values()])
     bounded = [s for s in values if s <= SPREAD_BOUND]
     losses = [rows[s]["final_loss"] for s in bounded]
+    # A diverged S (its loss NaN or infinite) has no spread to speak of: None, and the S listed.
+    diverged = [s for s in bounded if not math.isfinite(rows[s]["final_loss"])]
     result = {"config": asdict(base), "staleness": values, "seeds": seeds, "runs": {str(s): r for s, r in rows.items()},
-              "spread_final_loss_s_le_5": (max(losses) - min(losses)) if losses else None}
+              "spread_final_loss_s_le_5": (max(losses) - min(losses)) if losses and not diverged else None,
+              "diverged_s": diverged}
     if seeds is not None:
         _pair_by_seed(rows, bounded, seeds)
         band, verdict = _spread_verdict([rows[s]["final_loss_offset"] for s in bounded])
@@ -173,11 +188,13 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
             line += f" {se} | {off} | {ci} |"
         lines.append(line)
     lines += ["", f"Spread of the final loss over S <= {SPREAD_BOUND}: "
-              + ("n/a (no such S)" if spread is None else f"{spread:.4f}")]
+              + (f"n/a (diverged at S = {', '.join(map(str, diverged))})" if diverged else
+                 "n/a (no such S)" if spread is None else f"{spread:.4f}")]
     if seeds is not None:
         band = result["spread_band_s_le_5"]
         lines += ["", f"Against the target spread < {SPREAD_TARGET}: "
-                  + ("n/a (needs two S <= 5 and two seeds)" if band is None else
+                  + ("not met (a run diverged)" if result["spread_verdict"] == "not met" and band is None else
+                     "n/a (needs two S <= 5 and two seeds)" if band is None else
                      f"{result['spread_verdict']} (the spread lies between {band[0]:.4f} and {band[1]:.4f} by the "
                      "per-S 95% intervals of the offsets, paired by seed; waits count every seed's run)")]
     lines += ["", "![sweep](sweep.png)", ""]
