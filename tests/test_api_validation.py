@@ -4,6 +4,7 @@ already pinned elsewhere (tests/test_failures.py, each optimizer's reference tes
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,11 +124,146 @@ def test_a_grafting_typo_made_after_construction_is_refused_at_the_step():
             train(model, opt, 1)
 
 
+def test_the_runtime_config_is_the_optimizers_own_copy():
+    """Changing (or reusing) the RuntimeConfig after construction reached a live optimizer unchecked: a
+    mode or staleness it was not built for, a misspelt policy."""
+    runtime = asteria.RuntimeConfig(mode="sync")
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=runtime) as opt:
+        runtime.mode, runtime.nonfinite_grad_policy, runtime.memory.placement = "async", "Raise", "host"
+        assert opt.runtime.mode == "sync" and opt.runtime.nonfinite_grad_policy == "skip"
+        assert opt.runtime.memory.placement == "auto" and opt.runtime is not runtime
+        train(model, opt, 2)
+        assert opt.state_dict()["runtime_mode"] == "sync"
+
+
+def test_param_groups_edited_after_construction_are_refused_at_the_step():
+    """The blocks are batched at construction: parameters swapped in or a group appended were ignored
+    silently, a hyperparameter deleted gave a raw KeyError."""
+    for edit, match in ((lambda g: g[0].__setitem__("params", list(g[0]["params"])), r"their parameters changed"),
+                        (lambda g: g[0]["params"].pop(), r"their parameters changed"),
+                        (lambda g: g.append({"params": [torch.nn.Parameter(torch.ones(2))], **g[0]}),
+                         r"now 2 groups"),
+                        (lambda g: g[0].pop("eps"), r"Invalid param_groups\[0\]: \['eps'\] removed")):
+        model = small_mlp()
+        with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+            train(model, opt, 1)
+            edit(opt.param_groups)
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(ValueError, match=match):
+                train(model, opt, 1)
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert opt.runtime_stats()["step"] == 1
+
+
+@pytest.mark.parametrize("group, match", [
+    ({"precondition_frequency": 1}, r"Invalid param_groups\[0\]\['precondition_frequency'\]=1: precondition_"
+                                    r"frequency is the optimizer's, one for every group"),
+    ({"max_preconditioner_dim": 2}, r"Invalid param_groups\[0\]\['max_preconditioner_dim'\]=2"),
+    ({"runtime": None}, r"Invalid param_groups\[0\]\['runtime'\]=None"),
+])
+def test_constructor_arguments_in_a_param_group_are_refused(group, match):
+    with pytest.raises(ValueError, match=match):
+        asteria.SOAP([{"params": list(small_mlp().parameters()), **group}])
+
+
+def test_a_param_groups_beta2_follower_set_to_none_follows_its_betas():
+    params = list(small_mlp().parameters())
+    with asteria.Shampoo([{"params": params[:2], "grafting_beta2": None, "betas": (0.9, 0.95)},
+                          {"params": params[2:], "grafting_beta2": None}], grafting_beta2=0.9,
+                         runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        assert [g["grafting_beta2"] for g in opt.param_groups] == [0.95, opt.defaults["betas"][1]]
+    with asteria.SOAP([{"params": params, "shampoo_beta": None, "betas": (0.9, 0.8)}], shampoo_beta=0.5,
+                      runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        assert opt.param_groups[0]["shampoo_beta"] == 0.8
+
+
+def test_numbers_torch_cannot_take_are_refused_by_name():
+    from fractions import Fraction
+
+    params = small_mlp().parameters()
+    with pytest.raises(ValueError, match=r"Invalid lr=Fraction\(1, 1000\)"):
+        asteria.Shampoo(params, lr=Fraction(1, 1000))
+    with pytest.raises(ValueError, match=r"Invalid lr=tensor\(True\)"):
+        asteria.Shampoo(small_mlp().parameters(), lr=torch.tensor(True))
+
+
+def test_inference_mode_is_refused_at_construction():
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match=r"Invalid SOAP\(...\) under torch.inference_mode\(\)"):
+            asteria.SOAP(small_mlp().parameters())
+        model = small_mlp()  # inference tensors
+    with pytest.raises(ValueError, match=r"Invalid parameter .*: an inference tensor"):
+        asteria.SOAP(model.parameters())
+
+
+def test_a_gradient_of_another_shape_or_kind_is_refused_before_anything_changes():
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        train(model, opt, 1)
+        weight = model[0].weight
+        for grad, shown in ((torch.randn(5), r"torch.float32 \(5,\)"),
+                            (torch.randn(weight.shape[::-1]), r"torch.float32 \(8, 16\)"),
+                            (torch.ones(weight.shape, dtype=torch.int64), r"torch.int64 \(16, 8\)")):
+            model.zero_grad()
+            model(torch.randn(3, 8)).sum().backward()
+            weight.grad = None
+            weight.grad = torch.zeros_like(weight)
+            weight.grad.data = grad
+            with pytest.raises(ValueError, match=rf"Invalid gradient of .*: {shown}, for a parameter of "
+                                                 r"torch.float32 \(16, 8\): must be a floating-point tensor"):
+                opt.step()
+            assert opt.runtime_stats()["step"] == 1
+
+
+def test_state_view_is_read_only_and_a_mapping():
+    model = small_mlp()
+    with asteria.SOAP(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        weight = model[0].weight
+        assert "w" not in opt.state and None not in opt.state and opt.state.get("w", 7) == 7
+        with pytest.raises(TypeError, match="Invalid assignment to optimizer.state: it is a read-only view"):
+            opt.state[weight] = {"step": 5}
+        with pytest.raises(TypeError, match="read-only"):
+            del opt.state[weight]
+        view = opt.state
+    del opt
+    import gc
+    gc.collect()
+    with pytest.raises(ReferenceError, match="outlived its optimizer"):
+        view[weight]
+
+
+def test_attach_refuses_a_closed_optimizer_and_a_model_it_does_not_train():
+    model = small_mlp()
+    opt = asteria.SOAP(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync"))
+    with pytest.raises(ValueError, match=r"Invalid model=Sequential: none of its parameters is the optimizer's"):
+        asteria.attach(small_mlp(), opt)
+    asteria.attach(model, opt, drain_points=np.int64(2)).remove()  # NumPy ints as everywhere else
+    opt.close()
+    with pytest.raises(RuntimeError, match=r"Invalid attach\(\) of a closed optimizer"):
+        asteria.attach(model, opt)
+    with pytest.raises(RuntimeError, match=r"Invalid load_state_dict\(\) after close\(\)"):
+        opt.load_state_dict(opt.state_dict())
+
+
+def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
+    import pathlib
+
+    assert asteria.MemoryConfig(nvme_dir=pathlib.Path(tmp_path)).nvme_dir == str(tmp_path)
+    with pytest.raises(ValueError, match=r"Invalid nvme_dir='   ': must be None or a directory path"):
+        asteria.MemoryConfig(nvme_dir="   ")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"blas_threads": 0}, "Invalid blas_threads=0"),
     ({"blas_threads": 2**40}, r"Invalid blas_threads=1099511627776: must be an int in \[1, 1024\]"),
     ({"workers": 100000}, r"Invalid workers=100000: must be None or an int in \[1, 1024\]"),
-    ({"timeout_s": 1e10}, r"Invalid timeout_s=10000000000.0: must be a finite number of seconds in \(0, 1e\+07\]"),
+    ({"timeout_s": 1e10}, r"Invalid timeout_s=10000000000.0: must be a finite number of seconds in \[1e-06, 1e\+07\]"),
+    ({"timeout_s": 5e-10}, r"Invalid timeout_s=5e-10: must be a finite number of seconds in \[1e-06"),
+    ({"torch_threads": 100000}, r"Invalid torch_threads=100000: must be 'auto', 'keep' or an int in \[1, 1024\]"),
+    ({"sync_refreshes": 2**31}, r"Invalid sync_refreshes=2147483648: must be an int in \[0, 2147483647\]"),
+    ({"max_consecutive_failures": 2**31}, r"Invalid max_consecutive_failures=2147483648: must be an int in \[1, "),
+    ({"max_nonfinite_grad_steps": 2**40}, r"Invalid max_nonfinite_grad_steps=1099511627776"),
     ({"workers": 2.0}, "Invalid workers=2.0"),
     ({"deterministic": 1}, "Invalid deterministic=1"),
     ({"sync_refreshes": -1}, "Invalid sync_refreshes=-1"),

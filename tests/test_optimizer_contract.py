@@ -251,6 +251,39 @@ def test_torch_per_parameter_checkpoint_api_is_refused_before_anything_changes(m
         assert opt.state_dict()["step"] == 3  # a call of its own is not refused
 
 
+@pytest.fixture
+def default_dtype_and_device():
+    """torch's default dtype and device, put back after the test."""
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.usefixtures("default_dtype_and_device")
+def test_torch_defaults_of_the_caller_do_not_change_the_state(optimizer, mode):
+    """The state is allocated with its own dtype (float32) and the host buffers on the CPU, whatever
+    torch.set_default_dtype / set_default_device say when the optimizer is built: under a float64 default
+    every step failed on a float64 factor beside float32 operands, and an async optimizer built under
+    another default device handed non-CPU buffers to the C++ engine. The run is then the same, bit for bit."""
+    reference = small_mlp()
+    train(reference, optimizer(reference.parameters(), precondition_frequency=2, runtime=runtime(mode)), 4)
+    for dtype, device in ((torch.float64, None), (torch.float16, None), (torch.float32, "meta")):
+        model = small_mlp()
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
+        opt = optimizer(model.parameters(), precondition_frequency=2, runtime=runtime(mode))
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+        with opt:
+            assert {t.dtype for g in opt._groups for t in g.state.values() if t.is_floating_point()} == \
+                {torch.float32}
+            train(model, opt, 4)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())), (dtype, device)
+
+
 def malformed(path: tuple, value) -> Callable[[dict], None]:
     """Sets ``state['refresher'][path...]`` to ``value`` (or to ``value(old)`` when callable)."""
     def apply(state: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,6 +17,8 @@ MAX_STALENESS = 1000  # async mode keeps up to S + 1 host snapshots of each bloc
 MAX_FREQUENCY = 10**6  # precondition_frequency: the schedule keeps per-step tables of an interval
 MAX_THREADS = 1024  # workers, blas_threads: beyond any host's cores
 MAX_TIMEOUT_S = 1e7  # about 115 days; the core counts waits in int64 nanoseconds
+MIN_TIMEOUT_S = 1e-6  # a microsecond: the core's waits are whole nanoseconds
+MAX_COUNT = 2**31 - 1  # sync_refreshes, max_consecutive_failures, max_nonfinite_grad_steps: C ints in the core
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -61,8 +64,10 @@ class MemoryConfig:
             _check(value is None or (is_int(value) and value > 0), name, value,
                    "must be None or a positive number of bytes")
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
-        _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir != ""), "nvme_dir",
-               self.nvme_dir, "must be None or a directory path")
+        if isinstance(self.nvme_dir, os.PathLike):
+            self.nvme_dir = os.fspath(self.nvme_dir)
+        _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir.strip() != ""),
+               "nvme_dir", self.nvme_dir, "must be None or a directory path (a str or os.PathLike)")
         _check(self.nvme_budget is None or self.nvme_dir is not None, "nvme_budget", self.nvme_budget,
                "bounds the page files under nvme_dir: set nvme_dir too, or leave nvme_budget None")
 
@@ -171,8 +176,9 @@ class RuntimeConfig:
                    and len(self.worker_cpus) > 0
                    and all(is_int(c) and c in allowed for c in self.worker_cpus), "worker_cpus", self.worker_cpus,
                    f"must be 'auto', 'any' or a non-empty sequence of CPUs this process may use ({allowed})")
-        _check(self.torch_threads in ("auto", "keep") or (is_int(self.torch_threads) and self.torch_threads >= 1),
-               "torch_threads", self.torch_threads, "must be 'auto', 'keep' or an int >= 1")
+        _check(self.torch_threads in ("auto", "keep")
+               or (is_int(self.torch_threads) and 1 <= self.torch_threads <= MAX_THREADS),
+               "torch_threads", self.torch_threads, f"must be 'auto', 'keep' or an int in [1, {MAX_THREADS}]")
         _check(is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
         _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
@@ -187,16 +193,17 @@ class RuntimeConfig:
                self.stagger_split, "must be None or a bool")
         _check(not (self.stagger_split is True and self.stagger is False), "stagger_split", self.stagger_split,
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
-        _check(is_int(self.sync_refreshes) and self.sync_refreshes >= 0, "sync_refreshes", self.sync_refreshes,
-               "must be an int >= 0")
-        _check(is_real(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S,
-               "timeout_s", self.timeout_s, f"must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
-        _check(is_int(self.max_consecutive_failures) and self.max_consecutive_failures >= 1,
-               "max_consecutive_failures", self.max_consecutive_failures, "must be an int >= 1")
+        _check(is_int(self.sync_refreshes) and 0 <= self.sync_refreshes <= MAX_COUNT, "sync_refreshes",
+               self.sync_refreshes, f"must be an int in [0, {MAX_COUNT}]")
+        _check(is_real(self.timeout_s) and MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S,
+               "timeout_s", self.timeout_s,
+               f"must be a finite number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]")
+        _check(is_int(self.max_consecutive_failures) and 1 <= self.max_consecutive_failures <= MAX_COUNT,
+               "max_consecutive_failures", self.max_consecutive_failures, f"must be an int in [1, {MAX_COUNT}]")
         _check(self.nonfinite_grad_policy in NONFINITE_POLICIES, "nonfinite_grad_policy",
                self.nonfinite_grad_policy, f"must be one of {NONFINITE_POLICIES}")
-        _check(is_int(self.max_nonfinite_grad_steps) and self.max_nonfinite_grad_steps >= 1,
-               "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, "must be an int >= 1")
+        _check(is_int(self.max_nonfinite_grad_steps) and 1 <= self.max_nonfinite_grad_steps <= MAX_COUNT,
+               "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, f"must be an int in [1, {MAX_COUNT}]")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "
@@ -250,8 +257,10 @@ def is_int(value: Any) -> bool:
 
 
 def is_real(value: Any) -> bool:
-    """A finite real number (Python or NumPy) that is not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (Python or NumPy) that is not a bool, nor a fraction (torch's operators take
+    ints and floats, not ``fractions.Fraction``)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and (isinstance(value, numbers.Integral) or not isinstance(value, numbers.Rational)))
 
 
 def plain(value: Any) -> Any:

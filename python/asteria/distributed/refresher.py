@@ -119,8 +119,8 @@ class DistributedRefresher(WorkerRefresher):
                 continue
             pin = fset.device.type == "cuda"
             n, rows = fset.dim, units[0].rows
-            snaps = torch.empty((self.depth, len(owned), n, n), dtype=torch.float32, pin_memory=pin)
-            results = torch.empty((self.depth, len(owned), rows, n), dtype=torch.float32, pin_memory=pin)
+            snaps = torch.empty((self.depth, len(owned), n, n), dtype=torch.float32, pin_memory=pin, device="cpu")
+            results = torch.empty((self.depth, len(owned), rows, n), dtype=torch.float32, pin_memory=pin, device="cpu")
             ids = [self.engine.add_block(snaps[:, j], results[:, j], kind=fset.kind) for j in range(len(owned))]
             for block_id, b in zip(ids, owned):
                 self.engine_unit[block_id] = units[b]
@@ -263,7 +263,7 @@ class DistributedRefresher(WorkerRefresher):
         n = unit.n
         if unit.kind == "eigenbasis" and good >= 0:
             order = result[n + 1]
-            if torch.equal(order, torch.arange(n, dtype=order.dtype)):
+            if torch.equal(order, torch.arange(n, dtype=order.dtype, device=order.device)):
                 offset = d.store.offset(unit.index, good)
                 if torch.equal(view[offset:offset + n * n].view(n, n), result[:n]):
                     self._counts["exchanges_skipped"] += 1
@@ -314,10 +314,10 @@ class DistributedRefresher(WorkerRefresher):
                 if not units:
                     continue
                 leader = d.by_node[node][0]
-                statuses = torch.zeros(len(units), dtype=torch.int8)
+                statuses = torch.zeros(len(units), dtype=torch.int8, device="cpu")
                 if node == self.topo.node:
                     seen = self._wait(d, units, version, step)
-                    statuses = torch.tensor([STATUS_CODES[s] for _, s, _ in seen], dtype=torch.int8)
+                    statuses = torch.tensor([STATUS_CODES[s] for _, s, _ in seen], dtype=torch.int8, device="cpu")
                 dist.broadcast(statuses, src=leader, group=group)
                 refreshed = [u for u, code in zip(units, statuses.tolist()) if code == STATUS_CODES["ok"]]
                 size = sum(self._payload_size(u) for u in refreshed)
@@ -340,7 +340,7 @@ class DistributedRefresher(WorkerRefresher):
                     payload = torch.cat(parts)
                     dist.broadcast(payload, src=leader, group=group)
                     continue
-                payload = torch.empty(size, dtype=torch.float32)
+                payload = torch.empty(size, dtype=torch.float32, device="cpu")
                 dist.broadcast(payload, src=leader, group=group)
                 at = 0
                 for u, code in zip(units, statuses.tolist()):

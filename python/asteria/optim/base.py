@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from abc import abstractmethod
+from dataclasses import replace
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,6 +41,11 @@ NONFINITE_TOTAL = "nonfinite_total"
 RANKS_FORMAT = "asteria.ranks.v1"
 
 
+#: constructor arguments that hold for every group: a param group may not set them
+CONSTRUCTOR_ONLY = ("max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step",
+                    "precondition_1d", "runtime")
+
+
 class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     """Base of the Asteria optimizers (see the module docstring)."""
 
@@ -66,6 +72,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         start_preconditioning_step: int | None,
         runtime: RuntimeConfig | None,
     ) -> None:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(f"Invalid {type(self).__name__}(...) under torch.inference_mode(): its state would be "
+                               "inference tensors, which no later step may update; build it outside inference mode")
         check_count(max_preconditioner_dim, "max_preconditioner_dim")
         check_count(precondition_frequency, "precondition_frequency")
         check_arg(precondition_frequency <= MAX_FREQUENCY, "precondition_frequency", precondition_frequency,
@@ -77,7 +86,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         check_arg(runtime is None or isinstance(runtime, RuntimeConfig), "runtime", runtime,
                   "must be None or an asteria.RuntimeConfig")
         super().__init__(params, {k: plain(v) for k, v in defaults.items()})
-        self.runtime = runtime or RuntimeConfig()
+        # A copy (checked again): the caller's object may be changed or reused for another optimizer.
+        self.runtime = RuntimeConfig() if runtime is None else replace(runtime, memory=replace(runtime.memory))
         self.max_preconditioner_dim = max_preconditioner_dim
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
@@ -99,6 +109,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if group_bytes is None and not self._resident_from_start():
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
+        #: each param group's parameter list as built (and its length): ``step()`` refuses edits of them
+        self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]
         from asteria.distributed import topology
 
         one_process = topology(self.runtime) is None
@@ -152,10 +164,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._tier_box = [self._tier]  # the finalizer closes the tier in use, also after _fit_gpu_budget
         self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier_box)
         #: torch's per-parameter ``state``: here a read-only view of each parameter's step count (the state
-        #: itself is kept per block shape: ``state_dict()``). Weak references: no cycle through the view.
-        me = weakref.ref(self)
-        self.state = ParameterStates(lambda: me()._parameter_steps(),  # type: ignore[assignment,union-attr]
-                                     lambda: [p for g in me().param_groups for p in g["params"]])  # type: ignore
+        #: itself is kept per block shape: ``state_dict()``)
+        self.state = ParameterStates(self)  # type: ignore[assignment]
         try:
             self._fit_gpu_budget()
             self._place_on_nvme()
@@ -221,9 +231,18 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if getattr(self, "_groups", None) is not None:
             raise ValueError("Invalid add_param_group after construction: an Asteria optimizer batches its blocks "
                              "when it is built; create a new optimizer with every param group instead")
+        for key in CONSTRUCTOR_ONLY:
+            if key in param_group:
+                raise ValueError(f"Invalid param_groups[{len(self.param_groups)}][{key!r}]={param_group[key]!r}: "
+                                 f"{key} is the optimizer's, one for every group (a constructor argument), not a "
+                                 "param group's")
         param_group.update({k: plain(v) for k, v in param_group.items() if k not in ("params", "param_names")})
         betas = param_group.get("betas")
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        group_betas = isinstance(betas, (tuple, list)) and len(betas) == 2
+        for key in getattr(self, "_beta2_keys", ()):  # None, as for the constructor: betas[1]
+            if key in param_group and param_group[key] is None:
+                param_group[key] = betas[1] if group_betas else self.defaults["betas"][1]
+        if group_betas:
             for key in getattr(self, "_follows_beta2", ()):  # defaults that follow this group's betas[1]
                 param_group.setdefault(key, betas[1])
         super().add_param_group(param_group)
@@ -237,7 +256,18 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         """The hyperparameters as they are at this step: an lr scheduler, or code that edits
         ``param_groups``, may have changed them since they were checked. A learning rate held in a device
         tensor is left to whoever set it (reading it here would wait for the device every step)."""
+        if len(self.param_groups) != len(self._group_params) or any(
+                group["params"] is not params or len(params) != count
+                for group, (params, count) in zip(self.param_groups, self._group_params)):
+            raise ValueError(f"Invalid param_groups: their parameters changed after construction (now "
+                             f"{len(self.param_groups)} groups of {[len(g['params']) for g in self.param_groups]} "
+                             f"parameters, built with {[count for _, count in self._group_params]}); an Asteria "
+                             "optimizer batches its blocks when it is built: create a new one over the new parameters")
         for index, group in enumerate(self.param_groups):
+            missing = [key for key in self.defaults if key not in group]
+            if missing:
+                raise ValueError(f"Invalid param_groups[{index}]: {missing} removed after construction; every "
+                                 f"group holds {sorted(self.defaults)}")
             lr = group["lr"]
             hyper = group if not (isinstance(lr, Tensor) and lr.device.type != "cpu") else {**group, "lr": 0.0}
             self.check_hyperparameters(hyper, f"param_groups[{index}]")
@@ -443,7 +473,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
                 continue  # the last copy is still on its way: read it next time
             if probe is not None:
                 self._raise_for_streak(group, probe[0], bound)
-            host = probe[0] if probe is not None else torch.empty(streak.shape, dtype=streak.dtype, pin_memory=True)
+            host = probe[0] if probe is not None else torch.empty(streak.shape, dtype=streak.dtype, pin_memory=True,
+                                                                  device="cpu")
             host.copy_(streak, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(streak.device))
@@ -565,6 +596,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         earlier versions, so a resume builds a new optimizer. Its staleness (and the deterministic rule's
         lag) may grow on resume, not shrink: the refreshes in flight were scheduled under the saved bound.
         Runs torch's load-state-dict hooks (``register_load_state_dict_pre_hook`` / ``_post_hook``)."""
+        if self._closed:
+            raise RuntimeError("Invalid load_state_dict() after close(): this optimizer's workers are stopped; load "
+                               "the state_dict into a new optimizer")
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             result = pre_hook(self, state_dict)

@@ -133,7 +133,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         masks = self._unordered
         sets = []
         for mode, dim in enumerate(group.shape):
-            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
+            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), dtype=torch.float32, device=device)
             basis = group.state[basis_key(mode)] = self._new_preconditioners(group, dim)
             installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
 

@@ -59,8 +59,8 @@ class ShapeGroup:
         """
         present = [param.grad is not None for param in self.params]
         views = [
-            block.view(dense(local(param.grad), block.name)) if param.grad is not None
-            else torch.zeros(self.shape, device=self.device)
+            block.view(dense(local(param.grad), block.name, local(param))) if param.grad is not None
+            else torch.zeros(self.shape, dtype=torch.float32, device=self.device)
             for block, param in zip(self.blocks, self.params)
         ]
         grads = torch.stack(views).to(torch.float32)
@@ -93,12 +93,17 @@ class ShapeGroup:
         torch._foreach_copy_(self.param_views(), list(values.unbind(0)))
 
 
-def dense(grad: Tensor, name: str) -> Tensor:
+def dense(grad: Tensor, name: str, param: Tensor | None = None) -> Tensor:
     """``grad`` as a dense tensor the blocks can view (a contiguous copy when it is strided otherwise);
-    raises ``ValueError`` for a sparse gradient."""
+    raises ``ValueError`` for a sparse gradient, or one whose shape or dtype kind is not its parameter's
+    (``param``: set through ``.grad.data``, or the parameter's ``.data`` replaced after construction)."""
     if grad.layout != torch.strided:
         raise ValueError(f"Invalid gradient of {name}: layout {grad.layout} is not supported (sparse gradients, "
                          "e.g. from nn.Embedding(sparse=True)); Asteria needs dense gradients")
+    if param is not None and (grad.shape != param.shape or not grad.is_floating_point()):
+        raise ValueError(f"Invalid gradient of {name}: {grad.dtype} {tuple(grad.shape)}, for a parameter of "
+                         f"{param.dtype} {tuple(param.shape)}: must be a floating-point tensor of the parameter's "
+                         "shape (the shape the optimizer was built with)")
     return grad if grad.is_contiguous() else grad.contiguous()
 
 
@@ -135,6 +140,10 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
             if param.device.type == "meta":
                 raise ValueError(f"Invalid parameter {label} on device 'meta': it holds no data; build the "
                                  "optimizer once the model is materialized (e.g. after to_empty() and its init)")
+            if local(param).is_inference():
+                raise ValueError(f"Invalid parameter {label}: an inference tensor (made under "
+                                 "torch.inference_mode()), which no step may update in place; create the model "
+                                 "outside inference mode")
             for block in partition(local(param), param_index, label, max_dim, merge):
                 base = (group_index, block.shape, param.device)
                 key = base + (chunks.get(base, 0),)

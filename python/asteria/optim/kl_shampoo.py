@@ -102,14 +102,14 @@ class KLShampoo(EigenbasisOptimizer):
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
-        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), device=device)
+        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
         if group.order < 2:
-            group.state[ADAM_EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
+            group.state[ADAM_EXP_AVG_SQ] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
             return []
         init_factor = self.param_groups[group.group_index]["init_factor"]
         init = 1.0 / math.sqrt(REFERENCE_INIT_FACTOR if init_factor is None else init_factor)
         for mode, dim in enumerate(group.shape):
-            group.state[inv_sqrt_key(mode)] = torch.full((batch, dim), init, device=device)
+            group.state[inv_sqrt_key(mode)] = torch.full((batch, dim), init, dtype=torch.float32, device=device)
         return self._eigenbasis_sets(
             group, lambda mode, blocks, order: F.permute_mode_(group.state[inv_sqrt_key(mode)], blocks, order, 0))
 

@@ -64,8 +64,8 @@ class MemoryTiers:
         """(B, dim, dim) identities where the placement keeps the preconditioners in use: on the
         group's device, or in pinned host memory."""
         if self.placement == "device":
-            return torch.eye(dim, device=group.device).repeat(group.batch, 1, 1)
-        return torch.eye(dim).repeat(group.batch, 1, 1).pin_memory()
+            return torch.eye(dim, dtype=torch.float32, device=group.device).repeat(group.batch, 1, 1)
+        return torch.eye(dim, dtype=torch.float32, device="cpu").repeat(group.batch, 1, 1).pin_memory()
 
     def _place_on_nvme(self) -> None:
         """Moves preconditioner sets to the NVMe tier, largest first, until the host state fits

@@ -14,7 +14,8 @@ does that to an Asteria optimizer.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -27,15 +28,34 @@ class ParameterStates(Mapping[Tensor, dict[str, Any]]):
     """``opt.state[p]``: ``{"step": s}``, the steps in which parameter ``p`` had a gradient (as torch's
     optimizers count them), for every parameter of the optimizer; read-only."""
 
-    def __init__(self, counts: Callable[[], dict[int, int]], params: Callable[[], list[Tensor]]) -> None:
-        self._counts = counts  # id(param) -> step count
-        self._params = params
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = weakref.ref(optimizer)  # no cycle through the view
+
+    def _owner(self) -> Any:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ReferenceError("this optimizer.state outlived its optimizer")
+        return optimizer
+
+    def _counts(self) -> dict[int, int]:
+        return self._owner()._parameter_steps()
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self._owner().param_groups for p in group["params"]]
 
     def __getitem__(self, param: Tensor) -> dict[str, Any]:
         counts = self._counts()
-        if id(param) not in counts:
-            raise KeyError(f"not a parameter of this optimizer: tensor of shape {tuple(param.shape)}")
+        if not isinstance(param, Tensor) or id(param) not in counts:
+            shown = f"tensor of shape {tuple(param.shape)}" if isinstance(param, Tensor) else repr(param)
+            raise KeyError(f"not a parameter of this optimizer: {shown}")
         return {"step": counts[id(param)]}
+
+    def __setitem__(self, param: Tensor, value: Any) -> None:
+        raise TypeError("Invalid assignment to optimizer.state: it is a read-only view of each parameter's step "
+                        "count; the state itself changes through step() and load_state_dict()")
+
+    def __delitem__(self, param: Tensor) -> None:
+        self.__setitem__(param, None)
 
     def __iter__(self) -> Iterator[Tensor]:
         return iter(self._params())

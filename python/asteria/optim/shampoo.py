@@ -63,6 +63,7 @@ class Shampoo(SecondOrderOptimizer):
         check_betas(betas)
         #: param groups with their own betas and no grafting_beta2 take their betas[1] (``add_param_group``)
         self._follows_beta2 = ("grafting_beta2",) if grafting_beta2 is None else ()
+        self._beta2_keys = ("grafting_beta2",)  # None in a param group: that group's betas[1]
         grafting_beta2 = betas[1] if grafting_beta2 is None else grafting_beta2
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)
@@ -81,11 +82,11 @@ class Shampoo(SecondOrderOptimizer):
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
-        group.state[MOMENTUM] = torch.zeros((batch, *group.shape), device=device)
-        group.state[GRAFTING_SECOND_MOMENT] = torch.zeros((batch, *group.shape), device=device)
+        group.state[MOMENTUM] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
+        group.state[GRAFTING_SECOND_MOMENT] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
         sets = []
         for mode, dim in enumerate(group.shape):
-            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), device=device)
+            factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), dtype=torch.float32, device=device)
             root = group.state[root_key(mode)] = self._new_preconditioners(group, dim)
             has_root = group.state[has_root_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
             sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=root,

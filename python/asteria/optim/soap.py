@@ -70,6 +70,7 @@ class SOAP(EigenbasisOptimizer):
         check_betas(betas)
         #: param groups with their own betas and no shampoo_beta take their betas[1] (``add_param_group``)
         self._follows_beta2 = ("shampoo_beta",) if shampoo_beta is None else ()
+        self._beta2_keys = ("shampoo_beta",)  # None in a param group: that group's betas[1]
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         self.precondition_1d = precondition_1d
@@ -95,8 +96,8 @@ class SOAP(EigenbasisOptimizer):
 
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
-        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), device=device)
-        group.state[EXP_AVG_SQ] = torch.zeros((batch, *group.shape), device=device)
+        group.state[EXP_AVG] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
+        group.state[EXP_AVG_SQ] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
         if not self._rotated(group):
             return []
         return self._eigenbasis_sets(

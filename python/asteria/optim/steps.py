@@ -107,7 +107,7 @@ class BlockSteps:
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small tensor of host values on ``device``; to a GPU through pinned memory, without making the
     training thread wait for the copy (the caching host allocator keeps the buffer until it is done)."""
-    host = torch.tensor(values, dtype=dtype)
+    host = torch.tensor(values, dtype=dtype, device="cpu")
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

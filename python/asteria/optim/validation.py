@@ -26,7 +26,7 @@ def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
 def is_scalar_tensor(value: Any) -> bool:
     """A one-element real tensor that needs no gradient (torch's optimizers accept one as ``lr``)."""
     return (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
-            and not value.requires_grad)
+            and value.dtype != torch.bool and not value.requires_grad)
 
 
 def check_nonnegative(value: Any, name: str) -> None:

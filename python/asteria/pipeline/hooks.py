@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from asteria.config import plain
+
 
 class AttachHandle:
     """The hooks ``attach`` registered; ``remove()`` takes every one of them off (idempotent)."""
@@ -112,6 +114,14 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
     if not isinstance(optimizer, SecondOrderOptimizer):
         raise ValueError(f"Invalid optimizer={type(optimizer).__name__}: must be an Asteria optimizer "
                          "(asteria.Shampoo, asteria.SOAP or asteria.KLShampoo)")
+    if optimizer._closed:
+        raise RuntimeError("Invalid attach() of a closed optimizer: its workers are stopped; load its state_dict() "
+                           "into a new optimizer and attach that")
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in owned for p in model.parameters()):
+        raise ValueError(f"Invalid model={type(model).__name__}: none of its parameters is the optimizer's (attach "
+                         "the model whose parameters the optimizer was built over)")
+    drain_points = plain(drain_points)
     if not (isinstance(drain_points, int) and not isinstance(drain_points, bool) and drain_points >= 0):
         raise ValueError(f"Invalid drain_points={drain_points!r}: must be an int >= 0")
     if prefetch not in PREFETCH_POINTS:

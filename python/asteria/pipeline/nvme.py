@@ -51,7 +51,8 @@ class PagedSets:
                 shape = tuple(content.shape)
                 if shape not in self.pagers:
                     nbytes = content.numel() * 4
-                    self.buffers[shape] = torch.zeros((buffers_per_shape, nbytes), dtype=torch.uint8, pin_memory=pin)
+                    self.buffers[shape] = torch.zeros((buffers_per_shape, nbytes), dtype=torch.uint8, pin_memory=pin,
+                                                      device="cpu")
                     name = os.path.join(self.root, "x".join(map(str, shape)))
                     self.pagers[shape] = _core.Pager(name, self.buffers[shape], io_threads=2)
                 self.key[id(fset)] = key
@@ -83,7 +84,7 @@ class PagedSets:
         shape = self.shape_of[id(fset)]
         slots = self.scratch.setdefault(shape, [])
         if not slots:  # one per shape: an install waits for the previous write of its shape to leave it
-            slots.append([torch.empty(shape, dtype=torch.float32, pin_memory=self.pin), None])
+            slots.append([torch.empty(shape, dtype=torch.float32, pin_memory=self.pin, device="cpu"), None])
         turn = self._turn.get(shape, 0)
         self._turn[shape] = turn + 1
         slot = slots[turn % len(slots)]

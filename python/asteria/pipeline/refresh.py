@@ -156,7 +156,8 @@ class SyncRefresher(Refresher):
             if fset.kind == "root":
                 scale = request.scale
                 if isinstance(scale, tuple):  # the blocks' own step counts differ
-                    scale = F.batch_view(torch.tensor(scale, device=fset.factors.device), fset.factors)
+                    scale = F.batch_view(torch.tensor(scale, dtype=fset.factors.dtype, device=fset.factors.device),
+                                         fset.factors)
                 new, usable = F.inverse_root(fset.factors, fset.exponent, request.eps, scale)
                 # A zero factor tells nothing: the identity, not (eps I)^exponent (the C++ engine's rule).
                 eye = torch.eye(fset.dim, dtype=new.dtype, device=new.device)
@@ -346,10 +347,10 @@ class AsyncRefresher(WorkerRefresher):
         for index, fset in enumerate(sets):
             pin = fset.device.type == "cuda"
             n = fset.dim
-            snapshots = torch.empty((self.depth, fset.batch, n, n), dtype=torch.float32, pin_memory=pin)
+            snapshots = torch.empty((self.depth, fset.batch, n, n), dtype=torch.float32, pin_memory=pin, device="cpu")
             # An eigenbasis result carries two more rows: the eigenvalue estimates and the column order.
             rows = n + 2 if fset.kind == "eigenbasis" else n
-            results = torch.empty((self.depth, fset.batch, rows, n), dtype=torch.float32, pin_memory=pin)
+            results = torch.empty((self.depth, fset.batch, rows, n), dtype=torch.float32, pin_memory=pin, device="cpu")
             ids = [self.engine.add_block(snapshots[:, b], results[:, b], kind=fset.kind) for b in range(fset.batch)]
             self.owner.update({block_id: (index, b) for b, block_id in enumerate(ids)})
             self.snapshots.append(snapshots)

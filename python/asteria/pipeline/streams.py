@@ -85,7 +85,7 @@ def to_device(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     waiting: on a GPU the host rows are gathered into pinned memory first (a copy from pageable memory
     would make the training thread wait for the stream)."""
     pin = device.type == "cuda"
-    staged = torch.empty((len(rows), *rows[0].shape), dtype=rows[0].dtype, pin_memory=pin)
+    staged = torch.empty((len(rows), *rows[0].shape), dtype=rows[0].dtype, pin_memory=pin, device="cpu")
     torch.stack(list(rows), out=staged)
     return staged.to(device, non_blocking=pin)
 
@@ -118,7 +118,7 @@ def copy_leading_rows_(target: torch.Tensor, slab: torch.Tensor, extra_row: int 
 def indices_to_device(indices: Sequence[int], device: torch.device) -> torch.Tensor:
     """A long tensor of ``indices`` on ``device``, copied as ``to_device`` does."""
     pin = device.type == "cuda"
-    return torch.tensor(list(indices), dtype=torch.long, pin_memory=pin).to(device, non_blocking=pin)
+    return torch.tensor(list(indices), dtype=torch.long, pin_memory=pin, device="cpu").to(device, non_blocking=pin)
 
 
 class HostRegistration:

@@ -124,7 +124,8 @@ class PreconditionerTier:
         pin = any(s.device.type == "cuda" for s in sets)
         self.paged = PagedSets(directory, sets, contents, pin, timeout_s)
         for fset in sets:  # nothing may read the set except through the tier from now on
-            fset.preconditioners = torch.empty(fset.preconditioners.shape, device="meta")  # keeps the shape
+            # keeps the shape
+            fset.preconditioners = torch.empty(fset.preconditioners.shape, dtype=torch.float32, device="meta")
 
     def is_paged(self, fset: FactorSet) -> bool:
         return self.paged is not None and fset in self.paged
@@ -133,7 +134,7 @@ class PreconditionerTier:
         """The preconditioners of ``fset`` in use, as a tensor (read from NVMe if paged there)."""
         if not self.is_paged(fset):
             return fset.preconditioners
-        return self.paged.read_into(fset, torch.empty(fset.preconditioners.shape, dtype=torch.float32))
+        return self.paged.read_into(fset, torch.empty(fset.preconditioners.shape, dtype=torch.float32, device="cpu"))
 
     def set_current(self, fset: FactorSet, value: Tensor) -> None:
         """Replaces the preconditioners of ``fset`` in use (a checkpoint load)."""
