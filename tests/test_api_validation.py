@@ -4,6 +4,9 @@ already pinned elsewhere (tests/test_failures.py, each optimizer's reference tes
 
 from __future__ import annotations
 
+import io
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -363,8 +366,49 @@ def test_load_state_dict_of_another_optimizer_class(source, target):
     a = source(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync"), max_preconditioner_dim=16)
     b = target(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync"), max_preconditioner_dim=16)
     with a, b:
-        with pytest.raises(ValueError, match="Invalid state_dict"):
+        with pytest.raises(ValueError, match=rf"Invalid state_dict: saved by an asteria.{source.__name__}, loaded "
+                                             rf"into an asteria.{target.__name__}"):
             b.load_state_dict(a.state_dict())
+        older = {k: v for k, v in a.state_dict().items() if k != "optimizer"}  # written before the class was
+        with pytest.raises(ValueError, match="Invalid state_dict"):
+            b.load_state_dict(older)
+
+
+def test_a_numpy_learning_rate_set_by_a_scheduler_checkpoints_as_a_float():
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        train(model, opt, 1)
+        opt.param_groups[0]["lr"] = np.float64(0.002)
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        assert loaded["param_groups"][0]["lr"] == 0.002 and type(loaded["param_groups"][0]["lr"]) is float
+
+
+def test_an_async_optimizer_refuses_to_step_in_a_forked_process():
+    """Its workers are threads of the process that built it, which a fork does not copy: the child's step
+    waited timeout_s for them, then raised a misleading TimeoutError."""
+    model = small_mlp()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(workers=1, worker_cpus="any")) as opt:
+        train(model, opt, 1)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what step() says, then leave at once
+            try:
+                opt.step()
+                message = "accepted"
+            except RuntimeError as error:
+                message = str(error)
+            os.write(write, message.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            message = pipe.read()
+        os.waitpid(pid, 0)
+        assert message.startswith(f"Invalid step() in a process forked (pid {pid}) from the one that built this "
+                                  f"async optimizer (pid {os.getpid()})"), message
+        train(model, opt, 1)  # the parent goes on
 
 
 def test_load_state_dict_of_another_mode():

@@ -7,6 +7,7 @@ which direction it steps in; the preconditioner refreshes run through one ``Refr
 
 from __future__ import annotations
 
+import os
 import weakref
 from abc import abstractmethod
 from dataclasses import replace
@@ -92,6 +93,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
         self._step = 0
+        self._pid = os.getpid()  # the process whose threads the workers are (``_check_process``)
         self._closed = False  # close() was called: step() refuses, prefetch() does nothing
         #: what the refresh engine has seen ("": nothing, no step and no checkpoint loaded): only then may an
         #: async optimizer load a state_dict (its engine cannot go back to earlier versions)
@@ -252,6 +254,14 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def _check_process(self, call: str) -> None:
+        """Raises ``RuntimeError`` in a process forked after an async optimizer was built: its workers are
+        threads of the parent, which a fork does not copy (a step there would wait ``timeout_s`` for them)."""
+        if self.runtime.mode == "async" and os.getpid() != self._pid:
+            raise RuntimeError(f"Invalid {call} in a process forked (pid {os.getpid()}) from the one that built this "
+                               f"async optimizer (pid {self._pid}): its refresh workers stay in that process; build "
+                               "the optimizer in the process that trains (or fork before building it)")
+
     def _check_param_groups(self) -> None:
         """The hyperparameters as they are at this step: an lr scheduler, or code that edits
         ``param_groups``, may have changed them since they were checked. A learning rate held in a device
@@ -321,6 +331,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError("Invalid step() after close(): this optimizer's workers are stopped; load its "
                                "state_dict() into a new optimizer to go on training")
+        self._check_process("step()")
         self._check_param_groups()
         loss = None
         if closure is not None:
@@ -419,6 +430,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         step = self._step + 1 - self.ACTIVATION_LAG
         if self._closed or step < 1 or self._activated_step >= step:
             return
+        self._check_process("prefetch()")
         if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
                                            for _, version in self.schedule.due(step)):
             return
@@ -561,10 +573,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if self._closed and self._paged_keys:
             raise RuntimeError("Invalid state_dict() after close(): the preconditioners on the NVMe tier went with "
                                "their page files at close(); take the state_dict() before closing")
-        param_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(g["params"])))}
-                        for g in self.param_groups]
+        # plain(): an lr scheduler may have put NumPy scalars there, which torch.load(weights_only=True) refuses
+        param_groups = [{k: plain(v) for k, v in g.items() if k != "params"}
+                        | {"params": list(range(len(g["params"])))} for g in self.param_groups]
         return {
             "format": "asteria.v1",
+            "optimizer": type(self).__name__,
             "step": self._step,
             "activated_step": self._activated_step,
             "layout": self._layout(),

@@ -108,6 +108,10 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     hyperparameters valid. Raises ``ValueError`` naming the entry; changes nothing."""
     check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
               type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
+    saved_class = state_dict.get("optimizer")  # None: written before the class was recorded
+    if saved_class is not None and saved_class != type(opt).__name__:
+        raise ValueError(f"Invalid state_dict: saved by an asteria.{saved_class}, loaded into an "
+                         f"asteria.{type(opt).__name__}; load it into the optimizer class that saved it")
     for key in STATE_DICT_KEYS:
         if key not in state_dict:
             raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict, key=str)})")
