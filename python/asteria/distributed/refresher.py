@@ -37,7 +37,7 @@ from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
 from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.optim.validation import check_arg, check_entry, check_saved_request, check_saved_snapshot
+from asteria.optim.validation import check_arg, check_saved_request, check_saved_snapshot
 from asteria.pipeline.refresh import SAVED, WorkerRefresher
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
@@ -503,16 +503,7 @@ class DistributedRefresher(WorkerRefresher):
             check_arg(is_int(state.get("newest_version")) and state["newest_version"] >= 0,
                       f"{SAVED}['newest_version']", state.get("newest_version"),
                       "must be an int >= 0 (or newest_versions, one per factor set)")
-        scheduled = state["scheduled"]
-        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
-                  "must be a tuple of the refreshes in flight")
-        for i, entry in enumerate(scheduled):
-            name = f"{SAVED}['scheduled'][{i}]"
-            check_entry(entry, ("version", "due", "requests", "snapshots"), name)
-            check_arg(is_int(entry["version"]) and entry["version"] >= 1, f"{name}['version']", entry["version"],
-                      "must be an int >= 1")
-            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
-                      "must be an int >= 0, the step the version is due")
+        for name, entry in self._scheduled_entries(state, ("version", "due", "requests", "snapshots")):
             entry = _with_set_indices(entry, len(self.sets), name)
             requests, snapshots = entry["requests"], entry["snapshots"]
             check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import weakref
 from abc import abstractmethod
-from dataclasses import replace
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -62,6 +62,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     #: whether a block's first gradient moves it (Shampoo: a grafting step), or only starts its
     #: statistics (SOAP and KL-Shampoo: the first gradient builds the factors and their eigenbasis)
     FIRST_GRADIENT_STEPS = True
+    #: hyperparameters that default to betas[1] when None (in the constructor or in a param group)
+    BETA2_KEYS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -241,7 +243,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         param_group.update({k: plain(v) for k, v in param_group.items() if k not in ("params", "param_names")})
         betas = param_group.get("betas")
         group_betas = isinstance(betas, (tuple, list)) and len(betas) == 2
-        for key in getattr(self, "_beta2_keys", ()):  # None, as for the constructor: betas[1]
+        for key in self.BETA2_KEYS:  # None, as for the constructor: betas[1]
             if key in param_group and param_group[key] is None:
                 param_group[key] = betas[1] if group_betas else self.defaults["betas"][1]
         if group_betas:

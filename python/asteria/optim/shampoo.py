@@ -45,6 +45,8 @@ class Shampoo(SecondOrderOptimizer):
         runtime: an ``asteria.RuntimeConfig``; ``None`` for the defaults (async, staleness 5).
     """
 
+    BETA2_KEYS = ("grafting_beta2",)
+
     def __init__(
         self,
         params: Iterable,
@@ -62,8 +64,7 @@ class Shampoo(SecondOrderOptimizer):
     ) -> None:
         check_betas(betas)
         #: param groups with their own betas and no grafting_beta2 take their betas[1] (``add_param_group``)
-        self._follows_beta2 = ("grafting_beta2",) if grafting_beta2 is None else ()
-        self._beta2_keys = ("grafting_beta2",)  # None in a param group: that group's betas[1]
+        self._follows_beta2 = self.BETA2_KEYS if grafting_beta2 is None else ()
         grafting_beta2 = betas[1] if grafting_beta2 is None else grafting_beta2
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)

@@ -53,6 +53,8 @@ class SOAP(EigenbasisOptimizer):
             orders of any versions passed over.
     """
 
+    BETA2_KEYS = ("shampoo_beta",)
+
     def __init__(
         self,
         params: Iterable,
@@ -69,8 +71,7 @@ class SOAP(EigenbasisOptimizer):
     ) -> None:
         check_betas(betas)
         #: param groups with their own betas and no shampoo_beta take their betas[1] (``add_param_group``)
-        self._follows_beta2 = ("shampoo_beta",) if shampoo_beta is None else ()
-        self._beta2_keys = ("shampoo_beta",)  # None in a param group: that group's betas[1]
+        self._follows_beta2 = self.BETA2_KEYS if shampoo_beta is None else ()
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         self.precondition_1d = precondition_1d

@@ -148,10 +148,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
                          "RuntimeConfig.sync_refreshes or the stagger); its versions were numbered by the saved one: "
                          "resume with the same settings")
     refresher = state_dict["refresher"]
-    check_arg(isinstance(refresher, dict) and all(key in refresher for key in opt._refresher.STATE_KEYS),
-              "state_dict['refresher']", f"{type(refresher).__name__} with keys "
-              f"{sorted(refresher, key=str) if isinstance(refresher, dict) else '?'}",
-              f"must be a dict with the keys {list(opt._refresher.STATE_KEYS)}")
+    check_entry(refresher, opt._refresher.STATE_KEYS, "state_dict['refresher']")
     opt._refresher.check_state(refresher)
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):

@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -285,6 +285,22 @@ class WorkerRefresher(Refresher):
     rings of S + 1 slots per block, the deterministic rule's lag, the engine and the snapshot staging
     (both made by ``_start_workers``)."""
 
+    @staticmethod
+    def _scheduled_entries(state: dict[str, Any], keys: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The refreshes in flight of a checkpoint's ``state()``, each with its name in errors, once its
+        ``keys``, its version (an int >= 1) and its due step (an int >= 0) are checked."""
+        scheduled = state["scheduled"]
+        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
+                  "must be a tuple of the refreshes in flight")
+        for i, entry in enumerate(scheduled):
+            name = f"{SAVED}['scheduled'][{i}]"
+            check_entry(entry, keys, name)
+            check_arg(is_int(entry["version"]) and entry["version"] >= 1, f"{name}['version']", entry["version"],
+                      "must be an int >= 1")
+            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
+                      "must be an int >= 0, the step the version is due")
+            yield name, entry
+
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)
         self.depth = config.staleness + 1
@@ -475,21 +491,14 @@ class AsyncRefresher(WorkerRefresher):
 
     def check_state(self, state: dict[str, Any]) -> None:
         super().check_state(state)
-        scheduled = state["scheduled"]
-        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
-                  "must be a tuple of the refreshes in flight")
-        for i, entry in enumerate(scheduled):
-            name = f"{SAVED}['scheduled'][{i}]"
-            check_entry(entry, ("set", "version", "due", "request", "snapshot"), name)
+        for name, entry in self._scheduled_entries(state, ("set", "version", "due", "request", "snapshot")):
             index = entry["set"]
             check_arg(is_int(index) and 0 <= index < len(self.sets), f"{name}['set']", index,
                       f"must be a factor set index in [0, {len(self.sets)})")
             fset = self.sets[index]
             newest = state["newest_versions"][index]
-            check_arg(is_int(entry["version"]) and 1 <= entry["version"] <= newest, f"{name}['version']",
-                      entry["version"], f"must be an int in [1, {newest}], a version of {fset.name} snapshotted")
-            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
-                      "must be an int >= 0, the step the version is due")
+            check_arg(entry["version"] <= newest, f"{name}['version']", entry["version"],
+                      f"must be an int in [1, {newest}], a version of {fset.name} snapshotted")
             check_saved_request(entry["request"], fset.batch, f"{name}['request']")
             check_saved_snapshot(entry["snapshot"], tuple(self.snapshots[index].shape[1:]), f"{name}['snapshot']")
 

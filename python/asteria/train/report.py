@@ -18,6 +18,8 @@ from typing import Any
 
 import matplotlib
 
+from asteria.config import is_int
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -87,14 +89,13 @@ SUMMARY_ENTRIES = {"label": (lambda v: isinstance(v, str) and v != "", "a config
 OPTIONAL_ENTRIES = {"final_val_loss": (_number, "a number or null"),
                     "median_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
                     "max_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
-                    "vocab_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2,
-                                   "an int >= 2"),
+                    "vocab_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),
                     "initial_loss_bound": (lambda v: _number(v) and v > 0, "a number > 0"),
                     "energy_joules_total": (_number, "a number or null"),
                     "energy_joules_per_step": (_number, "a number or null"),
                     "runtime_stats": (lambda v: isinstance(v, dict), "an object"),
                     "config": (lambda v: isinstance(v, dict), "an object")}
-RECORD_ENTRIES = {"step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+RECORD_ENTRIES = {"step": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
                   "loss": (_number, "a number"), "wall": (_number, "a number of seconds"),
                   "step_time": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0")}
 
