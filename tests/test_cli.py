@@ -488,8 +488,15 @@ def test_bench_over_seeds_pairs_asteria_with_native(tmp_path, capsys):
     assert pair["asteria_behind"] == sum(d > 0 for d in deltas)
     stats = gathered["configs"]["shampoo-sync"]["final_val_loss_stats"]
     assert stats["min"] == min(native) and stats["max"] == max(native) and stats["n"] == 2
+    # The gap over the run, from each run's own metrics: 7 steps give 7 windows of one step.
+    gap = gathered["gap_over_run"]["shampoo-async"]
+    assert gap["windows"] == [[s, s] for s in range(1, 8)] and gap["left_out"] == {}
+    for seed in (3, 5):
+        ours, theirs = (records(tmp_path / f"seed{seed}" / label) for label in ("shampoo-async", "shampoo-sync"))
+        assert gap["per_seed"][str(seed)] == pytest.approx([a["loss"] / n["loss"] - 1 for a, n in zip(ours, theirs)])
     table = capsys.readouterr().out
     assert "shampoo-async vs shampoo-sync" in table and "seeds with Asteria behind" in table
+    assert "Training-loss gap over the run" in table and (tmp_path / "gap.png").stat().st_size > 1000
 
 
 def test_stagger_reaches_the_optimizer():

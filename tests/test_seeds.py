@@ -283,3 +283,55 @@ def test_native_runs_pool_across_settings_only_asteria_mode_reads(tmp_path, caps
     capsys.readouterr()
     assert main(["seeds", str(tmp_path / "native"), str(tmp_path / "asteria"), "--out", str(tmp_path / "out3")]) == 2
     assert "late_activation: true in" in capsys.readouterr().err
+
+
+def write_with_runs(folder, seed: int, losses: dict[str, list[float]]) -> None:
+    """A bench results.json and, per config, the run folder `asteria train` leaves (metrics.jsonl, summary.json)."""
+    write(folder, seed, {label: series[-1] + 0.1 for label, series in losses.items()})
+    for label, series in losses.items():
+        run = folder / label
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": loss, "wall": 0.1 * (i + 1),
+                                                               "step_time": 0.1}) + "\n"
+                                                   for i, loss in enumerate(series)))
+        (run / "summary.json").write_text(json.dumps({"label": label, "device": "cpu", "vocab_size": 256,
+                                                      "final_loss": series[-1]}))
+
+
+def test_the_gap_over_the_run_pairs_each_seeds_windows_and_names_the_seeds_left_out(tmp_path, capsys):
+    # 20 steps in 10 windows of 2; native's loss falls linearly, Asteria's is a known factor above it per window.
+    native = [3.0 - 0.1 * i for i in range(20)]
+    factors = {1: [1.0, 1.0, 1.01, 1.02, 1.03, 1.03, 1.02, 1.01, 1.0, 1.0],
+               2: [1.0, 0.99, 1.0, 1.04, 1.05, 1.01, 1.0, 1.0, 0.99, 1.0]}
+    for seed, per_window in factors.items():
+        ours = [loss * per_window[i // 2] for i, loss in enumerate(native)]
+        write_with_runs(tmp_path / f"seed{seed}", seed, {"shampoo-sync": native, "shampoo-async": ours})
+    # Seed 0 comes first, with other steps: the windows most seeds share count.
+    write_with_runs(tmp_path / "seed0", 0, {"shampoo-sync": native[:15], "shampoo-async": native[:15]})
+    write_with_runs(tmp_path / "seed4", 4, {"shampoo-sync": native, "shampoo-async": native[:-1] + [math.nan]})
+    write(tmp_path / "seed5", 5, {"shampoo-sync": 1.0, "shampoo-async": 1.0})  # results without run folders
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    gap = json.loads((tmp_path / "out" / "seeds.json").read_text())["gap_over_run"]["shampoo-async"]
+    assert gap["native"] == "shampoo-sync"
+    assert gap["windows"] == [[2 * w + 1, 2 * w + 2] for w in range(10)]
+    for seed, per_window in factors.items():
+        assert gap["per_seed"][str(seed)] == pytest.approx([f - 1 for f in per_window])
+    for w, stats in enumerate(gap["stats"]):
+        values = [factors[1][w] - 1, factors[2][w] - 1]
+        assert stats["mean"] == pytest.approx(statistics.fmean(values))
+        assert stats["se"] == pytest.approx(statistics.stdev(values) / math.sqrt(2), abs=1e-12)
+    assert gap["left_out"] == {"0": "other steps (1-15 against the other seeds' 1-20)",
+                               "4": "no common steps, or a loss that is not finite",
+                               "5": "no run folder with its metrics.jsonl"}
+    table = capsys.readouterr().out
+    assert "| shampoo-async vs shampoo-sync | 2 | +0.00 ± 0.00% | -0.50 ± 0.50% |" in table
+    assert "steps 19-20" in table and "seed 5 left out of the gap over the run: no run folder" in table
+    assert (tmp_path / "out" / "gap.png").stat().st_size > 1000
+
+
+def test_no_gap_over_the_run_without_run_folders(tmp_path, capsys):
+    write(tmp_path / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01})
+    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    gap = json.loads((tmp_path / "out" / "seeds.json").read_text())["gap_over_run"]["soap-async"]
+    assert gap["windows"] == [] and gap["per_seed"] == {}
+    assert "Training-loss gap" not in capsys.readouterr().out and not (tmp_path / "out" / "gap.png").exists()

@@ -8,7 +8,8 @@ final and validation loss per seed, their mean and sample standard deviation, th
 relative to AdamW, and for every ``X-async`` run beside its ``X-sync`` run (``X-async-f<N>``, a run at
 another refresh frequency, beside ``X-sync-f<N>`` if there is one, else ``X-sync``) the relative difference
 (async / sync - 1) per seed with its mean, standard error, 95% interval, how many seeds had Asteria
-behind and whether the interval puts Asteria within 1% of native.
+behind and whether the interval puts Asteria within 1% of native, and where in the run the gap opens
+(``asteria.train.gap``: the training-loss gap per tenth of the run, plotted into ``DIR/gap.png``).
 
 ``asteria seeds DIR...`` gathers the same from bench results already on disk (several calls or
 machines; several runs of one seed count as one seed at their mean): native runs of one seed differ
@@ -27,6 +28,7 @@ from typing import Any
 
 from asteria.config import is_int
 from asteria.train.bench import parse_config, run_bench
+from asteria.train.gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
 
@@ -110,12 +112,14 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
             row["energy_vs_adamw_stats"] = spread_stats(energy) if energy else None
             configs[label + suffix] = row
     pairs: dict[str, Any] = {}
+    paired: dict[str, str] = {}
     reference = per_seed if baseline is None else baseline
     natives = labels_of(reference)
     for label in labels_of(per_seed):
         native = native_config(label, natives, asteria_only=baseline is None)
         if native is None:
             continue
+        paired[label] = native
         pair: dict[str, Any] = {"native": native + ("" if baseline is None else BASELINE)}
         for key in ("final_loss", "final_val_loss"):
             deltas, diverged = {}, {"asteria": [], "native": []}  # seeds whose run's loss is not finite
@@ -135,7 +139,12 @@ def summarize(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
     if baseline is not None and not pairs:
         raise ValueError(f"Invalid baseline: its configs {natives} hold no native (X-sync) config to compare the "
                          f"runs' {labels_of(per_seed)} with")
-    return {"seeds": seeds, "configs": configs, "pairs": pairs, "loss_tolerance": LOSS_TOLERANCE}
+    gap = gap_over_run(per_seed, reference, paired)
+    for entry in gap.values():
+        entry["stats"] = [spread_stats([gaps[w] for gaps in entry["per_seed"].values()])
+                          for w in range(len(entry["windows"]))]
+    return {"seeds": seeds, "configs": configs, "pairs": pairs, "gap_over_run": gap,
+            "loss_tolerance": LOSS_TOLERANCE}
 
 
 def native_config(label: str, available: list[str], asteria_only: bool) -> str | None:
@@ -212,6 +221,11 @@ def _read_results(file: Path) -> dict[str, Any] | None:
     return results
 
 
+def _with_run_dir(row: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """A bench row with the folder of its run (for the gap over the run), where that run's files are."""
+    return row | {RUN_DIR: str(run_dir)} if (run_dir / "metrics.jsonl").is_file() else row
+
+
 def _code_of(results: dict[str, Any]) -> str:
     """The code fingerprint a bench results.json was written by ("unknown" for results older than it)."""
     return (results.get("software") or {}).get("code", "unknown")
@@ -247,7 +261,8 @@ def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]
             continue
         settings[file] = _math_settings(results["config"], list(results["runs"]))
         for label, row in results["runs"].items():
-            per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(row)
+            per_seed.setdefault(results["config"]["seed"], {}).setdefault(label, []).append(
+                _with_run_dir(row, file.parent / label))
         devices.append(results["device"])
         codes[_code_of(results)] += 1
     if not per_seed:
@@ -338,6 +353,7 @@ def format_markdown(summary: dict[str, Any], devices: list[str]) -> str:
             lines.append(f"| {label} vs {pair['native']} | {per_seed} | {_fmt_se(val['stats'])} | "
                          f"{_interval(val['stats'])} | {val['asteria_behind']} of {paired} | "
                          f"{verdict} | {_fmt_se(final['stats'])} |")
+    lines += format_gap(summary.get("gap_over_run", {}), "" if "baseline_differs_in" not in summary else BASELINE)
     return "\n".join(lines) + "\n"
 
 
@@ -372,6 +388,7 @@ def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices:
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.json").write_text(json.dumps({"device": ", ".join(devices)} | summary, indent=2))
     (out / "seeds.md").write_text(format_markdown(summary, devices))
+    plot_gap(summary["gap_over_run"], out / "gap.png")
     return summary | {"device": ", ".join(devices)}
 
 
@@ -388,6 +405,7 @@ def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[
     check_seeds(seeds)
     results = {seed: run_bench(replace(base, seed=seed), out / f"seed{seed}", configs, progress=progress)
                for seed in seeds}
-    per_seed = {seed: {label: [row] for label, row in r["runs"].items()} for seed, r in results.items()}
+    per_seed = {seed: {label: [_with_run_dir(row, out / f"seed{seed}" / label)] for label, row in r["runs"].items()}
+                for seed, r in results.items()}
     codes = dict(Counter(_code_of(r) for r in results.values()))
     return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out, codes)
