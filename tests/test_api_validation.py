@@ -439,3 +439,26 @@ def test_fault_injection_arguments():
     _, sync = trained(asteria.Shampoo, "sync")
     with sync, pytest.raises(ValueError, match="fault injection needs mode='async'"):
         testing.inject_fault(sync, "0.weight")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_blocks_whose_factors_cannot_fit_the_device_are_refused_before_any_allocation(optimizer):
+    """A max_preconditioner_dim that leaves a factor larger than all of the host's memory: refused by name with
+    the sizes, before anything is allocated (the allocator's own error, or on a host that overcommits memory,
+    the process killed at the first steps, came otherwise)."""
+    import math
+
+    from asteria.optim.memory import device_capacity
+
+    capacity = device_capacity(torch.device("cpu"))
+    if capacity is None:
+        pytest.skip("the host's physical memory is not known here")
+    dim = math.isqrt(capacity // 4) + 1  # one dim x dim float32 factor is more than the host has
+    wide = torch.nn.Parameter(torch.zeros(dim, 2))
+    with pytest.raises(ValueError, match=rf"Invalid max_preconditioner_dim={dim}: the factors alone \(float32, n x "
+                                         r"n for each dimension of each block\) would take [0-9.]+ GiB on cpu, which "
+                                         rf"has [0-9.]+ GiB in all \(the largest, {dim} x {dim}, .*a smaller "
+                                         r"max_preconditioner_dim splits"):
+        optimizer([wide], max_preconditioner_dim=dim, runtime=asteria.RuntimeConfig(mode="sync"))
+    with optimizer([wide], max_preconditioner_dim=1024, runtime=asteria.RuntimeConfig(mode="sync")) as opt:
+        assert opt.max_preconditioner_dim == 1024  # split into blocks of at most 1024: built

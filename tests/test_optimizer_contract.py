@@ -212,7 +212,8 @@ def test_state_holds_each_parameters_step_count_read_only(optimizer):
     a gradient. A parameter that had none stays at 0."""
     model = small_mlp(sizes=(8, 12, 4))
     late = model[-1].bias
-    with optimizer(model.parameters(), runtime=runtime("sync")) as opt:
+    # max_preconditioner_dim=4: every parameter is split into several blocks, each counting the steps
+    with optimizer(model.parameters(), runtime=runtime("sync"), max_preconditioner_dim=4) as opt:
         params = list(model.parameters())
         assert list(opt.state) == params and all(opt.state[p] == {"step": 0} for p in params)
         for step in range(3):
@@ -222,6 +223,10 @@ def test_state_holds_each_parameters_step_count_read_only(optimizer):
                 late.grad = None
             opt.step()
         assert [opt.state[p]["step"] for p in params] == [3, 3, 3, 1]
+        with optimizer(model.parameters(), runtime=runtime("sync"), max_preconditioner_dim=4) as fresh:
+            assert [fresh.state[p]["step"] for p in params] == [0, 0, 0, 0]  # indexed before the load
+            fresh.load_state_dict(opt.state_dict())
+            assert [fresh.state[p]["step"] for p in params] == [3, 3, 3, 1]
         with pytest.raises(KeyError, match=r"not a parameter of this optimizer: tensor of shape \(3,\)"):
             opt.state[torch.zeros(3)]
         with pytest.raises(TypeError):

@@ -330,6 +330,34 @@ def test_resume_with_hooks_is_exact(name):
     assert same_parameters(model, again)
 
 
+def test_hooks_left_on_a_model_neither_keep_the_optimizer_alive_nor_act_after_it_is_closed():
+    """The hooks reach the optimizer weakly: a model that keeps them does not keep its workers and host
+    buffers alive, and a closed or collected optimizer's hooks do nothing (the model trains on under
+    another optimizer)."""
+    import gc
+    import weakref
+
+    model = small_mlp()
+    data = regression_data()
+    opt = asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(staleness=1, workers=1))
+    handle = asteria.attach(model, opt)
+    assert handle.optimizer is opt and hook_count(model) == handle.num_hooks > 1
+    train(model, opt, 4, data=data)
+    opt.close()
+    before = opt.runtime_stats()
+    with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(staleness=1, workers=1)) as other:
+        train(model, other, 3, data=data)  # the old hooks still run on every forward and backward
+        assert other.runtime_stats()["step"] == 3
+    assert opt.runtime_stats() == before  # closed: its hooks did nothing
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and handle.optimizer is None  # neither the hooks nor the handle held it
+    model(torch.randn(3, SIZES[0])).sum().backward()  # hooks of a collected optimizer: no-ops
+    handle.remove()
+    assert hook_count(model) == 0
+
+
 def test_attach_rejects_bad_arguments():
     model = small_mlp()
     with pytest.raises(ValueError, match="Invalid model=str"):

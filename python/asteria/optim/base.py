@@ -113,6 +113,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if group_bytes is None and not self._resident_from_start():
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
+        self._check_factor_memory()
+        #: (the shape groups it indexes, id(parameter) -> (group, position) of its first block): ``_parameter_step``
+        self._block_index: tuple[list[ShapeGroup], dict[int, tuple[ShapeGroup, int] | None]] | None = None
         #: each param group's parameter list as built (and its length): ``step()`` refuses edits of them
         self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]
         from asteria.distributed import topology
@@ -513,13 +516,23 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         weights = group.gather_params()  # a stacked copy: updated in place, then written back
         group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 
-    def _parameter_steps(self) -> dict[int, int]:
-        """id(parameter) -> the steps in which it had a gradient (its blocks all count the same)."""
-        steps = {id(p): 0 for g in self.param_groups for p in g["params"]}
-        for group in self._groups:
-            for param, count in zip(group.params, group.steps.counts):
-                steps[id(param)] = count
-        return steps
+    def _parameter_step(self, param: Tensor) -> int | None:
+        """The steps in which ``param`` had a gradient (its blocks all count the same); None for a tensor
+        that is not one of this optimizer's parameters. Where each parameter's first block sits is indexed
+        once per layout of the shape groups, so a lookup costs O(1)."""
+        index = self._block_index
+        if index is None or index[0] is not self._groups:
+            where: dict[int, tuple[ShapeGroup, int] | None] = {
+                id(p): None for g in self.param_groups for p in g["params"]}
+            for group in self._groups:
+                for position, member in enumerate(group.params):
+                    if where.get(id(member)) is None:
+                        where[id(member)] = (group, position)
+            index = self._block_index = (self._groups, where)
+        if id(param) not in index[1]:
+            return None
+        block = index[1][id(param)]
+        return 0 if block is None else block[0].steps.counts[block[1]]
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _layout(self) -> list[list]:

@@ -5,6 +5,7 @@ the budget checks and the per-tier memory report. A mixin of ``asteria.optim.bas
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,8 +22,47 @@ HOST_GROUP_BYTES = 32 * 2**20
 PAGED_BUFFERS = 3
 
 
+def device_capacity(device: torch.device) -> int | None:
+    """The bytes of memory ``device`` has in all (a GPU's, or the host's physical memory for the CPU);
+    None where that is not known."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None
+
+
 class MemoryTiers:
     """Memory placement and reporting of the Asteria optimizers (see the module docstring)."""
+
+    def _check_factor_memory(self) -> None:
+        """Refuses, naming ``max_preconditioner_dim``, a blocking whose factors alone (float32, n x n for each
+        preconditioned dimension of each block, on the parameters' device) exceed all the memory of that
+        device, before anything is allocated: the allocation would fail, or on a host that overcommits
+        memory, the first steps would be killed."""
+        need: dict[torch.device, int] = {}
+        largest: dict[torch.device, tuple[int, ShapeGroup]] = {}
+        for group in self._groups:
+            dims = self._refresh_dims(group)
+            if not dims:
+                continue
+            need[group.device] = need.get(group.device, 0) + group.batch * 4 * sum(d * d for d in dims)
+            if max(dims) > largest.get(group.device, (0, group))[0]:
+                largest[group.device] = (max(dims), group)
+        for device, total in need.items():
+            capacity = device_capacity(device)
+            if capacity is None or total <= capacity:
+                continue
+            dim, group = largest[device]
+            raise ValueError(
+                f"Invalid max_preconditioner_dim={self.max_preconditioner_dim}: the factors alone (float32, n x n for "
+                f"each dimension of each block) would take {total / 2**30:.1f} GiB on {device}, which has "
+                f"{capacity / 2**30:.1f} GiB in all (the largest, {dim} x {dim}, for {group.blocks[0].name}, a block "
+                f"of shape {tuple(group.shape)}); a smaller max_preconditioner_dim splits large dimensions into more, "
+                "smaller blocks")
 
     def _resolve_placement(self) -> str:
         """The placement of the preconditioners in use (``MemoryConfig.placement``, with ``"auto"``

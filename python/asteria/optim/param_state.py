@@ -37,18 +37,15 @@ class ParameterStates(Mapping[Tensor, dict[str, Any]]):
             raise ReferenceError("this optimizer.state outlived its optimizer")
         return optimizer
 
-    def _counts(self) -> dict[int, int]:
-        return self._owner()._parameter_steps()
-
     def _params(self) -> list[Tensor]:
         return [p for group in self._owner().param_groups for p in group["params"]]
 
     def __getitem__(self, param: Tensor) -> dict[str, Any]:
-        counts = self._counts()
-        if not isinstance(param, Tensor) or id(param) not in counts:
+        count = self._owner()._parameter_step(param) if isinstance(param, Tensor) else None
+        if count is None:
             shown = f"tensor of shape {tuple(param.shape)}" if isinstance(param, Tensor) else repr(param)
             raise KeyError(f"not a parameter of this optimizer: {shown}")
-        return {"step": counts[id(param)]}
+        return {"step": count}
 
     def __setitem__(self, param: Tensor, value: Any) -> None:
         raise TypeError("Invalid assignment to optimizer.state: it is a read-only view of each parameter's step "

@@ -39,6 +39,7 @@ for the same step, so a run with hooks is bitwise identical to one without (test
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -49,23 +50,32 @@ from asteria.config import plain
 
 
 class AttachHandle:
-    """The hooks ``attach`` registered; ``remove()`` takes every one of them off (idempotent)."""
+    """The hooks ``attach`` registered; ``remove()`` takes every one of them off (idempotent).
+
+    Neither the hooks nor the handle keep the optimizer alive: once it is collected (or closed) the hooks
+    left on the model do nothing, and ``optimizer`` is None."""
 
     def __init__(self, model: nn.Module, optimizer: Any, handles: list[RemovableHandle],
                  late_activation: bool = False) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
         self._handles = handles
         #: whether this handle turned the optimizer's late activation on (kept after ``remove()``)
         self.late_activation = late_activation
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer whose hooks these are; None once it has been collected."""
+        return self._optimizer()
 
     @property
     def num_hooks(self) -> int:
         return len(self._handles)
 
     def remove(self) -> None:
-        if self.late_activation and self._handles:  # late activation needs a drain hook: not yet removed
-            self.optimizer.late_activation = False
+        optimizer = self.optimizer
+        if self.late_activation and self._handles and optimizer is not None:  # the drain hooks are not yet removed
+            optimizer.late_activation = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -145,16 +155,30 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
             raise ValueError("Invalid late_activation=True: the optimizer is already attached with it; remove "
                              "that handle first")
 
+    # The hooks reach the optimizer through a weak reference: the model must not keep it (its workers and
+    # host buffers) alive, and once it is collected or closed they have nothing to do.
+    target = weakref.ref(optimizer)
+
+    def live() -> Any:
+        opt = target()
+        return None if opt is None or opt._closed else opt
+
     def prefetch_hook(module: nn.Module, *args: Any) -> None:
-        if torch.is_grad_enabled():  # a training forward; evaluation under no_grad() prefetches nothing
-            optimizer.prefetch()
+        opt = live()
+        if opt is not None and torch.is_grad_enabled():  # a training forward (evaluation under no_grad(): nothing)
+            opt.prefetch()
 
     def drain_in_backward(grad: torch.Tensor) -> None:
-        optimizer.poll()
-        optimizer.mark_backward(grad.device)
+        opt = live()
+        if opt is not None:
+            opt.poll()
+            opt.mark_backward(grad.device)
 
     def drain(module: nn.Module, args: Any, output: Any) -> None:
-        optimizer.poll()
+        opt = live()
+        if opt is None:
+            return
+        opt.poll()
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         if isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(drain_in_backward)
