@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -154,3 +157,15 @@ def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:
     resumed_model, resumed = make()
     resumed_run(resumed_model, resumed, params, lambda o: o.load_state_dict(saved), after, data)
     return same_parameters(model, resumed_model)
+
+
+#: the repository's bench/ folder (its scripts are not part of the package)
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_script(name: str) -> ModuleType:
+    """``bench/<name>.py`` imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

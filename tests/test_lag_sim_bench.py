@@ -3,7 +3,6 @@ its runs leave native's only after the first late install, and the eigenvalue re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 
 import asteria.optim.base as base
 from asteria.train.cli import main
+from conftest import bench_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "shampoo_lag_sim.py"
 RUN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu",
        "--steps", "16", "--eval-every", "16", "--precondition-frequency", "3", "--configs", "shampoo-sync",
        "--seed", "1", "--model", "tiny"]
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("shampoo_lag_sim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("shampoo_lag_sim")
 
 
 def losses(out: Path) -> list[float]:

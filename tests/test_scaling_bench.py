@@ -4,23 +4,19 @@ The driver itself runs torchrun (see tests/distributed/test_cli_distributed.py f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from asteria.train import cli
+from conftest import bench_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "scaling.py"
 
 
 @pytest.fixture(scope="module")
 def scaling():
-    spec = importlib.util.spec_from_file_location("scaling_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("scaling")
 
 
 def test_child_commands_environment_and_default_process_counts(scaling):

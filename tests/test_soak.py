@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import BENCH, bench_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+SCRIPT = BENCH / "soak.py"
 
 
 def load_soak():
-    spec = importlib.util.spec_from_file_location("soak_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("soak")
 
 
 @pytest.mark.parametrize("optimizer", ["shampoo", "kl-shampoo"])
