@@ -47,3 +47,6 @@ def test_bad_lag_is_refused(sim, capsys):
     with pytest.raises(SystemExit):
         sim.main(["--lag", "-1", "--", *RUN])
     assert "Invalid --lag=-1: must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.main(["--lag", "1", "--aligned", "0", "--", *RUN])
+    assert "Invalid --aligned=0: must be >= 1" in capsys.readouterr().err

@@ -310,6 +310,8 @@ def test_the_gap_over_the_run_pairs_each_seeds_windows_and_names_the_seeds_left_
     write_with_runs(tmp_path / "seed0", 0, {"shampoo-sync": native[:15], "shampoo-async": native[:15]})
     write_with_runs(tmp_path / "seed4", 4, {"shampoo-sync": native, "shampoo-async": native[:-1] + [math.nan]})
     write(tmp_path / "seed5", 5, {"shampoo-sync": 1.0, "shampoo-async": 1.0})  # results without run folders
+    write_with_runs(tmp_path / "seed6", 6, {"shampoo-sync": native, "shampoo-async": native})
+    (tmp_path / "seed6" / "shampoo-async" / "metrics.jsonl").write_text("{not json\n")  # damaged: its losses count
     assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
     gap = json.loads((tmp_path / "out" / "seeds.json").read_text())["gap_over_run"]["shampoo-async"]
     assert gap["native"] == "shampoo-sync"
@@ -322,7 +324,11 @@ def test_the_gap_over_the_run_pairs_each_seeds_windows_and_names_the_seeds_left_
         assert stats["se"] == pytest.approx(statistics.stdev(values) / math.sqrt(2), abs=1e-12)
     assert gap["left_out"] == {"0": "other steps (1-15 against the other seeds' 1-20)",
                                "4": "no common steps, or a loss that is not finite",
-                               "5": "no run folder with its metrics.jsonl"}
+                               "5": "no run folder with its metrics.jsonl",
+                               "6": gap["left_out"]["6"]}
+    assert gap["left_out"]["6"].startswith(f"Invalid run={str(tmp_path / 'seed6' / 'shampoo-async')!r}: unreadable")
+    assert json.loads((tmp_path / "out" / "seeds.json").read_text())["pairs"]["shampoo-async"]["final_val_loss"][
+        "per_seed"]["6"] == 0.0
     table = capsys.readouterr().out
     assert "| shampoo-async vs shampoo-sync | 2 | +0.00 ± 0.00% | -0.50 ± 0.50% |" in table
     assert "steps 19-20" in table and "seed 5 left out of the gap over the run: no run folder" in table

@@ -22,17 +22,21 @@ WINDOWS = 10
 RUN_DIR = "run_dir"
 
 
-def losses(rows: list[dict[str, Any]]) -> dict[int, float] | None:
+def losses(rows: list[dict[str, Any]]) -> dict[int, float] | str:
     """Step -> training loss of the runs of one config and seed (the mean over its runs, on the steps every
-    run recorded); None when a row has no run folder or the runs share no step."""
+    run recorded), or why there is none: a row without a run folder, a run whose files cannot be read (its
+    final losses still count), or runs that share no step."""
     series = []
     for row in rows:
         if not row.get(RUN_DIR):
-            return None
-        series.append({r["step"]: float(r["loss"]) for r in load_run(Path(row[RUN_DIR])).records})
+            return "no run folder with its metrics.jsonl"
+        try:
+            series.append({r["step"]: float(r["loss"]) for r in load_run(Path(row[RUN_DIR])).records})
+        except (OSError, ValueError) as error:
+            return str(error)
     common = set.intersection(*(set(s) for s in series)) if series else set()
     if not common:
-        return None
+        return "its runs share no step"
     return {step: math.fsum(s[step] for s in series) / len(series) for step in sorted(common)}
 
 
@@ -74,10 +78,12 @@ def gap_over_run(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
             if label not in per_seed[seed] or native not in reference[seed]:
                 continue
             ours, theirs = losses(per_seed[seed][label]), losses(reference[seed][native])
-            gaps = None if ours is None or theirs is None else seed_gaps(ours, theirs, count)
+            if isinstance(ours, str) or isinstance(theirs, str):
+                left_out[str(seed)] = ours if isinstance(ours, str) else theirs
+                continue
+            gaps = seed_gaps(ours, theirs, count)
             if gaps is None:
-                left_out[str(seed)] = ("no run folder with its metrics.jsonl" if ours is None or theirs is None
-                                       else "no common steps, or a loss that is not finite")
+                left_out[str(seed)] = "no common steps, or a loss that is not finite"
             else:
                 found[str(seed)] = gaps
         # The windows most seeds share (the first seed's on a tie); a seed of other steps is another experiment.
