@@ -109,7 +109,8 @@ class RefreshEngine {
   // reading them, and returns nothing: the caller then fills buffer version % depth.
   void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);
   // Publishes the filled snapshots of `version` and queues one job per block computing the root
-  // `spec` into the block's result ring. The jobs are due at `activation_step` (their deadline).
+  // `spec` into the block's result ring. The jobs are due at `activation_step` (their deadline); among
+  // jobs of one deadline the pool starts those of the largest blocks first (cost n^3).
   // kEigenbasis blocks use spec.scale only (exponent and eps are neither used nor validated) and
   // `skip_tol` (>= 0, see linalg::qr_refresh). A block's eigenbasis jobs form a chain: job v starts
   // from the basis of the newest version before v that succeeded (or the one given to set_basis),

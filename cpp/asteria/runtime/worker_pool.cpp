@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -153,8 +154,12 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<
 
 WorkerPool::~WorkerPool() { shutdown(); }
 
-JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn) {
+JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, double cost) {
   if (!fn) throw InvalidArgument("[WorkerPool::submit] fn is empty (deadline " + std::to_string(deadline) + ")");
+  if (!(std::isfinite(cost) && cost >= 0.0)) {
+    throw InvalidArgument("[WorkerPool::submit] Invalid cost=" + format_number(cost) +
+                          ": must be a finite number >= 0 (deadline " + std::to_string(deadline) + ")");
+  }
   std::shared_ptr<JobRecord> record;
   {
     std::lock_guard lock(mutex_);
@@ -164,7 +169,7 @@ JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn) {
     }
     const std::uint64_t seq = next_seq_++;
     record = std::make_shared<JobRecord>(seq, deadline, std::move(fn));
-    queue_.push(QueueEntry{deadline, seq, record});
+    queue_.push(QueueEntry{deadline, cost, seq, record});
     stats_.submitted += 1;
     stats_.queue_depth = queue_.size();
     stats_.max_queue_depth = std::max(stats_.max_queue_depth, queue_.size());

@@ -60,7 +60,9 @@ struct PoolStats {
   double max_run_seconds = 0.0;
 };
 
-// Jobs run in order of (deadline, submission order): the job whose result is due first runs first.
+// Jobs run in order of (deadline, cost, submission order): the job whose result is due first runs
+// first; among jobs due at the same step the costlier run first (longest processing time first, which
+// shortens the time until the last of them is done on several workers), then in submission order.
 // A job's exception is caught on the worker and kept in its handle, to be rethrown at the wait.
 // Thread safety: every method is safe to call concurrently.
 class WorkerPool {
@@ -79,8 +81,10 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Queues `fn`. Throws CancelledError once the pool is shut down.
-  JobHandle submit(std::int64_t deadline, std::function<void()> fn);
+  // Queues `fn`, with `cost` (finite, >= 0, any unit: e.g. flops) ordering it among jobs of the same
+  // deadline. Throws CancelledError once the pool is shut down, InvalidArgument for an empty `fn` or
+  // a bad `cost`.
+  JobHandle submit(std::int64_t deadline, std::function<void()> fn, double cost = 0.0);
 
   // Cancels every queued job (their waiters get CancelledError), lets running jobs finish and
   // joins the threads. Idempotent; a concurrent caller returns once the threads are joined. Must
@@ -94,10 +98,14 @@ class WorkerPool {
  private:
   struct QueueEntry {
     std::int64_t deadline;
+    double cost;
     std::uint64_t seq;
     std::shared_ptr<detail::JobRecord> record;
+    // "Runs later than": a later deadline, then a smaller cost, then a later submission.
     bool operator>(const QueueEntry& other) const {
-      return deadline != other.deadline ? deadline > other.deadline : seq > other.seq;
+      if (deadline != other.deadline) return deadline > other.deadline;
+      if (cost != other.cost) return cost < other.cost;
+      return seq > other.seq;
     }
   };
 

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <latch>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -90,6 +92,37 @@ TEST(WorkerPoolTest, RunsEqualDeadlinesInSubmissionOrder) {
 
   EXPECT_EQ(ran, (std::vector<int>{1, 3, 5, 7, 9, 0, 2, 4, 6, 8}));
   EXPECT_LT(jobs[0].id(), jobs[1].id());
+}
+
+TEST(WorkerPoolTest, RunsTheCostlierOfEqualDeadlinesFirstAndEqualCostsInSubmissionOrder) {
+  WorkerPool pool(1);
+  std::vector<int> ran;  // written by the single worker only
+  std::vector<JobHandle> jobs;
+  BlockedWorker blocker(pool);
+  // (deadline, cost) per job i: the deadline decides first, then the larger cost, then submission order.
+  const std::vector<std::pair<std::int64_t, double>> order = {{5, 1.0}, {3, 1.0}, {5, 8.0}, {3, 27.0}, {5, 8.0},
+                                                              {3, 0.0}, {4, 1e9}, {5, 1.0}};
+  for (int i = 0; i < static_cast<int>(order.size()); ++i) {
+    jobs.push_back(pool.submit(order[i].first, [&ran, i] { ran.push_back(i); }, order[i].second));
+  }
+  blocker.release();
+  for (const JobHandle& job : jobs) job.wait(kLongWait);
+
+  EXPECT_EQ(ran, (std::vector<int>{3, 1, 5, 6, 2, 4, 0, 7}));
+}
+
+TEST(WorkerPoolTest, RefusesACostThatIsNotAFiniteNumberAtLeastZero) {
+  WorkerPool pool(1);
+  for (const double cost : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    try {
+      pool.submit(2, [] {}, cost);
+      FAIL() << "cost " << cost << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_PRED_FORMAT2(IsSubstring, "Invalid cost=", e.what());
+      EXPECT_PRED_FORMAT2(IsSubstring, "must be a finite number >= 0 (deadline 2)", e.what());
+    }
+  }
+  EXPECT_EQ(pool.stats().submitted, 0u);
 }
 
 TEST(WorkerPoolTest, WorkersRunAtTheRequestedNiceBelowTheCaller) {
