@@ -2,7 +2,10 @@
 that cost: native Shampoo (``asteria bench``'s ``shampoo-sync`` run, GPU eigh) whose refreshes after the
 first ``--aligned`` are installed ``--lag`` steps after their snapshot, as Asteria's deterministic rule
 does, optionally with each root rebuilt at install from its snapshot's eigenvectors Q and the eigenvalue
-estimates diag(Q^T F Q) of the factor F as it is then (``--correct``). ``--lag 0`` is native itself.
+estimates diag(Q^T F Q) of the factor F as it is then (``--correct``; under ``asteria bench``'s hooks a
+version due at a step that refreshes nothing is installed at the end of that step's forward, so F holds the
+gradients up to the step before). ``--lag 0`` installs through the same path at the snapshot's own step,
+which is native itself, bit for bit.
 
 Every other option goes to ``asteria bench`` unchanged, so a run pairs bit for bit, up to the first late
 install, with a native run of the same seed and settings.
@@ -28,25 +31,36 @@ from asteria.train import cli
 
 
 class LaggedRefresher(SyncRefresher):
-    """Native refreshes of versions after ``aligned`` installed ``lag`` steps late (see the module)."""
+    """Native refreshes of versions after ``aligned`` installed ``lag`` steps late (see the module). Each
+    late version is decomposed at its snapshot step with native's rules (a non-finite factor is left out, a
+    float32 eigh that fails is retried in float64, a zero factor gives the identity) and its root is formed
+    at the install, from the snapshot's eigenvalues or, with ``correct``, from diag(Q^T F Q) of the factor
+    then. ``lag`` 0 sends the versions through the same path, installed at their own step."""
 
     def __init__(self, sets: Any, config: Any, interval: int, lag: int, correct: bool, aligned: int) -> None:
         super().__init__(sets, config, interval)
         self.lag, self.correct, self.aligned = lag, correct, aligned
-        self.pending: list[tuple[int, int, int, Any, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[int, int, int, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def _refresh(self, step: int, items: list) -> None:
-        at_once = [item for item in items if item[1] <= self.aligned or self.lag == 0]
+        at_once = [item for item in items if item[1] <= self.aligned]
         if at_once:
             super()._refresh(step, at_once)
         for index, version, request in items:
-            if version <= self.aligned or self.lag == 0:
+            if version <= self.aligned:
                 continue
             fset = self.sets[index]
             if fset.kind != "root":
                 raise ValueError(f"Invalid factor set {fset.name}: this simulation covers Shampoo's roots only")
-            values, vectors = torch.linalg.eigh(fset.factors * self._scale(fset, request))
-            self.pending.append((step + self.lag, index, version, request, values, vectors))
+            finite, zero = F.finite_rows(fset.factors), F.zero_rows(fset.factors)
+            eye = torch.eye(fset.dim, dtype=fset.factors.dtype, device=fset.device)
+            matrix = torch.where(F.batch_view(finite, fset.factors), fset.factors * self._scale(fset, request), eye)
+            try:
+                values, vectors = torch.linalg.eigh(matrix)
+            except RuntimeError:  # no convergence in float32: native retries in float64
+                values, vectors = torch.linalg.eigh(matrix.double())
+            self.pending.append((step + self.lag, index, version, request, values, vectors, finite, zero))
+            self._newest_versions[index] = version
 
     @staticmethod
     def _scale(fset: Any, request: Any) -> Any:
@@ -58,17 +72,21 @@ class LaggedRefresher(SyncRefresher):
         due = [entry for entry in self.pending if entry[0] <= step]
         self.pending = [entry for entry in self.pending if entry[0] > step]
         with F.float32_matmuls():
-            for _, index, version, request, values, vectors in due:
+            for _, index, version, request, values, vectors, finite, zero in due:
                 fset = self.sets[index]
                 if self.correct:  # diag(Q^T F Q) of the factor now, in the snapshot's basis
-                    values = (vectors * ((fset.factors * self._scale(fset, request)) @ vectors)).sum(-2)
+                    now = (fset.factors * self._scale(fset, request)).to(vectors.dtype)
+                    values = (vectors * (now @ vectors)).sum(-2)
                 powers = F.regularize_eigenvalues(values, request.eps).pow(fset.exponent)
-                roots = (vectors * powers.unsqueeze(-2)) @ vectors.mT
+                roots = ((vectors * powers.unsqueeze(-2)) @ vectors.mT).to(fset.factors.dtype)
                 eye = torch.eye(fset.dim, dtype=roots.dtype, device=roots.device)
-                roots = torch.where(F.batch_view(F.zero_rows(fset.factors), roots), eye, roots)
-                usable = F.finite_rows(roots)
+                usable = finite & F.finite_rows(roots)
+                roots = torch.where(F.batch_view(usable, roots), roots, eye)
+                roots = torch.where(F.batch_view(zero, roots), eye, roots)  # a zero factor: the identity
                 fset.preconditioners.copy_(torch.where(F.batch_view(usable, roots), roots, fset.preconditioners))
                 fset.installed |= usable
+                self._refreshes += fset.batch
+                self._failures += int((~usable).sum())
                 for block in usable.nonzero().flatten().tolist():
                     self._set_version(index, block, version)
 

@@ -1,5 +1,6 @@
-"""bench/shampoo_lag_sim.py at tiny size on the CPU: at lag 0 it is native Shampoo bit for bit; at lag L
-its runs leave native's only after the first late install, and the eigenvalue re-estimate changes them."""
+"""bench/shampoo_lag_sim.py at tiny size on the CPU: at lag 0, where its late versions go through the same
+path installed at their own step, it is native Shampoo bit for bit; at lag L its runs leave native's only
+after the first late install, and the eigenvalue re-estimate changes them from there."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_lag_zero_is_native_and_a_lag_departs_after_the_first_late_install(sim, 
         assert sim.main([*options, "--", *RUN, "--out", str(tmp_path / name)]) == 0
         assert base.make_refresher is made  # the patch does not outlive the run
     native, l0, l2, c2 = (losses(tmp_path / name) for name in ("native", "l0", "l2", "c2"))
-    assert l0 == native
+    assert l0 == native  # lag 0 runs the late versions' own path (decomposed, kept, installed at once)
     # f = 3, first refresh at step 3, two versions used at their own step (3 and 6): version 3 is snapshotted
     # at step 9 and installed at 11, so step 9's update (the loss of step 10) is the first to differ.
     first = [next(i + 1 for i, (a, b) in enumerate(zip(run, native)) if a != b) for run in (l2, c2)]

@@ -335,9 +335,21 @@ def test_the_gap_over_the_run_pairs_each_seeds_windows_and_names_the_seeds_left_
     assert (tmp_path / "out" / "gap.png").stat().st_size > 1000
 
 
-def test_no_gap_over_the_run_without_run_folders(tmp_path, capsys):
-    write(tmp_path / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01})
-    assert main(["seeds", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
-    gap = json.loads((tmp_path / "out" / "seeds.json").read_text())["gap_over_run"]["soap-async"]
+def test_no_gap_over_the_run_without_run_folders_and_why_when_every_seed_is_left_out(tmp_path, capsys):
+    out = tmp_path / "out"
+    write_with_runs(tmp_path / "with" / "seed1", 1, {"soap-sync": [2.0, 1.9], "soap-async": [2.0, 1.8]})
+    assert main(["seeds", str(tmp_path / "with"), "--out", str(out)]) == 0
+    assert (out / "gap.png").is_file()
+    capsys.readouterr()
+    # Results alone: nothing to say about the gap, and the earlier report's plot is not left behind.
+    write(tmp_path / "bare" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01})
+    assert main(["seeds", str(tmp_path / "bare"), "--out", str(out)]) == 0
+    gap = json.loads((out / "seeds.json").read_text())["gap_over_run"]["soap-async"]
     assert gap["windows"] == [] and gap["per_seed"] == {}
-    assert "Training-loss gap" not in capsys.readouterr().out and not (tmp_path / "out" / "gap.png").exists()
+    assert "gap over the run" not in capsys.readouterr().out and not (out / "gap.png").exists()
+    # Every seed left out for another reason (here, Asteria diverged): said, with the reason.
+    write_with_runs(tmp_path / "nan" / "seed2", 2, {"soap-sync": [2.0, 1.9], "soap-async": [2.0, math.nan]})
+    assert main(["seeds", str(tmp_path / "nan"), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert ("No training-loss gap over the run for soap-async vs soap-sync:\n- seed 2 left out of the gap over the "
+            "run: no common steps, or a loss that is not finite") in table

@@ -155,6 +155,8 @@ int RefreshEngine::block_dim(std::int64_t id) const { return block(id).n; }
 
 int RefreshEngine::depth(std::int64_t id) const { return block(id).results.depth(); }
 
+double RefreshEngine::job_cost(const Block& b) { return static_cast<double>(b.n) * b.n * b.n; }
+
 RefreshEngine::Block& RefreshEngine::block(std::int64_t id) {
   return const_cast<Block&>(static_cast<const RefreshEngine&>(*this).block(id));
 }
@@ -266,8 +268,10 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
       }
     }
     // Among the jobs due at one step, the largest blocks start first (their O(n^3) numerics take longest):
-    // the last of the step's versions is then done sooner on several workers.
-    const double cost = static_cast<double>(b.n) * b.n * b.n;
+    // the last of the step's versions is then done sooner on several workers. The cost must be the same for
+    // every job of a block: the pool then keeps a block's jobs in (deadline, submission) order, which the
+    // eigenbasis chain relies on (job v waits for job v - 1, which must have been dequeued before it).
+    const double cost = job_cost(b);
     JobHandle job;
     try {
       job = pool_->submit(deadline, [this, id, version, spec, skip_tol, previous] {

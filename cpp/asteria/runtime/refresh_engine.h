@@ -115,8 +115,9 @@ class RefreshEngine {
   // `skip_tol` (>= 0, see linalg::qr_refresh). A block's eigenbasis jobs form a chain: job v starts
   // from the basis of the newest version before v that succeeded (or the one given to set_basis),
   // and the block's first job, with none, decomposes fully. The chain needs each block's eigenbasis
-  // versions submitted in increasing order with non-decreasing activation steps (so that the pool
-  // starts them in that order); anything else throws InvalidArgument before any block is touched.
+  // versions submitted in increasing order with non-decreasing activation steps (so that the pool,
+  // which gives all of a block's jobs one cost, starts them in that order); anything else throws
+  // InvalidArgument before any block is touched.
   // Under the non-deterministic rule a job that starts when a newer version of its block has been
   // submitted does not compute (it is superseded: the newer version would be activated first anyway),
   // so that workers behind schedule catch up instead of computing versions no one will use; the newer
@@ -195,6 +196,8 @@ class RefreshEngine {
   // `poison`: an injected kNonFinite fault, applied before the quality gate.
   JobOutcome compute_eigenbasis(Block& b, std::int64_t id, std::int64_t version, const float* input, float* output,
                                 const linalg::RootSpec& spec, double skip_tol, bool poison);
+  // The pool's cost of any job of `b`: n^3, a function of the block alone (see submit()).
+  static double job_cost(const Block& b);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
   // The column-order row of `version`'s result buffer (kEigenbasis blocks).

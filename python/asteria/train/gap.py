@@ -22,18 +22,29 @@ WINDOWS = 10
 RUN_DIR = "run_dir"
 
 
-def losses(rows: list[dict[str, Any]]) -> dict[int, float] | str:
+#: why a seed has no gap when its bench rows came without their run folders (results.json alone)
+NO_RUN_FOLDER = "no run folder with its metrics.jsonl"
+
+
+def losses(rows: list[dict[str, Any]], cache: dict[str, dict[int, float] | str] | None = None
+           ) -> dict[int, float] | str:
     """Step -> training loss of the runs of one config and seed (the mean over its runs, on the steps every
     run recorded), or why there is none: a row without a run folder, a run whose files cannot be read (its
-    final losses still count), or runs that share no step."""
+    final losses still count), or runs that share no step. ``cache`` keeps each run's series by folder."""
+    cache = {} if cache is None else cache
     series = []
     for row in rows:
         if not row.get(RUN_DIR):
-            return "no run folder with its metrics.jsonl"
-        try:
-            series.append({r["step"]: float(r["loss"]) for r in load_run(Path(row[RUN_DIR])).records})
-        except (OSError, ValueError) as error:
-            return str(error)
+            return NO_RUN_FOLDER
+        folder = row[RUN_DIR]
+        if folder not in cache:
+            try:
+                cache[folder] = {r["step"]: float(r["loss"]) for r in load_run(Path(folder)).records}
+            except (OSError, ValueError) as error:
+                cache[folder] = str(error)
+        if isinstance(cache[folder], str):
+            return cache[folder]
+        series.append(cache[folder])
     common = set.intersection(*(set(s) for s in series)) if series else set()
     if not common:
         return "its runs share no step"
@@ -71,13 +82,14 @@ def gap_over_run(per_seed: dict[int, dict[str, list[dict[str, Any]]]],
     per window, over the seeds whose two runs recorded the same steps. Seeds left out (no run folder, other
     steps, a loss not finite) are listed with the reason; the caller adds the statistics per window."""
     result: dict[str, Any] = {}
+    cache: dict[str, dict[int, float] | str] = {}  # a native run paired with several configs is read once
     for label, native in pairs.items():
         found: dict[str, tuple[list[list[int]], list[float]]] = {}
         left_out: dict[str, str] = {}
         for seed in sorted(set(per_seed) & set(reference)):
             if label not in per_seed[seed] or native not in reference[seed]:
                 continue
-            ours, theirs = losses(per_seed[seed][label]), losses(reference[seed][native])
+            ours, theirs = losses(per_seed[seed][label], cache), losses(reference[seed][native], cache)
             if isinstance(ours, str) or isinstance(theirs, str):
                 left_out[str(seed)] = ours if isinstance(ours, str) else theirs
                 continue
@@ -106,17 +118,21 @@ def format_gap(gap: dict[str, Any], baseline_suffix: str = "") -> list[str]:
     ``seeds.spread_stats`` per window)."""
     lines: list[str] = []
     for label, entry in gap.items():
+        reasons = [f"- seed {seed} left out of the gap over the run: {why}" for seed, why in entry["left_out"].items()]
         if not entry["windows"]:
+            # Results without their run folders have no gap to show; any other reason is named.
+            if any(why != NO_RUN_FOLDER for why in entry["left_out"].values()):
+                lines += ["", f"No training-loss gap over the run for {label} vs {entry['native']}{baseline_suffix}:",
+                          *reasons]
             continue
-        if not lines:
+        if not any(line.startswith("Training-loss gap") for line in lines):
             lines += ["", "Training-loss gap over the run, paired by seed (mean training loss of each window of steps, "
                       "config / native - 1), mean ± standard error over the seeds:", ""]
         heads = " | ".join(f"steps {a}-{b}" for a, b in entry["windows"])
         cells = " | ".join(_cell(stats) for stats in entry["stats"])
         lines += [f"| config | seeds | {heads} |", "|---" * (len(entry["windows"]) + 2) + "|",
                   f"| {label} vs {entry['native']}{baseline_suffix} | {len(entry['per_seed'])} | {cells} |", ""]
-        for seed, why in entry["left_out"].items():
-            lines.append(f"- seed {seed} left out of the gap over the run: {why}")
+        lines += reasons
     return lines
 
 

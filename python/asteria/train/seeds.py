@@ -388,7 +388,8 @@ def write_summary(per_seed: dict[int, dict[str, list[dict[str, Any]]]], devices:
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.json").write_text(json.dumps({"device": ", ".join(devices)} | summary, indent=2))
     (out / "seeds.md").write_text(format_markdown(summary, devices))
-    plot_gap(summary["gap_over_run"], out / "gap.png")
+    if not plot_gap(summary["gap_over_run"], out / "gap.png"):
+        (out / "gap.png").unlink(missing_ok=True)  # an earlier report's plot would not be this one's
     return summary | {"device": ", ".join(devices)}
 
 
