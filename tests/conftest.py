@@ -44,9 +44,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def thread_count() -> int:
-    """This process's threads, workers included (Linux)."""
-    return len(os.listdir("/proc/self/task"))
+#: the name the C++ worker pool gives its threads (``kWorkerThreadName``)
+WORKER_THREAD_NAME = "asteria-worker"
+
+
+def worker_threads() -> int:
+    """This process's refresh-worker threads (Linux; counted by their name, so that thread pools that torch,
+    OpenBLAS or OpenMP start or grow lazily do not count)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().strip() == WORKER_THREAD_NAME
+        except OSError:  # the thread ended while the folder was read
+            pass
+    return count
 
 
 def relative_errors(actual, expected) -> list[float]:

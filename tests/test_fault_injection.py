@@ -12,7 +12,7 @@ import torch
 
 import asteria
 from asteria import testing
-from conftest import small_mlp, thread_count, train
+from conftest import small_mlp, worker_threads, train
 
 NAMES = ["shampoo", "soap", "kl"]
 PARAM = "0.weight"  # (16, 8): two factors, one engine block per mode
@@ -276,10 +276,10 @@ def test_budget_too_small_fails_before_training_and_leaks_no_workers(name, budge
     _, warm = make(name)  # torch and OpenBLAS start their own thread pools lazily
     warm.close()
     gc.collect()
-    before = thread_count()
+    before = worker_threads()
     with pytest.raises(ValueError, match=rf"Invalid {budget}=64: too small for this model's state "
                                          r"\(placement 'device': device needs \d+ bytes, host needs \d+ bytes; "
                                          r"per kind: host \{.*\}, nvme "):
         make(name, memory=asteria.MemoryConfig(**{budget: 64}))
     gc.collect()
-    assert thread_count() == before
+    assert worker_threads() == before

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import asteria
-from conftest import regression_data, resumed_run, same_parameters, small_mlp, thread_count, train
+from conftest import regression_data, resumed_run, same_parameters, small_mlp, worker_threads, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -44,15 +44,15 @@ def test_an_optimizer_dropped_without_close_is_collected_and_stops_its_workers(o
     train(model, warm, 4)
     warm.close()
     gc.collect()
-    before = thread_count()
+    before = worker_threads()
     model, opt = make(optimizer, staleness=1)
     train(model, opt, 4)  # installs and reorders: every closure the refresher holds has been made and used
-    assert thread_count() == before + 1  # its worker
+    assert worker_threads() == before + 1  # its worker
     alive, finalizer = weakref.ref(opt), opt._finalizer
     del opt
     gc.collect()
     assert alive() is None and not finalizer.alive
-    assert thread_count() == before
+    assert worker_threads() == before
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda c: c.__name__)

@@ -144,7 +144,12 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<
   stats_.workers = num_workers;
   threads_.reserve(static_cast<std::size_t>(num_workers));
   try {
-    for (int i = 0; i < num_workers; ++i) threads_.emplace_back([this, blas_threads] { worker_loop(blas_threads); });
+    for (int i = 0; i < num_workers; ++i) {
+      threads_.emplace_back([this, blas_threads] { worker_loop(blas_threads); });
+      // Named before the constructor returns, so that tools (top -H, gdb, py-spy) and tests tell the
+      // workers from other threads; best effort: a refused name leaves the inherited one.
+      (void)pthread_setname_np(threads_.back().native_handle(), kWorkerThreadName);
+    }
   } catch (...) {
     // The destructor does not run for a half-built pool: stop the threads that did start.
     shutdown();

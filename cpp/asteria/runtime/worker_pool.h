@@ -60,6 +60,9 @@ struct PoolStats {
   double max_run_seconds = 0.0;
 };
 
+// The name of every worker thread (Linux's 15-character limit): /proc/<pid>/task/<tid>/comm shows it.
+inline constexpr const char* kWorkerThreadName = "asteria-worker";
+
 // Jobs run in order of (deadline, cost, submission order): the job whose result is due first runs
 // first; among jobs due at the same step the costlier run first (longest processing time first, which
 // shortens the time until the last of them is done on several workers), then in submission order.

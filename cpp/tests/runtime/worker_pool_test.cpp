@@ -11,11 +11,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <latch>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -123,6 +126,27 @@ TEST(WorkerPoolTest, RefusesACostThatIsNotAFiniteNumberAtLeastZero) {
     }
   }
   EXPECT_EQ(pool.stats().submitted, 0u);
+}
+
+// The threads of this process named `name` (their /proc/self/task/<tid>/comm).
+int threads_named(const std::string& name) {
+  int count = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++count;
+  }
+  return count;
+}
+
+TEST(WorkerPoolTest, WorkerThreadsCarryTheirNameFromConstructionToShutdown) {
+  const int before = threads_named(kWorkerThreadName);
+  {
+    WorkerPool pool(3);
+    EXPECT_EQ(threads_named(kWorkerThreadName), before + 3);
+    pool.shutdown();
+    EXPECT_EQ(threads_named(kWorkerThreadName), before);
+  }
 }
 
 TEST(WorkerPoolTest, WorkersRunAtTheRequestedNiceBelowTheCaller) {
