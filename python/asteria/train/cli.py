@@ -21,7 +21,7 @@ import torch
 
 from asteria.train import checkpoint
 from asteria.train.bench import CONFIGS, format_table, run_bench
-from asteria.train.loop import STOP_REQUESTED, RunConfig, train
+from asteria.train.loop import ASYNC_ONLY_SETTINGS, STOP_REQUESTED, RunConfig, train
 from asteria.train.report import write_report
 from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
@@ -106,11 +106,11 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
         STOP_REQUESTED.clear()
 
 
-# Options only a second-order optimizer reads (AdamW ignores them), and those of them that native mode
-# ignores too (it computes every refresh inside the step and uses it there).
-SECOND_ORDER_ONLY = ("staleness", "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "workers",
-                     "prefetch", "lag_steps")
-ASYNC_ONLY = ("staleness", "workers", "lag_steps")
+# Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
+# it there): the settings a resume ignores without it, and the workers; and those only a second-order
+# optimizer reads (AdamW ignores them all).
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers")
+SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch")
 
 
 def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = True) -> None:
