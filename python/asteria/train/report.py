@@ -78,26 +78,27 @@ def load_run(run_dir: Path) -> Run:
     return Run(run_dir, summary, records)
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A Python int or float that is not a bool (NaN and infinities included: a diverged run's loss)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # What the reports read of a run: summary.json's entries and each metrics.jsonl record's, with what they must be.
 SUMMARY_ENTRIES = {"label": (lambda v: isinstance(v, str) and v != "", "a config label"),
                    "device": (lambda v: isinstance(v, str) and v != "", "the device's name"),
-                   "final_loss": (_number, "a number")}
-OPTIONAL_ENTRIES = {"final_val_loss": (_number, "a number or null"),
-                    "median_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
-                    "max_step_seconds": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0"),
+                   "final_loss": (is_number, "a number")}
+OPTIONAL_ENTRIES = {"final_val_loss": (is_number, "a number or null"),
+                    "median_step_seconds": (lambda v: is_number(v) and v >= 0, "a number of seconds >= 0"),
+                    "max_step_seconds": (lambda v: is_number(v) and v >= 0, "a number of seconds >= 0"),
                     "vocab_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),
-                    "initial_loss_bound": (lambda v: _number(v) and v > 0, "a number > 0"),
-                    "energy_joules_total": (_number, "a number or null"),
-                    "energy_joules_per_step": (_number, "a number or null"),
+                    "initial_loss_bound": (lambda v: is_number(v) and v > 0, "a number > 0"),
+                    "energy_joules_total": (is_number, "a number or null"),
+                    "energy_joules_per_step": (is_number, "a number or null"),
                     "runtime_stats": (lambda v: isinstance(v, dict), "an object"),
                     "config": (lambda v: isinstance(v, dict), "an object")}
 RECORD_ENTRIES = {"step": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
-                  "loss": (_number, "a number"), "wall": (_number, "a number of seconds"),
-                  "step_time": (lambda v: _number(v) and v >= 0, "a number of seconds >= 0")}
+                  "loss": (is_number, "a number"), "wall": (is_number, "a number of seconds"),
+                  "step_time": (lambda v: is_number(v) and v >= 0, "a number of seconds >= 0")}
 
 
 def _check_run(run_dir: Path, summary: Any, records: list[Any]) -> None:
@@ -120,7 +121,7 @@ def _check_run(run_dir: Path, summary: Any, records: list[Any]) -> None:
             if key not in record or not ok(record[key]):
                 raise ValueError(f"{where}: metrics.jsonl line {line}: {key}={record.get(key, '(missing)')!r}: "
                                  f"must be {allowed}")
-        if "energy_joules" in record and not _number(record["energy_joules"]):
+        if "energy_joules" in record and not is_number(record["energy_joules"]):
             raise ValueError(f"{where}: metrics.jsonl line {line}: energy_joules={record['energy_joules']!r}: "
                              "must be a number")
 

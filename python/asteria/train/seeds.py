@@ -30,6 +30,7 @@ from asteria.config import is_int
 from asteria.train.bench import parse_config, run_bench
 from asteria.train.gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
+from asteria.train.report import is_number
 
 
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
@@ -215,7 +216,7 @@ def _read_results(file: Path) -> dict[str, Any] | None:
             raise ValueError(f"Invalid results file {str(file)!r}: {error}") from None
         for key in ("final_loss", "final_val_loss", "energy_vs_adamw"):
             value = row.get(key)
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            if value is not None and not is_number(value):
                 raise ValueError(f"Invalid results file {str(file)!r}: runs[{label!r}][{key!r}]={value!r}: must be "
                                  "a number or null")
     return results
