@@ -139,6 +139,25 @@ def test_report_of_a_diverged_adamw_run_takes_no_target_from_it(tmp_path):
     assert json.loads((tmp_path / "out2" / "report.json").read_text())["runs"]["soap-async"]["steps_to_target"] == 2
 
 
+def test_report_names_runs_of_different_vocabularies(tmp_path):
+    """Losses per token of different vocabularies do not compare: the report says so and lists each run's."""
+    same = [fake_run(tmp_path / "a", "adamw", [5.0, 4.0]), fake_run(tmp_path / "b", "soap-async", [5.0, 3.0])]
+    bound = fake_run(tmp_path / "c", "shampoo-async", [5.0, 3.5])  # no vocab_size: an initial loss bound only
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    del summary["vocab_size"]
+    (tmp_path / "c" / "summary.json").write_text(json.dumps(summary | {"initial_loss_bound": 5.5}))
+    other = fake_run(tmp_path / "d", "kl-shampoo-async", [9.0, 6.0], vocab_size=50304)
+    assert main(["report", *same, bound, "--out", str(tmp_path / "one")]) == 0
+    figures = json.loads((tmp_path / "one" / "report.json").read_text())
+    assert not figures["mixed_vocabularies"]
+    assert figures["vocabularies"] == {"adamw": 256, "soap-async": 256, "shampoo-async": None}
+    assert "different vocabularies" not in (tmp_path / "one" / "report.md").read_text()
+    assert main(["report", *same, bound, other, "--out", str(tmp_path / "two")]) == 0
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["mixed_vocabularies"]
+    assert ("**Runs of different vocabularies** (adamw: 256, soap-async: 256, shampoo-async: n/a, "
+            "kl-shampoo-async: 50304)") in (tmp_path / "two" / "report.md").read_text()
+
+
 def test_report_steady_max_over_median_skips_the_warm_up(tmp_path):
     """Steps up to (sync_refreshes + 1) x f of the run's own config are the warm-up, as in asteria bench."""
     from asteria.train.report import Run, steady_max_over_median

@@ -193,9 +193,17 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
             row["time_to_target_vs_adamw"] = reached["wall"] / reference.reach(target_loss)["wall"]
         rows[name] = row
     devices = list(dict.fromkeys(run.summary["device"] for run in runs))
+    vocabularies = {name: run.summary.get("vocab_size") for name, run in zip(rows, runs)}
     return {"device": ", ".join(devices), "target_loss": target_loss,
             "reference": "adamw" if reference is not None else None, "runs": rows,
-            "reference_diverged": diverged_reference}
+            "reference_diverged": diverged_reference, "vocabularies": vocabularies,
+            "mixed_vocabularies": len({v for v in vocabularies.values() if v is not None}) > 1}
+
+
+def _vocabulary_list(vocabularies: dict[str, int | None]) -> str:
+    """``label: size`` per run (``n/a`` where the run's summary gives an initial loss bound instead; such a
+    run is not counted as another vocabulary)."""
+    return ", ".join(f"{name}: {'n/a' if size is None else size}" for name, size in vocabularies.items())
 
 
 def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
@@ -261,6 +269,9 @@ def write_report(run_dirs: list[Path], out: Path, target_loss: float | None = No
           "Steady max/median counts the steps after the warm-up, (sync_refreshes + 1) x f, as `asteria bench` "
           "does.",
         "",
+        *([f"**Runs of different vocabularies** ({_vocabulary_list(figures['vocabularies'])}): a loss is per token of "
+           "its run's own vocabulary, so the losses, the target and the times to it compare only between runs of "
+           "one vocabulary.", ""] if figures["mixed_vocabularies"] else []),
         "| run | steps | final loss | val loss | time to target (s) | vs AdamW | median step (ms) | steady max/median "
         "| energy/step vs AdamW | efficiency | refreshes | waits |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
