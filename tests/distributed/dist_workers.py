@@ -247,6 +247,46 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
     torch.save(result, out / f"rank{rank}.pt")
 
 
+# ---- optimizers over subgroups ---------------------------------------------------------------------
+def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], steps: int) -> None:
+    """4 processes as 2 hosts x 2 ranks (``LOCAL_WORLD_SIZE=2``), each pair of ranks training its own DDP
+    replicas with its own optimizer over its own Gloo group (as pipeline stages would): pair g trains
+    ``kinds[g]``. Layout "hosts": the pairs {0, 1} and {2, 3}, each on one host (one node, a shared store);
+    "across": {0, 2} and {1, 3}, each across the hosts (two nodes of one rank, which exchange)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        layouts = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]]}
+        groups = {name: [dist.new_group(pair, backend="gloo") for pair in pairs] for name, pairs in layouts.items()}
+        uneven = dist.new_group([0, 1, 2], backend="gloo")  # 2 ranks on host 0, 1 on host 1
+        result: dict[str, Any] = {}
+        for name, pairs in layouts.items():
+            g = next(i for i, pair in enumerate(pairs) if rank in pair)
+            group, index = groups[name][g], pairs[g].index(rank)
+            net = torch.nn.parallel.DistributedDataParallel(model(), process_group=group)
+            with optimizer(kinds[g], net.parameters(), 1, process_group=group) as opt:
+                train(net, opt, data(steps), (index, 2))
+                params = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
+                gathered: list[Any] = [None, None]
+                dist.all_gather_object(gathered, params, group=group)
+                result[name] = {"kind": kinds[g], "params": params, "stats": gather_runtime_stats(opt),
+                                "identical": all(torch.equal(gathered[1 - index][k], v) for k, v in params.items())}
+            try:  # the other pair's group, which this rank is not in
+                optimizer("shampoo", model().parameters(), 1, process_group=groups[name][1 - g])
+                result[f"{name}_foreign"] = "accepted"
+            except ValueError as error:
+                result[f"{name}_foreign"] = str(error)
+        if rank < 3:
+            try:
+                optimizer("shampoo", model().parameters(), 1, process_group=uneven)
+                result["uneven"] = "accepted"
+            except ValueError as error:
+                result["uneven"] = str(error)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    out.mkdir(exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
 # ---- checkpoint and resume on every rank -------------------------------------------------------------
 def malformed_loads(opt: Any, saved: dict[str, Any], rank: int) -> list[str]:
     """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled: its request, or
@@ -354,11 +394,13 @@ def cuda_worker(rank: int, world: int, out: Path, local: int, runs: list[tuple[s
 
 
 def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_runs: list,
-                    resume_runs: list) -> None:
-    """The DDP runs, the FSDP2 / HSDP runs and the resume runs in one set of processes (one start-up)."""
+                    resume_runs: list, subgroup_run: tuple[tuple[str, str], int]) -> None:
+    """The DDP runs, the FSDP2 / HSDP runs, the resume runs and the subgroup runs in one set of processes
+    (one start-up)."""
     ddp_worker(rank, world, out / "ddp", ddp_runs)
     sharded_worker(rank, world, out / "sharded", sharded_runs)
     resume_worker(rank, world, out / "resume", resume_runs)
+    subgroup_worker(rank, world, out / "subgroups", *subgroup_run)
 
 
 def load(out: Path, world: int = WORLD) -> list[Any]:

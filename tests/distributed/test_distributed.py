@@ -65,6 +65,8 @@ SHARDED_RUNS = [("fsdp", "shampoo", 0, 6, False), ("hsdp", "shampoo", 0, 6, Fals
                 ("hsdp", "kl-shampoo", 1, 10, True)]
 # (optimizer, S, steps before the checkpoint, steps after): checkpoints taken with versions in flight.
 RESUME_RUNS = [("shampoo", 2, 7, 6), ("soap", 1, 6, 5)]
+# (the optimizers of the two pairs, steps): each pair of ranks trains with its own optimizer over its own group.
+SUBGROUP_RUN = (("shampoo", "soap"), 8)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def trained(tmp_path_factory):
     """One set of 4 processes runs every DDP, FSDP2 and HSDP training run; the tests check its results."""
     out = tmp_path_factory.mktemp("training")
     before = W.segments()
-    codes = W.launch(W.training_worker, out, DDP_RUNS, SHARDED_RUNS, RESUME_RUNS, timeout=180)
+    codes = W.launch(W.training_worker, out, DDP_RUNS, SHARDED_RUNS, RESUME_RUNS, SUBGROUP_RUN, timeout=180)
     leftover = W.segments() - before
     return out, codes, leftover
 
@@ -134,7 +136,7 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
     assert 0 < skipped <= sum(s["refreshes_skipped"] for s in soap)
 
 
-@pytest.mark.parametrize("victim", [3])
+@pytest.mark.parametrize("victim", [2, 3])
 def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_shm, victim):
     timeout_s = 6.0
     codes = W.launch(W.kill_worker, tmp_path, victim, 3, timeout_s, timeout=60)
@@ -176,6 +178,42 @@ def test_fsdp2_and_hsdp_match_single_process(trained):
                 assert run["domains"] == [[rank % 2, rank % 2 + 2]]  # replicas of a shard, across nodes
                 assert run["stats"]["bytes_inter_node_sent"] > 0
                 assert run["stats"]["bytes_intra_node_shared"] == 0
+
+
+def test_optimizers_over_subgroups_match_single_process(trained):
+    """Two pairs of ranks, each with its own optimizer over its own Gloo group, at once: on one host (a shared
+    store) and across two (an exchange). Each pair's replicas stay identical and end where one process ends;
+    only the pair's own ranks take part in anything (a group of its own for the exchange would have
+    needed the other pair's ranks to create it)."""
+    out, codes, leftover = trained
+    assert codes == [0] * W.WORLD
+    assert leftover == set(), "a shared-memory segment was left in /dev/shm"
+    results = W.load(out / "subgroups")
+    kinds, steps = SUBGROUP_RUN
+    references = {kind: W.single_process(kind, 1, steps) for kind in kinds}
+    pairs = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]]}
+    for layout, layout_pairs in pairs.items():
+        for g, pair in enumerate(layout_pairs):
+            for rank in pair:
+                run = results[rank][layout]
+                assert run["kind"] == kinds[g] and run["identical"], (layout, rank)
+                for name, value in references[kinds[g]].items():
+                    torch.testing.assert_close(run["params"][name], value, **TOLS[kinds[g]],
+                                               msg=f"{layout} rank {rank} {name}")
+                stats = run["stats"]
+                assert [s["rank"] for s in stats] == pair and all(s["world_size"] == 2 for s in stats)
+                assert sum(s["owned_blocks"] for s in stats) == stats[0]["blocks"]
+                if layout == "hosts":  # one node: the pair shares its store, nothing crosses nodes
+                    assert all(s["local_world_size"] == 2 and s["bytes_inter_node_sent"] == 0 for s in stats)
+                    assert all(s["bytes_intra_node_shared"] > 0 for s in stats)
+                else:  # two nodes of one rank: each sends what the other receives
+                    assert all(s["local_world_size"] == 1 and s["bytes_inter_node_sent"] > 0 for s in stats)
+                    assert stats[0]["bytes_inter_node_sent"] == stats[1]["bytes_inter_node_received"]
+                    assert stats[1]["bytes_inter_node_sent"] == stats[0]["bytes_inter_node_received"]
+                assert f"rank {rank} is not in it" in results[rank][f"{layout}_foreign"]
+    for rank in range(3):
+        assert ("Invalid process_group: its ranks [0, 1, 2] fall on the hosts of LOCAL_WORLD_SIZE=2 ranks as "
+                "{0: 2, 1: 1}") in results[rank]["uneven"]
 
 
 def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):

@@ -1,6 +1,6 @@
 """Replica domains: the ranks that hold identical copies of a set of preconditioner blocks, the owner of
-each block among them, the node-shared store each node of the domain keeps, and the Gloo group over
-which the domain's node leaders exchange.
+each block among them, the node-shared store each node of the domain keeps, and which of its ranks (the
+node leaders) exchange its blocks across nodes.
 
 - DDP (plain tensors): one domain over all ranks; one shared store per node; leaders exchange.
 - FSDP2 (sharded DTensors): a domain of one rank per shard; the rank owns its blocks; no exchange.
@@ -52,7 +52,6 @@ class Domain:
     topo: Topology
     units: list[Unit] = field(default_factory=list)
     store: Any = None            # _core.NodeStore
-    exchange_group: Any = None   # Gloo group of the node leaders, on leaders of a multi-node domain
     by_node: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,6 +80,11 @@ class Domain:
         return self.local[0] == self.topo.rank
 
     @property
+    def exchanges(self) -> bool:
+        """Whether this rank exchanges the domain's blocks with other nodes (a leader of a multi-node domain)."""
+        return self.is_leader and len(self.by_node) > 1
+
+    @property
     def shared(self) -> bool:
         """Whether this node's store is shared memory (more than one local rank in the domain)."""
         return len(self.local) > 1
@@ -94,8 +98,8 @@ class Domain:
         return zlib.crc32(text.encode())
 
 
-def _check_agreement(domains: list[Domain], whole: Any, topo: Topology) -> list[tuple[int, ...]]:
-    """Every rank of each domain must see the same blocks; returns every domain of every rank (sorted)."""
+def _check_agreement(domains: list[Domain], whole: Any, topo: Topology) -> None:
+    """Every rank of each domain must see the same blocks."""
     mine = [(d.ranks, d.fingerprint(), len(d.units)) for d in domains]
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, mine, group=whole)
@@ -109,13 +113,13 @@ def _check_agreement(domains: list[Domain], whole: Any, topo: Topology) -> list[
                                  f"and {count} blocks, or other shapes); every replica needs the same parameters and "
                                  "max_preconditioner_dim")
             seen.setdefault(ranks, (fingerprint, count, rank))
-    return sorted(seen)
 
 
 def build_domains(units_by_ranks: dict[tuple[int, ...], list[Unit]], topo: Topology) -> tuple[list[Domain], Any]:
-    """Creates the domains, assigns owners, creates the stores and the exchange groups. Collective over the
-    whole group. Returns the domains this rank belongs to and the whole-group Gloo group."""
-    whole = topo.gloo_group()
+    """Creates the domains, assigns owners and creates the stores. Collective over the whole group. Returns
+    the domains this rank belongs to and the whole group's Gloo group (``Topology.host_group``), over which
+    the node leaders exchange point to point."""
+    whole = topo.host_group()
     domains = [Domain(ranks=ranks, topo=topo, units=sorted(units, key=lambda u: u.key))
                for ranks, units in sorted(units_by_ranks.items())]
     for d in domains:
@@ -124,7 +128,7 @@ def build_domains(units_by_ranks: dict[tuple[int, ...], list[Unit]], topo: Topol
             raise ValueError(f"Invalid parameters: two blocks share the key of {keys}; a parameter appears twice")
         for index, unit in enumerate(d.units):
             unit.index = index
-    every_domain = _check_agreement(domains, whole, topo)
+    _check_agreement(domains, whole, topo)
     # Ownership: every rank of a domain owns an equal share of each factor set (see assign_owners_by_set);
     # the whole-world domain first (every rank knows it), then each other domain balanced on top of the
     # world's loads, which all of its members know.
@@ -139,15 +143,6 @@ def build_domains(units_by_ranks: dict[tuple[int, ...], list[Unit]], topo: Topol
         for unit in d.units:
             unit.owner = owners[unit.key]
     _create_stores(domains, whole, topo)
-    # Exchange groups: collective over every rank, for every domain of every rank, in one order.
-    mine = {d.ranks: d for d in domains}
-    for ranks in every_domain:
-        probe = Domain(ranks=ranks, topo=topo)
-        if len(probe.nodes) < 2:
-            continue
-        group = topo.gloo_group(probe.leaders)
-        if ranks in mine and mine[ranks].is_leader:
-            mine[ranks].exchange_group = group
     return domains, whole
 
 

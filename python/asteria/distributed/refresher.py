@@ -212,7 +212,7 @@ class DistributedRefresher(WorkerRefresher):
         self._publish_owned(version, sets, changes)
         chosen = set(sets)
         for d in self.domains:
-            if d.exchange_group is not None:
+            if d.exchanges:
                 self._exchange(d, version, chosen, step)
         readings = {id(d): self._read(d, version, chosen, step) for d in self.domains}
         self._reading.append((self._install(version, readings, step), step))
@@ -306,7 +306,6 @@ class DistributedRefresher(WorkerRefresher):
         """Node leaders of ``d`` send their node's new versions of ``version`` of ``sets``' blocks to each other."""
         started = time.perf_counter()
         view = self.views[id(d)]
-        group = d.exchange_group
         peers = len(d.nodes) - 1
         try:
             for node in d.nodes:
@@ -318,7 +317,7 @@ class DistributedRefresher(WorkerRefresher):
                 if node == self.topo.node:
                     seen = self._wait(d, units, version, step)
                     statuses = torch.tensor([STATUS_CODES[s] for _, s, _ in seen], dtype=torch.int8, device="cpu")
-                dist.broadcast(statuses, src=leader, group=group)
+                self._from_leader(statuses, leader, d.leaders)
                 refreshed = [u for u, code in zip(units, statuses.tolist()) if code == STATUS_CODES["ok"]]
                 size = sum(self._payload_size(u) for u in refreshed)
                 if node == self.topo.node:
@@ -338,10 +337,10 @@ class DistributedRefresher(WorkerRefresher):
                         base = d.store.offset(u.index, good)
                         parts.append(self._pack(u, view, base))
                     payload = torch.cat(parts)
-                    dist.broadcast(payload, src=leader, group=group)
+                    self._from_leader(payload, leader, d.leaders)
                     continue
                 payload = torch.empty(size, dtype=torch.float32, device="cpu")
-                dist.broadcast(payload, src=leader, group=group)
+                self._from_leader(payload, leader, d.leaders)
                 at = 0
                 for u, code in zip(units, statuses.tolist()):
                     if code == STATUS_CODES["ok"]:
@@ -359,6 +358,16 @@ class DistributedRefresher(WorkerRefresher):
                             f"with the node leaders {d.leaders} failed (a rank died, stalled or failed): "
                             f"{error}") from error
         self._exchange_seconds += time.perf_counter() - started
+
+    def _from_leader(self, tensor: torch.Tensor, leader: int, leaders: list[int]) -> None:
+        """``leader`` sends ``tensor`` to the other ``leaders``, which receive it into theirs: point to point over
+        the whole group, so that no group of the leaders need be created (which every rank of the world
+        would have to take part in)."""
+        if self.topo.rank != leader:
+            dist.recv(tensor, src=leader, group=self.whole)
+            return
+        for request in [dist.isend(tensor, dst=peer, group=self.whole) for peer in leaders if peer != leader]:
+            request.wait()
 
     def _wait(self, d: Domain, units: list[Unit], version: int, step: int) -> list[tuple[int, str, int]]:
         started = time.perf_counter()

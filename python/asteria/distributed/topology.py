@@ -4,7 +4,10 @@
 Node boundaries come from torchrun's ``LOCAL_WORLD_SIZE``, or ``RuntimeConfig.local_world_size``,
 which overrides it so that several nodes can be simulated on one machine (4 processes as 2 nodes x 2
 ranks). The ranks of the process group fill the nodes in order: group ranks 0..L-1 are node 0, and
-so on.
+so on. A process group smaller than the world (e.g. one pipeline stage's ranks) must be a Gloo group:
+the optimizer moves its host tensors over it as it is, since a group of its own would need every rank
+of the world to create it. Its node size, unless given, is how many of its ranks each host holds
+(torchrun numbers ranks host by host, ``LOCAL_WORLD_SIZE`` to a host).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Topology:
         rank: this process's global rank.
         local_world_size: ranks per node.
         timeout_s: the runtime's timeout, used for every Gloo group created here.
+        subgroup: whether the group is smaller than the world (then a Gloo group, used as it is).
     """
 
     group: Any
@@ -37,6 +41,7 @@ class Topology:
     rank: int
     local_world_size: int
     timeout_s: float
+    subgroup: bool = False
 
     @property
     def world_size(self) -> int:
@@ -57,11 +62,13 @@ class Topology:
     def nodes(self) -> int:
         return self.world_size // self.local_world_size
 
-    def gloo_group(self, ranks: list[int] | tuple[int, ...] | None = None) -> Any:
-        """A new Gloo group over ``ranks`` (global; None: all), with the runtime's timeout. Collective: every
-        rank calls it for every group, in the same order (non-members get a non-member handle)."""
-        return dist.new_group(ranks=sorted(ranks) if ranks is not None else None, backend="gloo",
-                              timeout=timedelta(seconds=self.timeout_s))
+    def host_group(self) -> Any:
+        """A Gloo group over all the ranks, for host tensors: the user's group itself when it is smaller
+        than the world, else a new one over the world with the runtime's timeout (collective: every rank
+        of the world calls it, in the same order)."""
+        if self.subgroup:
+            return self.group
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
 
 def topology(config: RuntimeConfig) -> Topology | None:
@@ -73,13 +80,18 @@ def topology(config: RuntimeConfig) -> Topology | None:
             raise ValueError(f"Invalid process_group={config.process_group!r}: torch.distributed is not initialized")
         return None
     group = config.process_group if config.process_group is not None else dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"Invalid process_group={group!r}: rank {dist.get_rank()} is not in it (dist.new_group "
+                         "gives that handle to the ranks it leaves out); pass each rank a group it belongs to")
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) == 1:
         return None
-    if len(ranks) != dist.get_world_size():
-        raise ValueError(f"Invalid process_group={group!r}: it holds ranks {list(ranks)} of a world of "
-                         f"{dist.get_world_size()}; Asteria's distributed runtime spans the whole world (every rank "
-                         "constructs the optimizer)")
+    subgroup = len(ranks) != dist.get_world_size()
+    if subgroup and dist.get_backend(group) != "gloo":
+        raise ValueError(f"Invalid process_group={group!r}: backend {dist.get_backend(group)!r} over ranks "
+                         f"{list(ranks)} of a world of {dist.get_world_size()}; a group smaller than the world must "
+                         f"be a Gloo group, over which the optimizer moves host tensors: dist.new_group({list(ranks)}, "
+                         "backend='gloo'), called on every rank as torch requires")
     if not config.deterministic:
         raise ValueError(f"Invalid deterministic={config.deterministic!r}: with {len(ranks)} ranks every rank must "
                          "activate the same version at the same step, which only the deterministic schedule "
@@ -90,14 +102,28 @@ def topology(config: RuntimeConfig) -> Topology | None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         source = "LOCAL_WORLD_SIZE"
         try:
-            local = int(env) if env is not None else len(ranks)
+            local = int(env) if env is not None else dist.get_world_size()
         except ValueError:
             raise ValueError(f"Invalid LOCAL_WORLD_SIZE={env!r}: must be an int >= 1") from None
+        if subgroup and local >= 1:
+            local = _ranks_per_host(ranks, local)
     if local < 1 or len(ranks) % local != 0:
         raise ValueError(f"Invalid {source}={local!r}: must be >= 1 and divide the process group's "
                          f"{len(ranks)} ranks")
     return Topology(group=group, ranks=ranks, rank=dist.get_rank(), local_world_size=local,
-                    timeout_s=float(config.timeout_s))
+                    timeout_s=float(config.timeout_s), subgroup=subgroup)
+
+
+def _ranks_per_host(ranks: tuple[int, ...], host_size: int) -> int:
+    """How many of a subgroup's ``ranks`` each host holds, hosts being consecutive blocks of ``host_size``
+    global ranks. Raises ``ValueError`` unless every host of the group holds the same number, in group order."""
+    hosts = [rank // host_size for rank in ranks]
+    counts = {host: hosts.count(host) for host in hosts}
+    if len(set(counts.values())) != 1 or hosts != sorted(hosts):
+        raise ValueError(f"Invalid process_group: its ranks {list(ranks)} fall on the hosts of LOCAL_WORLD_SIZE="
+                         f"{host_size} ranks as {counts} (host: ranks); the optimizer's nodes need the same number "
+                         "of its ranks each, in rank order: give RuntimeConfig.local_world_size to declare them")
+    return counts[hosts[0]]
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -133,8 +159,8 @@ def replica_ranks(param: torch.Tensor, topo: Topology) -> tuple[int, ...]:
 
 
 def same_on_every_rank(topo: Topology, value: Any) -> bool:
-    """Whether every rank of ``topo`` passed an equal ``value`` (picklable). Collective over a Gloo group
-    of all its ranks."""
+    """Whether every rank of ``topo`` passed an equal ``value`` (picklable). Collective over
+    ``topo.host_group()``."""
     gathered: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(gathered, value, group=topo.gloo_group(topo.ranks))
+    dist.all_gather_object(gathered, value, group=topo.host_group())
     return all(other == value for other in gathered)
