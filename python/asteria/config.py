@@ -139,8 +139,8 @@ class RuntimeConfig:
         memory: tier placement and budgets.
         process_group, local_world_size: distributed layout (defaults: WORLD and torchrun's
             LOCAL_WORLD_SIZE when torch.distributed is initialized). A group smaller than the world must
-            be a Gloo group (``dist.new_group(ranks, backend="gloo")``); its node size defaults to how
-            many of its ranks each host holds.
+            run CPU tensors on Gloo (``dist.new_group(ranks, backend="gloo")``, or ``"cpu:gloo,cuda:nccl"``);
+            its node size defaults to how many of its ranks each host holds.
     """
 
     mode: Literal["sync", "async"] = "async"

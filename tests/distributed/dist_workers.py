@@ -252,11 +252,14 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
     """4 processes as 2 hosts x 2 ranks (``LOCAL_WORLD_SIZE=2``), each pair of ranks training its own DDP
     replicas with its own optimizer over its own Gloo group (as pipeline stages would): pair g trains
     ``kinds[g]``. Layout "hosts": the pairs {0, 1} and {2, 3}, each on one host (one node, a shared store);
-    "across": {0, 2} and {1, 3}, each across the hosts (two nodes of one rank, which exchange)."""
+    "across": {0, 2} and {1, 3}, each across the hosts (two nodes of one rank, which exchange), over groups
+    of backend ``cpu:gloo`` (as ``cpu:gloo,cuda:nccl`` would run host tensors)."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
         layouts = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]]}
-        groups = {name: [dist.new_group(pair, backend="gloo") for pair in pairs] for name, pairs in layouts.items()}
+        backends = {"hosts": "gloo", "across": "cpu:gloo"}  # a Gloo group, and one with Gloo for CPU tensors
+        groups = {name: [dist.new_group(pair, backend=backends[name]) for pair in pairs]
+                  for name, pairs in layouts.items()}
         uneven = dist.new_group([0, 1, 2], backend="gloo")  # 2 ranks on host 0, 1 on host 1
         result: dict[str, Any] = {}
         for name, pairs in layouts.items():
@@ -275,6 +278,7 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
                 result[f"{name}_foreign"] = "accepted"
             except ValueError as error:
                 result[f"{name}_foreign"] = str(error)
+        result["stages"] = _fsdp_stage(rank, kinds, steps)
         if rank < 3:
             try:
                 optimizer("shampoo", model().parameters(), 1, process_group=uneven)
@@ -285,6 +289,28 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
         del os.environ["LOCAL_WORLD_SIZE"]
     out.mkdir(exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
+
+
+def _fsdp_stage(rank: int, kinds: tuple[str, str], steps: int) -> dict[str, Any]:
+    """Two stages of two ranks (a ("stage", "shard") mesh), as pipeline parallelism with FSDP2 lays them out:
+    each stage shards its own model over its row of the mesh and steps it with its own optimizer over that
+    row's group; stage g trains ``kinds[g]``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("stage", "shard"))
+    row, stage = mesh["shard"], rank // 2
+    net = model()
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=row)
+    fully_shard(net, mesh=row)
+    with optimizer(kinds[stage], net.parameters(), 1, process_group=row.get_group()) as opt:
+        train(net, opt, data(steps), (rank % 2, 2))
+        domains = [list(d.ranks) for d in opt._refresher.domains]
+        stats = opt.runtime_stats()
+    params = {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
+    return {"kind": kinds[stage], "params": params, "domains": domains, "stats": stats}
 
 
 # ---- checkpoint and resume on every rank -------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 import dist_workers as W
 from asteria.distributed import assign_owners_by_set, block_cost
+from asteria.distributed.topology import moves_host_tensors
 
 # fp32 tolerance between DDP's averaged shard gradients and the full batch's gradient (SOAP's sign-like
 # first steps amplify the rounding more than Shampoo's).
@@ -214,6 +215,22 @@ def test_optimizers_over_subgroups_match_single_process(trained):
     for rank in range(3):
         assert ("Invalid process_group: its ranks [0, 1, 2] fall on the hosts of LOCAL_WORLD_SIZE=2 ranks as "
                 "{0: 2, 1: 1}") in results[rank]["uneven"]
+    # FSDP2 within each of two stages of a mesh, an optimizer per stage over the stage's row: each rank
+    # refreshes its own shards, and the stage ends where one process ends.
+    for rank, result in enumerate(results):
+        stage = result["stages"]
+        assert stage["kind"] == kinds[rank // 2] and stage["domains"] == [[rank]]
+        assert stage["stats"]["world_size"] == 2 and stage["stats"]["bytes_inter_node_sent"] == 0
+        for name, value in references[stage["kind"]].items():
+            torch.testing.assert_close(stage["params"][name], value, **TOLS[stage["kind"]], msg=f"stage {rank} {name}")
+
+
+@pytest.mark.parametrize("backend, moves", [("gloo", True), ("cpu:gloo", True), ("cpu:gloo,cuda:nccl", True),
+                                            ("cuda:nccl,cpu:gloo", True), ("nccl", False), ("cuda:nccl", False),
+                                            ("cpu:mpi,cuda:nccl", False), ("mpi", False)])
+def test_a_subgroup_must_run_host_tensors_on_gloo(backend, moves):
+    """The backends ``dist.get_backend`` names (NCCL groups themselves cannot be made on this machine)."""
+    assert moves_host_tensors(backend) is moves
 
 
 def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):

@@ -153,7 +153,13 @@ def _run_id(whole: Any, topo: Topology) -> str:
 
 
 def _barrier(whole: Any, topo: Topology) -> None:
-    dist.monitored_barrier(group=whole, timeout=timedelta(seconds=topo.timeout_s), wait_all_ranks=True)
+    """Every rank of the group waits for all: ``monitored_barrier`` (which names the ranks that did not come)
+    on a Gloo group; on a group with Gloo for CPU tensors only (``"cpu:gloo,cuda:nccl"``), which it refuses,
+    an all-reduce of a CPU tensor."""
+    if dist.get_backend(whole) == "gloo":
+        dist.monitored_barrier(group=whole, timeout=timedelta(seconds=topo.timeout_s), wait_all_ranks=True)
+    else:
+        dist.all_reduce(torch.zeros(1), group=whole)
 
 
 def _create_stores(domains: list[Domain], whole: Any, topo: Topology) -> None:

@@ -4,8 +4,8 @@
 Node boundaries come from torchrun's ``LOCAL_WORLD_SIZE``, or ``RuntimeConfig.local_world_size``,
 which overrides it so that several nodes can be simulated on one machine (4 processes as 2 nodes x 2
 ranks). The ranks of the process group fill the nodes in order: group ranks 0..L-1 are node 0, and
-so on. A process group smaller than the world (e.g. one pipeline stage's ranks) must be a Gloo group:
-the optimizer moves its host tensors over it as it is, since a group of its own would need every rank
+so on. A process group smaller than the world (e.g. one pipeline stage's ranks) must run CPU tensors on
+Gloo: the optimizer moves its host tensors over it as it is, since a group of its own would need every rank
 of the world to create it. Its node size, unless given, is how many of its ranks each host holds
 (torchrun numbers ranks host by host, ``LOCAL_WORLD_SIZE`` to a host).
 """
@@ -33,7 +33,7 @@ class Topology:
         rank: this process's global rank.
         local_world_size: ranks per node.
         timeout_s: the runtime's timeout, used for every Gloo group created here.
-        subgroup: whether the group is smaller than the world (then a Gloo group, used as it is).
+        subgroup: whether the group is smaller than the world (then Gloo for CPU tensors, used as it is).
     """
 
     group: Any
@@ -87,11 +87,12 @@ def topology(config: RuntimeConfig) -> Topology | None:
     if len(ranks) == 1:
         return None
     subgroup = len(ranks) != dist.get_world_size()
-    if subgroup and dist.get_backend(group) != "gloo":
+    if subgroup and not moves_host_tensors(dist.get_backend(group)):
         raise ValueError(f"Invalid process_group={group!r}: backend {dist.get_backend(group)!r} over ranks "
                          f"{list(ranks)} of a world of {dist.get_world_size()}; a group smaller than the world must "
-                         f"be a Gloo group, over which the optimizer moves host tensors: dist.new_group({list(ranks)}, "
-                         "backend='gloo'), called on every rank as torch requires")
+                         "move host tensors over Gloo, as the optimizer does: dist.new_group("
+                         f"{list(ranks)}, backend='gloo') (or 'cpu:gloo,cuda:nccl'), called on every rank as torch "
+                         "requires")
     if not config.deterministic:
         raise ValueError(f"Invalid deterministic={config.deterministic!r}: with {len(ranks)} ranks every rank must "
                          "activate the same version at the same step, which only the deterministic schedule "
@@ -112,6 +113,14 @@ def topology(config: RuntimeConfig) -> Topology | None:
                          f"{len(ranks)} ranks")
     return Topology(group=group, ranks=ranks, rank=dist.get_rank(), local_world_size=local,
                     timeout_s=float(config.timeout_s), subgroup=subgroup)
+
+
+def moves_host_tensors(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend``: ``"gloo"``, or per device type as in
+    ``"cpu:gloo,cuda:nccl"``) runs CPU tensors' collectives on Gloo."""
+    if ":" not in backend:
+        return backend == "gloo"
+    return dict(part.split(":", 1) for part in backend.split(",")).get("cpu") == "gloo"
 
 
 def _ranks_per_host(ranks: tuple[int, ...], host_size: int) -> int:
