@@ -165,6 +165,7 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--mode", "sync", "--stagger-split"], "Invalid --stagger-split with --mode sync without --stagger: it sets"),
     (["--optimizer", "adamw", "--no-stagger"], "Invalid --no-stagger with --optimizer adamw"),
     (["--parallel", "fsdp"], "Invalid --parallel fsdp on one process: it sets how torchrun's processes"),
+    (["--parallel", "hsdp"], "Invalid --parallel hsdp on one process: it sets how torchrun's processes"),
     (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),

@@ -1,6 +1,7 @@
 """``asteria train`` under torchrun on 2 CPU processes (Gloo), real processes: DDP with Asteria SOAP
 (async) across 2 simulated nodes of 1 rank, its resume (bit for bit; another world size refused), and
-FSDP2 with Asteria KL-Shampoo (async) and with AdamW (resume bit for bit through DTensor state)."""
+FSDP2 with Asteria KL-Shampoo (async) and with AdamW (resume bit for bit through DTensor state); and on 4
+processes as 2 nodes x 2 ranks, HSDP with Asteria Shampoo (async) and its resume."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ FSDP_KL = [*COMMON, "--batch-size", "2", "--steps", "4", "--eval-every", "4", "-
            "async", "--parallel", "fsdp"]
 FSDP_ADAMW = [*PLAIN, "--batch-size", "2", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
               "--keep-checkpoints", "0", "--optimizer", "adamw", "--mode", "sync", "--parallel", "fsdp"]
+HSDP = [*COMMON, "--batch-size", "1", "--steps", "4", "--eval-every", "4", "--checkpoint-every", "2",
+        "--keep-checkpoints", "0", "--optimizer", "shampoo", "--mode", "async", "--parallel", "hsdp",
+        "--local-world-size", "2"]
 
 
-def torchrun(out: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
-    """``asteria train`` on 2 processes under torchrun."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def torchrun(out: Path, args: list[str], *extra: str, procs: int = 2) -> subprocess.CompletedProcess:
+    """``asteria train`` on ``procs`` processes under torchrun."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
             "-m", "asteria.train.cli", "train", "--out", str(out), *args, *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
@@ -59,7 +63,8 @@ def check(result: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The torchrun launches, one after the other (concurrent launches gain nothing on 2 cores): fresh
-    DDP, its resume from step 3, FSDP2 KL-Shampoo, fresh FSDP2 AdamW and its resume from step 2."""
+    DDP, its resume from step 3, FSDP2 KL-Shampoo, fresh FSDP2 AdamW and its resume from step 2, HSDP
+    Shampoo on 4 processes and its resume from step 2."""
     root = tmp_path_factory.mktemp("torchrun")
     done = {"ddp": torchrun(root / "ddp", DDP)}
     check(done["ddp"])
@@ -69,6 +74,9 @@ def runs(tmp_path_factory):
     check(done["fsdp-adamw"])
     done["fsdp-adamw-resumed"] = torchrun(resume_from(root / "fsdp-adamw", 2, root / "fsdp-adamw-resumed"),
                                           FSDP_ADAMW, "--resume")
+    done["hsdp"] = torchrun(root / "hsdp", HSDP, procs=4)
+    check(done["hsdp"])
+    done["hsdp-resumed"] = torchrun(resume_from(root / "hsdp", 2, root / "hsdp-resumed"), HSDP, "--resume", procs=4)
     return root, done
 
 
@@ -153,6 +161,44 @@ def test_fsdp2_resume_is_bitwise(runs):
     resumed = root / "fsdp-adamw-resumed"
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in records(resumed)] == fresh
     assert summary(resumed)["resumed_from"].endswith("step-000000002")
+
+
+def test_hsdp_with_asteria_shampoo_and_its_resume(runs):
+    """4 processes as 2 nodes x 2 ranks: each node holds one copy of the model, sharded over its 2 ranks;
+    the copies of a shard on the two nodes end bit for bit equal, the optimizer exchanges across nodes, and
+    the run resumes bit for bit."""
+    root, done = runs
+    check(done["hsdp"])
+    s = summary(root / "hsdp")
+    d = s["distributed"]
+    assert (d["world_size"], d["local_world_size"], d["nodes"], d["parallel"]) == (4, 2, 2, "hsdp")
+    agreement = d["replica_agreement"]
+    assert agreement["method"].startswith("HSDP") and agreement["bitwise_identical"] is True
+    assert agreement["max_abs_diff_per_rank"] == [0.0] * 4 and agreement["parameters_compared"] > 20
+    # The replicas of each shard live on the two nodes: their owners exchange what they refreshed.
+    opt = d["optimizer_bytes"]
+    assert opt["totals"]["bytes_inter_node_sent"] == opt["totals"]["bytes_inter_node_received"] > 0
+    assert opt["totals"]["bytes_intra_node_shared"] == 0 and all(n > 0 for n in opt["owned_blocks_per_rank"])
+    grads, p = d["gradient_bytes_per_step_computed"], s["parameters"]
+    layers = grads["layer_parameters"]
+    within, across = 1 / 2 * 4 * (3 * layers + 2 * (p - layers)), 2 * 1 / 2 * p / 2 * 4
+    assert grads["per_rank_sent"] == within + across and grads["inter_node_sent"] == 4 * across
+    rows = records(root / "hsdp")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
+    check(done["hsdp-resumed"])
+    resumed = root / "hsdp-resumed"
+    assert summary(resumed)["resumed_from"].endswith("step-000000002")
+    assert ([(r["step"], r["loss"], r.get("val_loss")) for r in records(resumed)]
+            == [(r["step"], r["loss"], r.get("val_loss")) for r in rows])
+
+
+def test_hsdp_needs_two_nodes_of_two_ranks():
+    from asteria.train.distributed import DistributedRun
+
+    for local in (1, 4):  # 4 nodes of one rank; one node of 4
+        layout = resolve_layout(local, {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"})
+        with pytest.raises(ValueError, match=rf"Invalid parallel='hsdp' over {4 // local} node\(s\) of {local} rank"):
+            DistributedRun(layout, "cpu", "hsdp")
 
 
 def test_layout_and_computed_gradient_bytes_follow_the_ring_model():

@@ -1,5 +1,5 @@
 """The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``; on several processes under
-torchrun: ``torchrun --nproc-per-node N -m asteria.train.cli train --parallel ddp|fsdp ...``), ``demo``
+torchrun: ``torchrun --nproc-per-node N -m asteria.train.cli train --parallel ddp|fsdp|hsdp ...``), ``demo``
 (AdamW vs Asteria Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one
 config over staleness bounds), ``seeds`` (Asteria against native over seeds, from bench results on disk)
 and ``report`` over finished runs."""
@@ -64,8 +64,9 @@ HELP = {
     "max_preconditioner_dim": "largest factor side; larger dimensions are split into blocks of at most this",
     "workers": "C++ refresh workers per process (default: one per CPU of its share of the host, less 2 cores)",
     "batch_size": "sequences per step and process (the global batch is this x the number of processes)",
-    "parallel": "under torchrun with several processes: ddp (replicated model) or fsdp (FSDP2, fully_shard per "
-                "decoder layer and the root)",
+    "parallel": "under torchrun with several processes: ddp (replicated model), fsdp (FSDP2, fully_shard per "
+                "decoder layer and the root) or hsdp (the same, sharded within each node and replicated across "
+                "nodes: 2 or more nodes of 2 or more ranks)",
     "local_world_size": "ranks per node under torchrun; less than the processes per host simulates several nodes "
                         "(default: torchrun's LOCAL_WORLD_SIZE)",
 }
@@ -118,7 +119,7 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
     them. ``given`` holds the RunConfig fields set on the command line. Refused: the refresh and activation
     options without async refreshes (a sync run or AdamW), the preconditioner options for AdamW (native mode
     may stagger its own refreshes, aligned after ``--sync-refreshes``), a host placement for either,
-    ``--keep-checkpoints`` without ``--checkpoint-every`` and ``--parallel fsdp`` on one process."""
+    ``--keep-checkpoints`` without ``--checkpoint-every`` and ``--parallel fsdp`` / ``hsdp`` on one process."""
     if "keep_checkpoints" in given and cfg.checkpoint_every == 0:
         raise ValueError(f"Invalid --keep-checkpoints {cfg.keep_checkpoints} without --checkpoint-every: it bounds "
                          "the checkpoints kept, and the run writes none; give --checkpoint-every N too")

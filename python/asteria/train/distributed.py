@@ -1,5 +1,5 @@
 """Training on several processes under torchrun: the process layout (ranks, hosts, simulated nodes), the
-process group, DDP / FSDP2 wrapping, the per-step reductions (loss, energy, validation loss) and the
+process group, DDP / FSDP2 / HSDP wrapping, the per-step reductions (loss, energy, validation loss) and the
 summary's ``distributed`` section (optimizer bytes summed over ranks, the gradient bytes computed from
 the reduction algorithm, replica agreement).
 
@@ -28,7 +28,8 @@ from torch import nn
 
 from asteria.train.model import decoder_layers, next_token_loss
 
-PARALLEL_MODES = ("ddp", "fsdp")
+PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
+SHARDED_MODES = ("fsdp", "hsdp")  # the parameters are DTensors
 PROCESS_GROUP_TIMEOUT_S = 600.0  # a collective that waits longer than this fails (a rank died or hangs)
 # Counters of ``runtime_stats()`` that the summary sums over ranks (see distributed/refresher.py).
 OPTIMIZER_COUNTERS = ("bytes_inter_node_sent", "bytes_inter_node_received", "bytes_intra_node_shared",
@@ -117,7 +118,12 @@ class DistributedRun:
     def __init__(self, layout: Layout, device_type: str, parallel: str) -> None:
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"Invalid parallel={parallel!r}: must be one of {PARALLEL_MODES}")
+        if parallel == "hsdp" and (layout.nodes < 2 or layout.local_world_size < 2):
+            raise ValueError(f"Invalid parallel='hsdp' over {layout.nodes} node(s) of {layout.local_world_size} "
+                             "rank(s): HSDP shards within a node and replicates across nodes, so it needs at least 2 "
+                             "nodes of at least 2 ranks (--local-world-size declares the node size); use fsdp or ddp")
         self.layout, self.parallel = layout, parallel
+        self.mesh: Any = None  # HSDP's ("replicate", "shard") device mesh, once wrap() has made it
         if device_type == "cuda":
             count = torch.cuda.device_count()
             if layout.local_rank >= count:
@@ -155,7 +161,8 @@ class DistributedRun:
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP: the module to call for the forward pass (``model`` itself stays the module whose state is
         saved). FSDP2: ``fully_shard`` on each decoder layer, then on the root; ``model`` is sharded in place
-        and returned (its parameters are DTensors from here on: build the optimizer after this)."""
+        and returned (its parameters are DTensors from here on: build the optimizer after this). HSDP: the
+        same over a (nodes, ranks per node) mesh, sharded within each node and replicated across nodes."""
         if self.parallel == "ddp":
             # The model's only buffers are RoPE's constant frequencies, equal on every rank: no broadcast per
             # forward pass (torch >= 2.13 names the option forward_sync_buffers).
@@ -166,7 +173,12 @@ class DistributedRun:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(self.device.type, (self.layout.world_size,))
+        if self.parallel == "hsdp":
+            mesh = init_device_mesh(self.device.type, (self.layout.nodes, self.layout.local_world_size),
+                                    mesh_dim_names=("replicate", "shard"))
+            self.mesh = mesh
+        else:
+            mesh = init_device_mesh(self.device.type, (self.layout.world_size,))
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -228,7 +240,8 @@ class DistributedRun:
     @torch.no_grad()
     def replica_agreement(self, model: nn.Module) -> dict[str, Any]:
         """DDP: rank 0 broadcasts every parameter; every rank compares its own copy with it (max |difference|
-        and whether the bits are equal). FSDP2 holds each shard on one rank only: nothing to compare."""
+        and whether the bits are equal). HSDP: the same per shard, from node 0's rank holding it to the ranks
+        holding it on the other nodes. FSDP2 holds each shard on one rank only: nothing to compare."""
         if self.parallel == "fsdp":
             return {"method": "none: plain FSDP2 keeps every parameter shard on exactly one rank, so no two ranks "
                               "hold the same values to compare (HSDP would compare the ranks sharing a shard)",
@@ -237,10 +250,13 @@ class DistributedRun:
         worst = torch.zeros((), dtype=torch.float64, device=self.device)
         differing = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
+        hsdp = self.parallel == "hsdp"
+        group = self.mesh.get_group("replicate") if hsdp else None
+        source = self.layout.rank % self.layout.local_world_size if hsdp else 0  # node 0's rank of this shard
         for _, param in model.named_parameters():
-            mine = param.detach()
+            mine = param.detach().to_local() if hsdp else param.detach()
             reference = mine.clone()
-            dist.broadcast(reference, src=0)
+            dist.broadcast(reference, src=source, group=group)
             worst = torch.maximum(worst, (mine - reference).abs().max().double())
             differing += 0.0 if torch.equal(mine.contiguous().view(torch.uint8),
                                             reference.view(torch.uint8)) else 1.0
@@ -249,8 +265,11 @@ class DistributedRun:
         rows = [torch.zeros_like(mine_row) for _ in range(self.layout.world_size)]
         dist.all_gather(rows, mine_row)
         per_rank = [float(r[0]) for r in rows]
-        return {"method": "DDP: after the last step rank 0 broadcasts every parameter and each rank compares its "
-                          "replica with it element-wise",
+        method = ("HSDP: after the last step node 0's rank of each shard broadcasts it to the ranks holding it on "
+                  "the other nodes, and each compares its replica with it element-wise" if hsdp else
+                  "DDP: after the last step rank 0 broadcasts every parameter and each rank compares its replica with "
+                  "it element-wise")
+        return {"method": method,
                 "max_abs_diff": max(per_rank), "max_abs_diff_per_rank": per_rank,
                 "bitwise_identical": all(float(r[1]) == 0.0 for r in rows), "parameters_compared": count}
 
@@ -292,10 +311,25 @@ def gradient_bytes(parallel: str, layout: Layout, parameters: int, layer_paramet
     (P_root = P - P_layers: embeddings, final norm, output layer) are not resharded after forward (FSDP2's
     root heuristic): 2. Per rank: (W-1)/W * 4 * (3 P_layers + 2 P_root). FSDP2's padding of dim 0 to a
     multiple of W is not counted.
+    HSDP: FSDP2's collectives within each node (the same figure with W the node's L ranks), then a ring
+    all-reduce of each rank's reduce-scattered gradient shard (P / L) with its replicas on the other N
+    nodes: per rank (L-1)/L * 4 * (3 P_layers + 2 P_root) within the node and 2 (N-1)/N * P/L * 4 across.
     Intra/inter-node split: one ring over the ranks in rank order, each rank sending to the next; nodes
     are consecutive blocks of ``local_world_size`` ranks, so one ring edge per node crosses nodes (none
     with one node). NCCL may pick trees or other rings; this is the ring model's figure."""
     w = layout.world_size
+    if parallel == "hsdp":
+        local, nodes = layout.local_world_size, layout.nodes
+        within = (local - 1) / local * 4 * (3 * layer_parameters + 2 * (parameters - layer_parameters))
+        across = 2 * (nodes - 1) / nodes * parameters / local * 4
+        return {"formula": "HSDP: FSDP2's collectives within each node of L ranks, per rank (L-1)/L * 4 * "
+                           "(3*P_layers + 2*P_root), and a ring all-reduce of each gradient shard over the N nodes, "
+                           "per rank 2*(N-1)/N * P/L * 4",
+                "assumption": f"rings within each node of {local} ranks, and across the {nodes} nodes between the "
+                              "ranks holding the same shard (every edge of those crosses nodes)",
+                "parameters": parameters, "layer_parameters": layer_parameters,
+                "per_rank_sent": within + across, "total_sent": (within + across) * w,
+                "intra_node_sent": within * w, "inter_node_sent": across * w}
     if parallel == "ddp":
         formula = "ring all-reduce, fp32: per rank 2*(W-1)/W * P * 4"
         per_rank = 2 * (w - 1) / w * parameters * 4

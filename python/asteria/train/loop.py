@@ -28,7 +28,7 @@ from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
-from asteria.train.distributed import (PARALLEL_MODES, DistributedRun, local_optimizer_state_to_dtensors,
+from asteria.train.distributed import (PARALLEL_MODES, SHARDED_MODES, DistributedRun, local_optimizer_state_to_dtensors,
                                       resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
@@ -272,8 +272,8 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
 
 def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
              run: DistributedRun | None) -> dict[str, Any]:
-    fsdp = run is not None and run.parallel == "fsdp"
-    loaded = checkpoint.load(path, model_template=model.state_dict() if fsdp else None,
+    sharded = run is not None and run.parallel in SHARDED_MODES
+    loaded = checkpoint.load(path, model_template=model.state_dict() if sharded else None,
                              check=lambda manifest: check_resumable(manifest, cfg, path))
     state = loaded.rank_state
     local = run.layout.local_world_size if run is not None else 1
@@ -286,7 +286,7 @@ def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.opti
     except RuntimeError as error:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: its model does not fit this one: {error}") from None
     optimizer_state = state["optimizer"]
-    if fsdp and not isinstance(opt, asteria.optim.base.SecondOrderOptimizer):
+    if sharded and not isinstance(opt, asteria.optim.base.SecondOrderOptimizer):
         optimizer_state = local_optimizer_state_to_dtensors(optimizer_state, opt)
     try:
         opt.load_state_dict(optimizer_state)
@@ -345,7 +345,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     (a diagnostic: it slows the steps it covers; ``bench/trace_steps.py`` reads it).
 
     Under torchrun (``WORLD_SIZE`` > 1) every process calls this: it joins the process group (NCCL on
-    GPUs, Gloo on the CPU), wraps the model (``cfg.parallel``: DDP or FSDP2), reads its own slice of each
+    GPUs, Gloo on the CPU), wraps the model (``cfg.parallel``: DDP, FSDP2 or HSDP), reads its own slice of each
     global batch (``cfg.batch_size`` sequences per rank), and rank 0 alone writes the metrics (the loss
     averaged and the energy summed over ranks), TensorBoard, the summary and shows the progress bar.
     Every rank returns the summary."""
