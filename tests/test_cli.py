@@ -401,7 +401,8 @@ def test_max_bytes_reads_only_the_head_of_the_data(tmp_path, monkeypatch):
         (["train", "--late-activation", "--out", "OUT"],
          "Invalid late_activation=True: must be None (on where allowed), True or False, and True only with "
          "deterministic=False"),
-        (["train", "--parallel", "zero", "--out", "OUT"], "Invalid parallel='zero': must be one of ('ddp', 'fsdp', 'hsdp')"),
+        (["train", "--parallel", "zero", "--out", "OUT"],
+         "Invalid parallel='zero': must be one of ('ddp', 'fsdp', 'hsdp')"),
         (["train", "--matmul-precision", "medium", "--out", "OUT"],
          "Invalid matmul_precision='medium': must be one of ('highest', 'high')"),
         (["train", "--local-world-size", "0", "--out", "OUT"], "Invalid local_world_size=0: must be an int >= 1"),
