@@ -140,7 +140,8 @@ class RuntimeConfig:
         process_group, local_world_size: distributed layout (defaults: WORLD and torchrun's
             LOCAL_WORLD_SIZE when torch.distributed is initialized). A group smaller than the world must
             run CPU tensors on Gloo (``dist.new_group(ranks, backend="gloo")``, or ``"cpu:gloo,cuda:nccl"``);
-            its node size defaults to how many of its ranks each host holds.
+            its node size (``local_world_size``: the group's ranks per node, not the host's processes)
+            defaults to how many of its ranks each host holds.
     """
 
     mode: Literal["sync", "async"] = "async"

@@ -94,8 +94,9 @@ def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **run
 
 
 def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard: tuple[int, int] | None,
-          hook: Callable[[int], None] | None = None) -> list[float]:
-    """Steps over ``batches``; ``shard=(rank, world)`` takes this rank's slice of each batch."""
+          hook: Callable[[int], None] | None = None, extra: torch.Tensor | None = None) -> list[float]:
+    """Steps over ``batches``; ``shard=(rank, world)`` takes this rank's slice of each batch. ``extra``: a
+    parameter outside the model (replicated as it is on every rank), whose loss term is the same everywhere."""
     losses = []
     for step, (x, y) in enumerate(batches, start=1):
         if shard is not None:
@@ -103,6 +104,8 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(net(x), y)
+        if extra is not None:
+            loss = loss + (torch.sin(extra) ** 2).mean()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -111,14 +114,20 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, shard
     return losses
 
 
+def extra_parameter() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(5)))
+
+
 def single_process(kind: str, staleness: int, steps: int, lag_steps: int | None = None,
-                   stagger: bool = False) -> dict[str, torch.Tensor]:
-    """The reference: one process on the full batches (its groups whole, as on several ranks by default)."""
+                   stagger: bool = False, extra: bool = False) -> dict[str, torch.Tensor]:
+    """The reference: one process on the full batches (its groups whole, as on several ranks by default);
+    with ``extra``, an ``extra_parameter()`` beside the model's (under the key "extra")."""
     net = model()
-    with optimizer(kind, net.parameters(), staleness, lag_steps=lag_steps, stagger=stagger,
+    more = [extra_parameter()] if extra else []
+    with optimizer(kind, [*net.parameters(), *more], staleness, lag_steps=lag_steps, stagger=stagger,
                    stagger_split=False) as opt:
-        train(net, opt, data(steps), None)
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+        train(net, opt, data(steps), None, extra=more[0] if more else None)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()} | {"extra": p.detach().clone() for p in more}
 
 
 def split_run(shard: tuple[int, int] | None, steps: int = 9) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -234,10 +243,14 @@ def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, 
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        opt = optimizer(kind, net.parameters(), staleness, local_world_size=LOCAL, stagger=stagger)
-        train(net, opt, data(steps), (rank, world))
+        # "hsdp+plain": a replicated parameter beside the sharded ones, so that the node leaders of the world's
+        # domain are those of a shard's domain too, and exchange in both over one channel.
+        more = [extra_parameter()] if layout == "hsdp+plain" else []
+        opt = optimizer(kind, [*net.parameters(), *more], staleness, local_world_size=LOCAL, stagger=stagger)
+        train(net, opt, data(steps), (rank, world), extra=more[0] if more else None)
         stats = opt.runtime_stats()
         params = {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
+        params |= {"extra": p.detach().clone() for p in more}
         local = {k: v.to_local().detach().clone() for k, v in net.state_dict().items()}
         domains = [list(d.ranks) for d in opt._refresher.domains]
         result[(layout, kind, staleness, stagger)] = {"params": params, "local": local, "stats": stats,
@@ -253,11 +266,14 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
     replicas with its own optimizer over its own Gloo group (as pipeline stages would): pair g trains
     ``kinds[g]``. Layout "hosts": the pairs {0, 1} and {2, 3}, each on one host (one node, a shared store);
     "across": {0, 2} and {1, 3}, each across the hosts (two nodes of one rank, which exchange), over groups
-    of backend ``cpu:gloo`` (as ``cpu:gloo,cuda:nccl`` would run host tensors)."""
+    of backend ``cpu:gloo`` (as ``cpu:gloo,cuda:nccl`` would run host tensors); "declared": the pairs of
+    "hosts" with ``local_world_size=1`` (two nodes of one rank each, on one host)."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
-        layouts = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]]}
-        backends = {"hosts": "gloo", "across": "cpu:gloo"}  # a Gloo group, and one with Gloo for CPU tensors
+        layouts = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]], "declared": [[0, 1], [2, 3]]}
+        # A Gloo group, one with Gloo for CPU tensors, and one declared as two nodes of one rank.
+        backends = {"hosts": "gloo", "across": "cpu:gloo", "declared": "gloo"}
+        declared = {"declared": 1}
         groups = {name: [dist.new_group(pair, backend=backends[name]) for pair in pairs]
                   for name, pairs in layouts.items()}
         uneven = dist.new_group([0, 1, 2], backend="gloo")  # 2 ranks on host 0, 1 on host 1
@@ -266,7 +282,8 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
             g = next(i for i, pair in enumerate(pairs) if rank in pair)
             group, index = groups[name][g], pairs[g].index(rank)
             net = torch.nn.parallel.DistributedDataParallel(model(), process_group=group)
-            with optimizer(kinds[g], net.parameters(), 1, process_group=group) as opt:
+            with optimizer(kinds[g], net.parameters(), 1, process_group=group,
+                           local_world_size=declared.get(name)) as opt:
                 train(net, opt, data(steps), (index, 2))
                 params = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
                 gathered: list[Any] = [None, None]
@@ -288,6 +305,26 @@ def subgroup_worker(rank: int, world: int, out: Path, kinds: tuple[str, str], st
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     out.mkdir(exist_ok=True)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def unnamed_backend_worker(rank: int, world: int, out: Path) -> None:
+    """3 processes under a default group initialised without a backend name (as with ``device_id``), whose
+    groups torch reports as backend 'undefined' and runs CPU tensors on Gloo: ranks 0 and 1 train DDP
+    replicas with Shampoo over a group of theirs, made without a backend name either; rank 2 only takes
+    part in making it."""
+    dist.destroy_process_group()
+    dist.init_process_group(init_method=f"file://{out}/rendezvous-unnamed", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    pair = dist.new_group([0, 1])
+    result: dict[str, Any] = {}
+    if rank < 2:
+        result["backend"] = dist.get_backend(pair)
+        net = torch.nn.parallel.DistributedDataParallel(model(), process_group=pair)
+        with optimizer("shampoo", net.parameters(), 1, process_group=pair) as opt:
+            train(net, opt, data(6), (rank, 2))
+            result["stats"] = opt.runtime_stats()
+        result["params"] = {k: v.detach().clone() for k, v in net.module.state_dict().items()}
     torch.save(result, out / f"rank{rank}.pt")
 
 

@@ -63,7 +63,7 @@ TOLS["kl-shampoo"] = TOLS["soap"]
 # (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
 # and the runs must agree up to the gradient reduction's rounding.
 SHARDED_RUNS = [("fsdp", "shampoo", 0, 6, False), ("hsdp", "shampoo", 0, 6, False), ("hsdp", "soap", 1, 8, False),
-                ("hsdp", "kl-shampoo", 1, 10, True)]
+                ("hsdp", "kl-shampoo", 1, 10, True), ("hsdp+plain", "shampoo", 1, 6, False)]
 # (optimizer, S, steps before the checkpoint, steps after): checkpoints taken with versions in flight.
 RESUME_RUNS = [("shampoo", 2, 7, 6), ("soap", 1, 6, 5)]
 # (the optimizers of the two pairs, steps): each pair of ranks trains with its own optimizer over its own group.
@@ -168,13 +168,18 @@ def test_fsdp2_and_hsdp_match_single_process(trained):
                     assert torch.equal(per_rank[rank + 2]["local"][name], value), (rank, name)
             reference = None
         else:
-            reference = W.single_process(kind, staleness, steps)
+            reference = W.single_process(kind, staleness, steps, extra=layout == "hsdp+plain")
         for rank, run in enumerate(per_rank):
             for name, value in (reference or {}).items():
                 torch.testing.assert_close(run["params"][name], value, **TOLS[kind], msg=f"{layout} {kind} {name}")
             if layout == "fsdp":
                 assert run["domains"] == [[rank]]  # each shard is its own: no exchange
                 assert run["stats"]["bytes_inter_node_sent"] == 0
+            elif layout == "hsdp+plain":
+                # Ranks 0 and 2 lead both the world's domain (the plain parameter) and their shard's: the two
+                # domains' exchanges share one channel between them, in one order on both sides.
+                assert run["domains"] == [[0, 1, 2, 3], [rank % 2, rank % 2 + 2]]
+                assert (run["stats"]["bytes_inter_node_sent"] > 0) and run["stats"]["bytes_intra_node_shared"] > 0
             else:
                 assert run["domains"] == [[rank % 2, rank % 2 + 2]]  # replicas of a shard, across nodes
                 assert run["stats"]["bytes_inter_node_sent"] > 0
@@ -192,7 +197,7 @@ def test_optimizers_over_subgroups_match_single_process(trained):
     results = W.load(out / "subgroups")
     kinds, steps = SUBGROUP_RUN
     references = {kind: W.single_process(kind, 1, steps) for kind in kinds}
-    pairs = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]]}
+    pairs = {"hosts": [[0, 1], [2, 3]], "across": [[0, 2], [1, 3]], "declared": [[0, 1], [2, 3]]}
     for layout, layout_pairs in pairs.items():
         for g, pair in enumerate(layout_pairs):
             for rank in pair:
@@ -225,11 +230,24 @@ def test_optimizers_over_subgroups_match_single_process(trained):
             torch.testing.assert_close(stage["params"][name], value, **TOLS[stage["kind"]], msg=f"stage {rank} {name}")
 
 
+def test_a_subgroup_of_an_unnamed_backend_runs_on_its_gloo(tmp_path):
+    """A default group initialised without a backend name: torch reports its groups' backend as 'undefined'
+    and runs their CPU tensors on Gloo, which is all the optimizer needs."""
+    codes = W.launch(W.unnamed_backend_worker, tmp_path, world=3, timeout=60)
+    assert codes == [0, 0, 0]
+    results = W.load(tmp_path, world=3)
+    reference = W.single_process("shampoo", 1, 6)
+    for rank in (0, 1):
+        assert results[rank]["backend"] == "undefined" and results[rank]["stats"]["world_size"] == 2
+        for name, value in reference.items():
+            torch.testing.assert_close(results[rank]["params"][name], value, **TOLS["shampoo"], msg=name)
+
+
 @pytest.mark.parametrize("backend, moves", [("gloo", True), ("cpu:gloo", True), ("cpu:gloo,cuda:nccl", True),
                                             ("cuda:nccl,cpu:gloo", True), ("nccl", False), ("cuda:nccl", False),
                                             ("cpu:mpi,cuda:nccl", False), ("mpi", False)])
 def test_a_subgroup_must_run_host_tensors_on_gloo(backend, moves):
-    """The backends ``dist.get_backend`` names (NCCL groups themselves cannot be made on this machine)."""
+    """The backends ``dist.get_backend_config`` names (NCCL groups themselves cannot be made on this machine)."""
     assert moves_host_tensors(backend) is moves
 
 

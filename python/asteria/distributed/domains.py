@@ -153,13 +153,14 @@ def _run_id(whole: Any, topo: Topology) -> str:
 
 
 def _barrier(whole: Any, topo: Topology) -> None:
-    """Every rank of the group waits for all: ``monitored_barrier`` (which names the ranks that did not come)
-    on a Gloo group; on a group with Gloo for CPU tensors only (``"cpu:gloo,cuda:nccl"``), which it refuses,
-    an all-reduce of a CPU tensor."""
+    """Every rank of the group waits for all, at most ``timeout_s``: ``monitored_barrier`` (which names the
+    ranks that did not come) on a Gloo group; on a group with Gloo for CPU tensors among other backends
+    (``"cpu:gloo,cuda:nccl"``, or an unnamed backend), which it refuses, an all-reduce of a CPU tensor."""
+    timeout = timedelta(seconds=topo.timeout_s)
     if dist.get_backend(whole) == "gloo":
-        dist.monitored_barrier(group=whole, timeout=timedelta(seconds=topo.timeout_s), wait_all_ranks=True)
+        dist.monitored_barrier(group=whole, timeout=timeout, wait_all_ranks=True)
     else:
-        dist.all_reduce(torch.zeros(1), group=whole)
+        dist.all_reduce(torch.zeros(1), group=whole, async_op=True).wait(timeout)
 
 
 def _create_stores(domains: list[Domain], whole: Any, topo: Topology) -> None:

@@ -45,6 +45,9 @@ STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 # The engine never raises for failures itself: all ranks count them from the published statuses.
 _NO_ENGINE_BOUND = 1 << 30
 PUBLISH_THREADS = 4  # at most, for an owner's copy of its results into the node store
+# The exchange's point-to-point tag: a user's own transfers on the same group (e.g. a pipeline schedule's
+# early receives on a stage's group) keep theirs apart.
+EXCHANGE_TAG = 0x4153
 
 
 class PeerError(RuntimeError):
@@ -100,7 +103,7 @@ class DistributedRefresher(WorkerRefresher):
         self._start_workers(deterministic=True, max_consecutive_failures=_NO_ENGINE_BOUND)
         # The owner's copies into the store run on a few threads of this rank's share of the CPUs (the
         # training thread waits for them; the workers run at a lower priority).
-        share = len(cpus.allowed_cpus()) // max(1, topo.local_world_size)
+        share = len(cpus.allowed_cpus()) // cpus.local_layout()[1]  # the host's ranks (not the group's per node)
         self._copy_threads = max(1, min(PUBLISH_THREADS, share))
         self.owned: list[list[int]] = []             # per set: owned block indices
         self.owned_index: list[torch.Tensor] = []    # the same on the set's device
@@ -364,9 +367,10 @@ class DistributedRefresher(WorkerRefresher):
         the whole group, so that no group of the leaders need be created (which every rank of the world
         would have to take part in)."""
         if self.topo.rank != leader:
-            dist.recv(tensor, src=leader, group=self.whole)
+            dist.recv(tensor, src=leader, group=self.whole, tag=EXCHANGE_TAG)
             return
-        for request in [dist.isend(tensor, dst=peer, group=self.whole) for peer in leaders if peer != leader]:
+        sends = [dist.isend(tensor, dst=peer, group=self.whole, tag=EXCHANGE_TAG) for peer in leaders if peer != leader]
+        for request in sends:
             request.wait()
 
     def _wait(self, d: Domain, units: list[Unit], version: int, step: int) -> list[tuple[int, str, int]]:

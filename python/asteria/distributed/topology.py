@@ -87,8 +87,8 @@ def topology(config: RuntimeConfig) -> Topology | None:
     if len(ranks) == 1:
         return None
     subgroup = len(ranks) != dist.get_world_size()
-    if subgroup and not moves_host_tensors(dist.get_backend(group)):
-        raise ValueError(f"Invalid process_group={group!r}: backend {dist.get_backend(group)!r} over ranks "
+    if subgroup and not moves_host_tensors(dist.get_backend_config(group)):
+        raise ValueError(f"Invalid process_group={group!r}: backend {dist.get_backend_config(group)!r} over ranks "
                          f"{list(ranks)} of a world of {dist.get_world_size()}; a group smaller than the world must "
                          "move host tensors over Gloo, as the optimizer does: dist.new_group("
                          f"{list(ranks)}, backend='gloo') (or 'cpu:gloo,cuda:nccl'), called on every rank as torch "
@@ -116,8 +116,9 @@ def topology(config: RuntimeConfig) -> Topology | None:
 
 
 def moves_host_tensors(backend: str) -> bool:
-    """Whether a process group of ``backend`` (``dist.get_backend``: ``"gloo"``, or per device type as in
-    ``"cpu:gloo,cuda:nccl"``) runs CPU tensors' collectives on Gloo."""
+    """Whether a process group of ``backend`` (``dist.get_backend_config``: per device type as in
+    ``"cpu:gloo,cuda:nccl"``, which is also what a group of an unnamed backend gets; or one name, as
+    ``"gloo"``) runs CPU tensors' collectives on Gloo."""
     if ":" not in backend:
         return backend == "gloo"
     return dict(part.split(":", 1) for part in backend.split(",")).get("cpu") == "gloo"
