@@ -203,11 +203,20 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
 
 
 # ---- a rank dies ------------------------------------------------------------------------------------
-def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, timeout_s: float) -> None:
+def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, timeout_s: float,
+                pairs: bool = False) -> None:
     """Every rank steps on the full batches (identical gradients without any collective of the test's own),
-    so that the optimizer's protocol is the only thing that can notice the victim is gone."""
+    so that the optimizer's protocol is the only thing that can notice the victim is gone. With ``pairs``,
+    ranks {0, 1} and {2, 3} each run an optimizer over a group of their own (Gloo, ``timeout_s``), declared
+    as two nodes of one rank (so its two ranks exchange)."""
     net = model()
-    opt = optimizer("shampoo", net.parameters(), 1, local_world_size=LOCAL, timeout_s=timeout_s)
+    if pairs:
+        groups = [dist.new_group(pair, backend="gloo", timeout=timedelta(seconds=timeout_s))
+                  for pair in ([0, 1], [2, 3])]
+        opt = optimizer("shampoo", net.parameters(), 1, local_world_size=1, timeout_s=timeout_s,
+                        process_group=groups[rank // 2])
+    else:
+        opt = optimizer("shampoo", net.parameters(), 1, local_world_size=LOCAL, timeout_s=timeout_s)
     started = [0.0]
 
     def hook(step: int) -> None:
@@ -216,9 +225,10 @@ def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, t
             if rank == victim:
                 os._exit(17)
 
-    outcome: dict[str, Any] = {"raised": None}
+    outcome: dict[str, Any] = {"raised": None, "steps": 0}
     try:
         train(net, opt, data(kill_step + 8), None, hook=hook)
+        outcome["steps"] = kill_step + 8
     except (TimeoutError, PeerError) as error:
         outcome = {"raised": type(error).__name__, "message": str(error),
                    "seconds": time.monotonic() - started[0] if started[0] else -1.0}

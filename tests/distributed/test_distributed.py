@@ -150,6 +150,18 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_s
         assert "rank " in outcome["message"], outcome
 
 
+def test_a_dead_rank_stops_its_own_group_only(tmp_path, clean_shm):
+    """Two pairs of ranks, each with an optimizer over its own group: when rank 1 dies, rank 0 raises within
+    the group's timeout, naming a rank; the other pair trains on to the end."""
+    timeout_s = 6.0
+    codes = W.launch(W.kill_worker, tmp_path, 1, 3, timeout_s, True, timeout=60)
+    assert codes == [0, 17, 0, 0]
+    outcomes = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 2, 3)}
+    assert outcomes[0]["raised"] is not None and 0 <= outcomes[0]["seconds"] < timeout_s + 5, outcomes[0]
+    assert "rank " in outcomes[0]["message"], outcomes[0]
+    assert all(outcomes[r]["raised"] is None and outcomes[r]["steps"] == 11 for r in (2, 3)), outcomes
+
+
 def test_fsdp2_and_hsdp_match_single_process(trained):
     out, codes, _ = trained
     results = W.load(out / "sharded")
