@@ -1,7 +1,7 @@
 """``asteria train`` under torchrun on 2 CPU processes (Gloo), real processes: DDP with Asteria SOAP
 (async) across 2 simulated nodes of 1 rank, its resume (bit for bit; another world size refused), and
 FSDP2 with Asteria KL-Shampoo (async) and with AdamW (resume bit for bit through DTensor state); and on 4
-processes as 2 nodes x 2 ranks, HSDP with Asteria Shampoo (async) and its resume."""
+processes as 2 nodes x 2 ranks, HSDP with Asteria Shampoo (async) and with AdamW, each with its resume."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ FSDP_ADAMW = [*PLAIN, "--batch-size", "2", "--steps", "4", "--eval-every", "2", 
 HSDP = [*COMMON, "--batch-size", "1", "--steps", "4", "--eval-every", "4", "--checkpoint-every", "2",
         "--keep-checkpoints", "0", "--optimizer", "shampoo", "--mode", "async", "--parallel", "hsdp",
         "--local-world-size", "2"]
+HSDP_ADAMW = [*PLAIN, "--batch-size", "1", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
+              "--keep-checkpoints", "0", "--optimizer", "adamw", "--mode", "sync", "--parallel", "hsdp",
+              "--local-world-size", "2"]
 
 
 def torchrun(out: Path, args: list[str], *extra: str, procs: int = 2) -> subprocess.CompletedProcess:
@@ -63,8 +66,8 @@ def check(result: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The torchrun launches, one after the other (concurrent launches gain nothing on 2 cores): fresh
-    DDP, its resume from step 3, FSDP2 KL-Shampoo, fresh FSDP2 AdamW and its resume from step 2, HSDP
-    Shampoo on 4 processes and its resume from step 2."""
+    DDP, its resume from step 3, FSDP2 KL-Shampoo, fresh FSDP2 AdamW and its resume from step 2, and on 4
+    processes HSDP Shampoo and AdamW, each with its resume from step 2."""
     root = tmp_path_factory.mktemp("torchrun")
     done = {"ddp": torchrun(root / "ddp", DDP)}
     check(done["ddp"])
@@ -77,6 +80,10 @@ def runs(tmp_path_factory):
     done["hsdp"] = torchrun(root / "hsdp", HSDP, procs=4)
     check(done["hsdp"])
     done["hsdp-resumed"] = torchrun(resume_from(root / "hsdp", 2, root / "hsdp-resumed"), HSDP, "--resume", procs=4)
+    done["hsdp-adamw"] = torchrun(root / "hsdp-adamw", HSDP_ADAMW, procs=4)
+    check(done["hsdp-adamw"])
+    done["hsdp-adamw-resumed"] = torchrun(resume_from(root / "hsdp-adamw", 2, root / "hsdp-adamw-resumed"),
+                                          HSDP_ADAMW, "--resume", procs=4)
     return root, done
 
 
@@ -190,6 +197,15 @@ def test_hsdp_with_asteria_shampoo_and_its_resume(runs):
     assert summary(resumed)["resumed_from"].endswith("step-000000002")
     assert ([(r["step"], r["loss"], r.get("val_loss")) for r in records(resumed)]
             == [(r["step"], r["loss"], r.get("val_loss")) for r in rows])
+
+
+def test_hsdp_adamw_resume_is_bitwise(runs):
+    """AdamW's moments are DTensors on the (replicate, shard) mesh: saved as each rank's shard, laid out again."""
+    root, done = runs
+    check(done["hsdp-adamw-resumed"])
+    fresh = [(r["step"], r["loss"], r.get("val_loss")) for r in records(root / "hsdp-adamw")]
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in records(root / "hsdp-adamw-resumed")] == fresh
+    assert summary(root / "hsdp-adamw")["distributed"]["replica_agreement"]["bitwise_identical"] is True
 
 
 def test_hsdp_needs_two_nodes_of_two_ranks():
