@@ -204,14 +204,15 @@ def ddp_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, int,
 
 # ---- a rank dies ------------------------------------------------------------------------------------
 def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, timeout_s: float,
-                pairs: bool = False) -> None:
+                pairs: bool = False, stall: bool = False) -> None:
     """Every rank steps on the full batches (identical gradients without any collective of the test's own),
     so that the optimizer's protocol is the only thing that can notice the victim is gone. With ``pairs``,
-    ranks {0, 1} and {2, 3} each run an optimizer over a group of their own (Gloo, ``timeout_s``), declared
-    as two nodes of one rank (so its two ranks exchange)."""
+    ranks {0, 1} and {2, 3} each run an optimizer over a group of their own (Gloo, with a timeout of
+    10 x ``timeout_s``), declared as two nodes of one rank (so its two ranks exchange). With ``stall`` the
+    victim hangs for 3 x ``timeout_s`` before it exits."""
     net = model()
     if pairs:
-        groups = [dist.new_group(pair, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        groups = [dist.new_group(pair, backend="gloo", timeout=timedelta(seconds=10 * timeout_s))
                   for pair in ([0, 1], [2, 3])]
         opt = optimizer("shampoo", net.parameters(), 1, local_world_size=1, timeout_s=timeout_s,
                         process_group=groups[rank // 2])
@@ -223,6 +224,8 @@ def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, t
         if step == kill_step:
             started[0] = time.monotonic()
             if rank == victim:
+                if stall:
+                    time.sleep(3 * timeout_s)
                 os._exit(17)
 
     outcome: dict[str, Any] = {"raised": None, "steps": 0}

@@ -150,11 +150,13 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_s
         assert "rank " in outcome["message"], outcome
 
 
-def test_a_dead_rank_stops_its_own_group_only(tmp_path, clean_shm):
-    """Two pairs of ranks, each with an optimizer over its own group: when rank 1 dies, rank 0 raises within
-    the group's timeout, naming a rank; the other pair trains on to the end."""
+@pytest.mark.parametrize("stall", [False, True])
+def test_a_dead_or_stalled_rank_stops_its_own_group_only(tmp_path, clean_shm, stall):
+    """Two pairs of ranks, each with an optimizer over its own group: when rank 1 dies, or hangs, rank 0
+    raises within timeout_s (the group's own timeout is 10 times longer), naming a rank; the other pair
+    trains on to the end."""
     timeout_s = 6.0
-    codes = W.launch(W.kill_worker, tmp_path, 1, 3, timeout_s, True, timeout=60)
+    codes = W.launch(W.kill_worker, tmp_path, 1, 3, timeout_s, True, stall, timeout=60)
     assert codes == [0, 17, 0, 0]
     outcomes = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 2, 3)}
     assert outcomes[0]["raised"] is not None and 0 <= outcomes[0]["seconds"] < timeout_s + 5, outcomes[0]

@@ -26,6 +26,7 @@ same step, and no step carries every set's snapshot, job and install.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -365,13 +366,15 @@ class DistributedRefresher(WorkerRefresher):
     def _from_leader(self, tensor: torch.Tensor, leader: int, leaders: list[int]) -> None:
         """``leader`` sends ``tensor`` to the other ``leaders``, which receive it into theirs: point to point over
         the whole group, so that no group of the leaders need be created (which every rank of the world
-        would have to take part in)."""
+        would have to take part in). Each transfer waits at most ``timeout_s`` (over a subgroup too, whose own
+        timeout may be longer)."""
+        timeout = timedelta(seconds=self.config.timeout_s)
         if self.topo.rank != leader:
-            dist.recv(tensor, src=leader, group=self.whole, tag=EXCHANGE_TAG)
+            dist.irecv(tensor, src=leader, group=self.whole, tag=EXCHANGE_TAG).wait(timeout)
             return
         sends = [dist.isend(tensor, dst=peer, group=self.whole, tag=EXCHANGE_TAG) for peer in leaders if peer != leader]
         for request in sends:
-            request.wait()
+            request.wait(timeout)
 
     def _wait(self, d: Domain, units: list[Unit], version: int, step: int) -> list[tuple[int, str, int]]:
         started = time.perf_counter()
