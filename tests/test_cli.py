@@ -448,6 +448,11 @@ RANK0_OF_4 = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SI
         (RANK0_OF_4 | {"RANK": "4"}, ["train"], "Invalid RANK=4: must be below WORLD_SIZE=4"),
         (RANK0_OF_4 | {"LOCAL_RANK": "5"}, ["train"], "Invalid LOCAL_RANK=5: must be below LOCAL_WORLD_SIZE=4"),
         (RANK0_OF_4, ["demo"], "Invalid command='demo' under torchrun (WORLD_SIZE=4)"),
+        (RANK0_OF_4, ["train", "--parallel", "hsdp"], "Invalid parallel='hsdp' over 1 node(s) of 4 rank(s)"),
+        (RANK0_OF_4, ["train", "--parallel", "hsdp", "--local-world-size", "1"],
+         "Invalid parallel='hsdp' over 4 node(s) of 1 rank(s): HSDP shards within a node and replicates across "
+         "nodes, so it needs at least 2 nodes of at least 2 ranks; --local-world-size declares the node size (here "
+         "--local-world-size 2)"),
     ],
 )
 def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, message, monkeypatch, capsys, tmp_path):

@@ -27,7 +27,7 @@ FSDP_KL = [*COMMON, "--batch-size", "2", "--steps", "4", "--eval-every", "4", "-
            "async", "--parallel", "fsdp"]
 FSDP_ADAMW = [*PLAIN, "--batch-size", "2", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
               "--keep-checkpoints", "0", "--optimizer", "adamw", "--mode", "sync", "--parallel", "fsdp"]
-HSDP = [*COMMON, "--batch-size", "1", "--steps", "4", "--eval-every", "4", "--checkpoint-every", "2",
+HSDP = [*COMMON, "--batch-size", "1", "--steps", "5", "--eval-every", "5", "--checkpoint-every", "2",
         "--keep-checkpoints", "0", "--optimizer", "shampoo", "--mode", "async", "--parallel", "hsdp",
         "--local-world-size", "2"]
 HSDP_ADAMW = [*PLAIN, "--batch-size", "1", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
@@ -173,7 +173,8 @@ def test_fsdp2_resume_is_bitwise(runs):
 def test_hsdp_with_asteria_shampoo_and_its_resume(runs):
     """4 processes as 2 nodes x 2 ranks: each node holds one copy of the model, sharded over its 2 ranks;
     the copies of a shard on the two nodes end bit for bit equal, the optimizer exchanges across nodes, and
-    the run resumes bit for bit."""
+    the run resumes bit for bit. Its last step (5) saves no checkpoint, whose state_dict() would reshard the
+    root's parameters that the last evaluation left gathered: the summary reshards them itself."""
     root, done = runs
     check(done["hsdp"])
     s = summary(root / "hsdp")
@@ -191,7 +192,7 @@ def test_hsdp_with_asteria_shampoo_and_its_resume(runs):
     within, across = 1 / 2 * 4 * (3 * layers + 2 * (p - layers)), 2 * 1 / 2 * p / 2 * 4
     assert grads["per_rank_sent"] == within + across and grads["inter_node_sent"] == 4 * across
     rows = records(root / "hsdp")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(math.isfinite(r["loss"]) for r in rows)
     check(done["hsdp-resumed"])
     resumed = root / "hsdp-resumed"
     assert summary(resumed)["resumed_from"].endswith("step-000000002")
@@ -214,7 +215,10 @@ def test_hsdp_needs_two_nodes_of_two_ranks():
     for local in (1, 4):  # 4 nodes of one rank; one node of 4
         layout = resolve_layout(local, {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"})
         with pytest.raises(ValueError, match=rf"Invalid parallel='hsdp' over {4 // local} node\(s\) of {local} rank"):
-            DistributedRun(layout, "cpu", "hsdp")
+            DistributedRun(layout, "cpu", "hsdp")  # before any process group
+    eight = resolve_layout(8, {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"})
+    with pytest.raises(ValueError, match=r"\(here --local-world-size 2 or 4\)"):
+        DistributedRun(eight, "cpu", "hsdp")
 
 
 def test_layout_and_computed_gradient_bytes_follow_the_ring_model():
@@ -230,3 +234,13 @@ def test_layout_and_computed_gradient_bytes_follow_the_ring_model():
     assert fsdp["per_rank_sent"] == 7 / 8 * 4 * (3 * 600 + 2 * 400) and fsdp["inter_node_sent"] == 0
     assert "(W-1)/W * 4 * (3*P_layers + 2*P_root)" in fsdp["formula"]
     assert resolve_layout(None, {}).distributed is False
+    # HSDP: FSDP2 within each node of L ranks, an all-reduce of each (P / L) shard across the N nodes; the
+    # two layouts of 8 ranks tell L from N.
+    for local, nodes in ((4, 2), (2, 4)):
+        layout = resolve_layout(local, host)
+        hsdp = gradient_bytes("hsdp", layout, parameters=1000, layer_parameters=600)
+        within = (local - 1) / local * 4 * (3 * 600 + 2 * 400)
+        across = 2 * (nodes - 1) / nodes * 1000 / local * 4
+        assert hsdp["per_rank_sent"] == pytest.approx(within + across)
+        assert hsdp["intra_node_sent"] == pytest.approx(8 * within)
+        assert hsdp["inter_node_sent"] == pytest.approx(8 * across)

@@ -112,16 +112,36 @@ def resolve_layout(local_world_size: int | None, environ: Mapping[str, str] = os
                   local_world_size=local)
 
 
+def check_parallel(layout: Layout, parallel: str) -> None:
+    """Raises ``ValueError`` for a parallel mode that is not one of ``PARALLEL_MODES`` or does not fit the
+    layout (HSDP needs 2 or more nodes of 2 or more ranks); checked before the run touches anything."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"Invalid parallel={parallel!r}: must be one of {PARALLEL_MODES}")
+    if parallel == "hsdp" and (layout.nodes < 2 or layout.local_world_size < 2):
+        fits = [n for n in range(2, layout.world_size // 2 + 1) if layout.world_size % n == 0]
+        hint = f" (here --local-world-size {' or '.join(map(str, fits))})" if fits else ""
+        raise ValueError(f"Invalid parallel='hsdp' over {layout.nodes} node(s) of {layout.local_world_size} "
+                         "rank(s): HSDP shards within a node and replicates across nodes, so it needs at least 2 "
+                         f"nodes of at least 2 ranks; --local-world-size declares the node size{hint}; or use fsdp "
+                         "or ddp")
+
+
+def reshard(model: nn.Module) -> None:
+    """Puts every FSDP2 module's sharded parameters back. FSDP2 leaves the root's parameters gathered after
+    a forward pass that no backward follows (an evaluation under ``no_grad``): this frees them, and the
+    module's parameters are its DTensor shards again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class DistributedRun:
     """The process group and everything a training run does across ranks (see the module docstring)."""
 
     def __init__(self, layout: Layout, device_type: str, parallel: str) -> None:
-        if parallel not in PARALLEL_MODES:
-            raise ValueError(f"Invalid parallel={parallel!r}: must be one of {PARALLEL_MODES}")
-        if parallel == "hsdp" and (layout.nodes < 2 or layout.local_world_size < 2):
-            raise ValueError(f"Invalid parallel='hsdp' over {layout.nodes} node(s) of {layout.local_world_size} "
-                             "rank(s): HSDP shards within a node and replicates across nodes, so it needs at least 2 "
-                             "nodes of at least 2 ranks (--local-world-size declares the node size); use fsdp or ddp")
+        check_parallel(layout, parallel)
         self.layout, self.parallel = layout, parallel
         self.mesh: Any = None  # HSDP's ("replicate", "shard") device mesh, once wrap() has made it
         if device_type == "cuda":
@@ -214,6 +234,8 @@ class DistributedRun:
                 sums[i, 0] = next_token_loss(model(part[:, :-1]), part).double() * rows
                 sums[i, 1] = rows
         model.train()
+        if self.parallel in SHARDED_MODES:
+            reshard(model)
         dist.all_reduce(sums)
         return statistics.fmean((sums[:, 0] / sums[:, 1]).tolist())
 
@@ -253,11 +275,14 @@ class DistributedRun:
         hsdp = self.parallel == "hsdp"
         group = self.mesh.get_group("replicate") if hsdp else None
         source = self.layout.rank % self.layout.local_world_size if hsdp else 0  # node 0's rank of this shard
+        if hsdp:
+            reshard(model)  # every parameter a DTensor again (see reshard)
         for _, param in model.named_parameters():
             mine = param.detach().to_local() if hsdp else param.detach()
             reference = mine.clone()
             dist.broadcast(reference, src=source, group=group)
-            worst = torch.maximum(worst, (mine - reference).abs().max().double())
+            if mine.numel():  # an HSDP shard may be empty (a first dimension below the node's ranks)
+                worst = torch.maximum(worst, (mine - reference).abs().max().double())
             differing += 0.0 if torch.equal(mine.contiguous().view(torch.uint8),
                                             reference.view(torch.uint8)) else 1.0
             count += 1
@@ -311,12 +336,13 @@ def gradient_bytes(parallel: str, layout: Layout, parameters: int, layer_paramet
     (P_root = P - P_layers: embeddings, final norm, output layer) are not resharded after forward (FSDP2's
     root heuristic): 2. Per rank: (W-1)/W * 4 * (3 P_layers + 2 P_root). FSDP2's padding of dim 0 to a
     multiple of W is not counted.
-    HSDP: FSDP2's collectives within each node (the same figure with W the node's L ranks), then a ring
-    all-reduce of each rank's reduce-scattered gradient shard (P / L) with its replicas on the other N
-    nodes: per rank (L-1)/L * 4 * (3 P_layers + 2 P_root) within the node and 2 (N-1)/N * P/L * 4 across.
-    Intra/inter-node split: one ring over the ranks in rank order, each rank sending to the next; nodes
-    are consecutive blocks of ``local_world_size`` ranks, so one ring edge per node crosses nodes (none
-    with one node). NCCL may pick trees or other rings; this is the ring model's figure."""
+    Intra/inter-node split for DDP and FSDP2: one ring over the ranks in rank order, each rank sending to
+    the next; nodes are consecutive blocks of ``local_world_size`` ranks, so one ring edge per node crosses
+    nodes (none with one node). NCCL may pick trees or other rings; this is the ring model's figure.
+    HSDP: FSDP2's collectives within each node (the same figure with W the node's L ranks: all of it
+    intra-node), then a ring all-reduce of each rank's reduce-scattered gradient shard (P / L) with its
+    replicas on the other N nodes (all of it inter-node): per rank (L-1)/L * 4 * (3 P_layers + 2 P_root)
+    within the node and 2 (N-1)/N * P/L * 4 across."""
     w = layout.world_size
     if parallel == "hsdp":
         local, nodes = layout.local_world_size, layout.nodes

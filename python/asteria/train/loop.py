@@ -1,5 +1,5 @@
 """One training run: model, data, optimizer, metrics (JSON lines and TensorBoard), progress bar,
-checkpoints and resume; on one process, or on several under torchrun (DDP or FSDP2: see
+checkpoints and resume; on one process, or on several under torchrun (DDP, FSDP2 or HSDP: see
 ``train/distributed.py``)."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
-from asteria.train.distributed import (PARALLEL_MODES, SHARDED_MODES, DistributedRun, local_optimizer_state_to_dtensors,
-                                      resolve_layout)
+from asteria.train.distributed import (PARALLEL_MODES, SHARDED_MODES, DistributedRun, check_parallel,
+                                      local_optimizer_state_to_dtensors, resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
 from asteria.train.profiling import StepProfiler, check_profile_steps
@@ -350,6 +350,8 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     averaged and the energy summed over ranks), TensorBoard, the summary and shows the progress bar.
     Every rank returns the summary."""
     layout = resolve_layout(cfg.local_world_size)  # a bad environment or node size fails before anything runs
+    if layout.distributed:
+        check_parallel(layout, cfg.parallel)
     profile_steps = check_profile_steps(profile_steps, cfg.steps)
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     if out.exists() and not out.is_dir():

@@ -165,7 +165,8 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
     ref_energy = reference.summary.get("energy_joules_total") if reference and reference.has_energy else None
     ref_per_step = reference.summary.get("energy_joules_per_step") if ref_energy else None
     rows = {}
-    for name, run in zip(_unique_labels(runs), runs):
+    names = _unique_labels(runs)
+    for name, run in zip(names, runs):
         s = run.summary
         l_init = math.log(s["vocab_size"]) if "vocab_size" in s else s["initial_loss_bound"]
         reached = run.reach(target_loss) if target_loss is not None else None
@@ -193,7 +194,7 @@ def compare(runs: list[Run], target_loss: float | None = None) -> dict[str, Any]
             row["time_to_target_vs_adamw"] = reached["wall"] / reference.reach(target_loss)["wall"]
         rows[name] = row
     devices = list(dict.fromkeys(run.summary["device"] for run in runs))
-    vocabularies = {name: run.summary.get("vocab_size") for name, run in zip(rows, runs)}
+    vocabularies = {name: run.summary.get("vocab_size") for name, run in zip(names, runs)}
     return {"device": ", ".join(devices), "target_loss": target_loss,
             "reference": "adamw" if reference is not None else None, "runs": rows,
             "reference_diverged": diverged_reference, "vocabularies": vocabularies,
