@@ -346,30 +346,34 @@ def gradient_bytes(parallel: str, layout: Layout, parameters: int, layer_paramet
     w = layout.world_size
     if parallel == "hsdp":
         local, nodes = layout.local_world_size, layout.nodes
-        within = (local - 1) / local * 4 * (3 * layer_parameters + 2 * (parameters - layer_parameters))
+        within = _fsdp_sent(local, parameters, layer_parameters)
         across = 2 * (nodes - 1) / nodes * parameters / local * 4
-        return {"formula": "HSDP: FSDP2's collectives within each node of L ranks, per rank (L-1)/L * 4 * "
-                           "(3*P_layers + 2*P_root), and a ring all-reduce of each gradient shard over the N nodes, "
-                           "per rank 2*(N-1)/N * P/L * 4",
-                "assumption": f"rings within each node of {local} ranks, and across the {nodes} nodes between the "
-                              "ranks holding the same shard (every edge of those crosses nodes)",
-                "parameters": parameters, "layer_parameters": layer_parameters,
-                "per_rank_sent": within + across, "total_sent": (within + across) * w,
-                "intra_node_sent": within * w, "inter_node_sent": across * w}
-    if parallel == "ddp":
-        formula = "ring all-reduce, fp32: per rank 2*(W-1)/W * P * 4"
-        per_rank = 2 * (w - 1) / w * parameters * 4
+        formula = ("HSDP: FSDP2's collectives within each node of L ranks, per rank (L-1)/L * 4 * (3*P_layers + "
+                   "2*P_root), and a ring all-reduce of each gradient shard over the N nodes, per rank "
+                   "2*(N-1)/N * P/L * 4")
+        assumption = (f"rings within each node of {local} ranks, and across the {nodes} nodes between the ranks "
+                      "holding the same shard (every edge of those crosses nodes)")
+        per_rank, intra, inter = within + across, within * w, across * w
     else:
-        formula = ("FSDP2 ring all-gather x2 + reduce-scatter for the decoder layers, all-gather + reduce-scatter "
-                   "for the root's parameters, fp32: per rank (W-1)/W * 4 * (3*P_layers + 2*P_root)")
-        per_rank = (w - 1) / w * 4 * (3 * layer_parameters + 2 * (parameters - layer_parameters))
-    crossing = ring_crossings(layout)
-    return {"formula": formula,
-            "assumption": "one ring over the ranks in rank order; nodes are consecutive blocks of "
-                          f"{layout.local_world_size} ranks, so {crossing} of the {w} ring edges cross nodes",
+        if parallel == "ddp":
+            formula = "ring all-reduce, fp32: per rank 2*(W-1)/W * P * 4"
+            per_rank = 2 * (w - 1) / w * parameters * 4
+        else:
+            formula = ("FSDP2 ring all-gather x2 + reduce-scatter for the decoder layers, all-gather + reduce-scatter "
+                       "for the root's parameters, fp32: per rank (W-1)/W * 4 * (3*P_layers + 2*P_root)")
+            per_rank = _fsdp_sent(w, parameters, layer_parameters)
+        crossing = ring_crossings(layout)
+        assumption = ("one ring over the ranks in rank order; nodes are consecutive blocks of "
+                      f"{layout.local_world_size} ranks, so {crossing} of the {w} ring edges cross nodes")
+        intra, inter = per_rank * (w - crossing), per_rank * crossing
+    return {"formula": formula, "assumption": assumption,
             "parameters": parameters, "layer_parameters": layer_parameters,
-            "per_rank_sent": per_rank, "total_sent": per_rank * w,
-            "intra_node_sent": per_rank * (w - crossing), "inter_node_sent": per_rank * crossing}
+            "per_rank_sent": per_rank, "total_sent": per_rank * w, "intra_node_sent": intra, "inter_node_sent": inter}
+
+
+def _fsdp_sent(ranks: int, parameters: int, layer_parameters: int) -> float:
+    """Bytes each of ``ranks`` ranks sends per step in FSDP2's collectives over them (``gradient_bytes``)."""
+    return (ranks - 1) / ranks * 4 * (3 * layer_parameters + 2 * (parameters - layer_parameters))
 
 
 def local_optimizer_state_to_dtensors(state: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
