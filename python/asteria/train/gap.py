@@ -20,8 +20,6 @@ from asteria.train.report import load_run, plt
 WINDOWS = 10
 #: the key under which ``seeds.gather`` and ``run_seeds`` give each bench row the folder of its run
 RUN_DIR = "run_dir"
-
-
 #: why a seed has no gap when its bench rows came without their run folders (results.json alone)
 NO_RUN_FOLDER = "no run folder with its metrics.jsonl"
 
@@ -117,6 +115,7 @@ def format_gap(gap: dict[str, Any], baseline_suffix: str = "") -> list[str]:
     """Markdown lines: one row per pair, the mean ± SE of the gap in each window (``stats``: one
     ``seeds.spread_stats`` per window)."""
     lines: list[str] = []
+    headed = False
     for label, entry in gap.items():
         reasons = [f"- seed {seed} left out of the gap over the run: {why}" for seed, why in entry["left_out"].items()]
         if not entry["windows"]:
@@ -125,9 +124,10 @@ def format_gap(gap: dict[str, Any], baseline_suffix: str = "") -> list[str]:
                 lines += ["", f"No training-loss gap over the run for {label} vs {entry['native']}{baseline_suffix}:",
                           *reasons]
             continue
-        if not any(line.startswith("Training-loss gap") for line in lines):
+        if not headed:
             lines += ["", "Training-loss gap over the run, paired by seed (mean training loss of each window of steps, "
                       "config / native - 1), mean ± standard error over the seeds:", ""]
+            headed = True
         heads = " | ".join(f"steps {a}-{b}" for a, b in entry["windows"])
         cells = " | ".join(_cell(stats) for stats in entry["stats"])
         lines += [f"| config | seeds | {heads} |", "|---" * (len(entry["windows"]) + 2) + "|",
