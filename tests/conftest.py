@@ -66,6 +66,41 @@ def relative_errors(actual, expected) -> list[float]:
     return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
 
 
+#: how far ``within_rounding_noise`` nudges the inputs of a run: far above float32's unit roundoff (6e-8), so
+#: that the run's answer to it bounds the spread that rounding differences between two paths can reach
+NUDGE = 1e-6
+#: how many times the nudged run's spread two paths may differ by; a wrong count, lag or direction moves
+#: the parameters by the order of the learning rate, thousands of times more
+NOISE_FACTOR = 8.0
+
+
+def rounding_noise(run, nudge: float = NUDGE) -> float:
+    """The largest |difference| between ``run(1.0)`` and ``run(1 + nudge)`` (each a list of tensors, the
+    inputs scaled by the factor given): how far rounding alone can move this computation's outputs. Two
+    numerical paths (batched against separate blocks, two BLAS kernels) round differently, and eigensolvers
+    amplify it, by an amount that depends on the machine's kernels; a tolerance derived from this noise
+    holds on every machine and stays far below what a wrong result moves."""
+    base, nudged = run(1.0), run(1.0 + nudge)
+    return max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(base, nudged, strict=True))
+
+
+def relative_rounding_noise(run, nudge: float = NUDGE) -> float:
+    """``rounding_noise`` as the largest relative change ||a - b|| / ||b|| of one tensor (for comparisons
+    against a float64 reference, whose float32 errors scale with the values)."""
+    return max(relative_errors(run(1.0 + nudge), run(1.0)))
+
+
+def assert_within_rounding_noise(actual, expected, noise: float, floor: float = 1e-6) -> None:
+    """Each pair of tensors agrees to ``NOISE_FACTOR`` times the measured ``noise`` (at least ``floor``)."""
+    tolerance = max(floor, NOISE_FACTOR * noise)
+    for a, e in zip(actual, expected, strict=True):
+        worst = float((a.detach().double() - e.detach().double()).abs().max())
+        assert worst <= tolerance, (f"paths differ by {worst:.3g}, more than {NOISE_FACTOR:g} x the rounding noise "
+                                    f"{noise:.3g} (a {NUDGE:g} nudge of the inputs) for a tensor of shape "
+                                    f"{tuple(e.shape)}")
+
+
 class ReferenceOptimizer:
     """What the tests' float64 reference optimizers share besides their math: the hyperparameters,
     the step count and ``zero_grad`` (so that ``train`` drives them as it drives an optimizer)."""

@@ -12,7 +12,7 @@ import torch
 import asteria
 from asteria.optim.kl_shampoo import inv_sqrt_key
 from asteria.optim.soap import EXP_AVG_SQ
-from conftest import regression_data, small_mlp
+from conftest import assert_within_rounding_noise, regression_data, rounding_noise, small_mlp
 from test_shampoo_reference import HYPER as SHAMPOO_HYPER
 from test_shampoo_reference import grafted_direction, mode_unfold, reference_root
 
@@ -72,13 +72,21 @@ def test_a_late_parameter_in_a_shared_batch_follows_its_own_counts(name, mode):
     with OPTIMIZERS[name](joint.parameters(), runtime) as opt:
         train_layers(joint, [opt])
         counts = sorted(c for g in opt._groups for c in g.steps.counts)
-    separate = two_layers()
-    with OPTIMIZERS[name](separate[0].parameters(), runtime) as first, \
-            OPTIMIZERS[name](separate[1].parameters(), runtime) as second:
-        train_layers(separate, [first, second])
+
+    def separate(scale: float) -> list[torch.Tensor]:
+        layers = two_layers()
+        with torch.no_grad():
+            for p in layers.parameters():
+                p.mul_(scale)
+        with OPTIMIZERS[name](layers[0].parameters(), runtime) as first, \
+                OPTIMIZERS[name](layers[1].parameters(), runtime) as second:
+            train_layers(layers, [first, second])
+        return list(layers.parameters())
+
     assert counts == [STEPS - LATE] * 2 + [STEPS] * 2
-    for a, b in zip(joint.parameters(), separate.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Batched and separate blocks round differently, by an amount the BLAS kernels decide: the tolerance is
+    # this run's own rounding noise.
+    assert_within_rounding_noise(list(joint.parameters()), separate(1.0), rounding_noise(separate))
     untouched = two_layers()
     assert not torch.allclose(joint[1].weight, untouched[1].weight)  # the late layer did train
 
