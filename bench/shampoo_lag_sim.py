@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Invalid --aligned={args.aligned}: must be >= 1 (the bootstrap refresh is always used at once)")
     made = base.make_refresher
 
-    def make(sets: Any, config: Any, interval: int, groups: Any = None) -> Any:
+    def make(sets: Any, config: Any, interval: int, groups: Any = None, resident: bool = True) -> Any:
         if config.mode != "sync":
-            return made(sets, config, interval, groups)
+            return made(sets, config, interval, groups, resident)
         return LaggedRefresher(sets, config, interval, args.lag, args.correct, args.aligned)
 
     rest = args.bench[1:] if args.bench[:1] == ["--"] else args.bench

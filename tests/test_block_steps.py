@@ -393,7 +393,8 @@ def test_without_a_bootstrap_every_blocks_state_is_carried_into_its_first_basis(
     """With ``sync_refreshes=0`` under the deterministic rule (staleness 1, f = 3), the first refresh comes into
     use an interval after its snapshot, so every block steps in the identity basis until then: each is
     carried once, at that step."""
-    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger=False, sync_refreshes=0)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger=False, sync_refreshes=0,
+                                    deterministic=True)
     calls = carries(name, runtime, late=0)
     steps = {c["step"] for c in calls}
     assert len(steps) == 1 and steps.pop() > 2

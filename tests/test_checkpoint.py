@@ -23,7 +23,8 @@ from asteria.train.cli import main
 # not read).
 PLAIN = ["--steps", "10", "--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--max-bytes", "200000",
          "--checkpoint-every", "4", "--keep-checkpoints", "0", "--eval-batches", "1", "--device", "cpu"]
-RUN = [*PLAIN, "--precondition-frequency", "3", "--staleness", "1", "--workers", "1"]
+# The deterministic rule: a resumed run continues bit for bit.
+RUN = [*PLAIN, "--precondition-frequency", "3", "--staleness", "1", "--workers", "1", "--deterministic"]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -167,6 +167,10 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--parallel", "fsdp"], "Invalid --parallel fsdp on one process: it sets how torchrun's processes"),
     (["--parallel", "hsdp"], "Invalid --parallel hsdp on one process: it sets how torchrun's processes"),
     (["--mode", "sync", "--no-deterministic"], "Invalid --no-deterministic with --mode sync"),
+    (["--optimizer", "adamw", "--deterministic"], "Invalid --deterministic with --optimizer adamw"),
+    (["--optimizer", "ds-shampoo", "--lag-steps", "2"],
+     "Invalid --lag-steps 2 with --optimizer ds-shampoo: it computes"),
+    (["--optimizer", "hb-soap", "--peer-path", "/nowhere"], "Invalid --peer-path /nowhere with --optimizer hb-soap"),
     (["--optimizer", "adamw", "--stagger-split"], "Invalid --stagger-split with --optimizer adamw"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
     (["--optimizer", "adamw", "--stagger"], "Invalid --stagger with --optimizer adamw"),
@@ -188,7 +192,7 @@ def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tm
      "--prefetch", "step", "--max-preconditioner-dim", "64"],
     ["--mode", "async", "--staleness", "2", "--workers", "3", "--lag-steps", "4", "--sync-refreshes", "1"],
     ["--mode", "async", "--no-deterministic", "--late-activation", "--no-stagger", "--no-stagger-split"],
-    ["--optimizer", "adamw", "--mode", "sync", "--placement", "auto", "--deterministic"],
+    ["--optimizer", "adamw", "--mode", "sync", "--placement", "auto"],
     ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--parallel", "ddp"],
 ])
 def test_options_a_run_reads_are_accepted(argv):

@@ -11,7 +11,7 @@ import torch
 import asteria
 from asteria import testing
 from asteria.pipeline import streams
-from asteria.pipeline.refresh import AsyncRefresher
+from asteria.pipeline.async_refresh import AsyncRefresher
 from conftest import regression_data, small_mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,7 +50,7 @@ def test_async_staleness_zero_matches_sync_on_gpu():
 
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_injected_stream_delays_do_not_change_results(staleness):
-    runtime = asteria.RuntimeConfig(staleness=staleness, workers=2)
+    runtime = asteria.RuntimeConfig(staleness=staleness, workers=2, deterministic=True)
     plain, _ = run_cuda(runtime)
     delayed_main, _ = run_cuda(runtime, main_delay=20_000_000)
     delayed_side, _ = run_cuda(runtime, side_delay=20_000_000)
@@ -60,8 +60,8 @@ def test_injected_stream_delays_do_not_change_results(staleness):
 
 
 def test_worker_count_does_not_change_bits_on_gpu():
-    one, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=1))
-    four, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=4))
+    one, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=1, deterministic=True))
+    four, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=4, deterministic=True))
     for a, b in zip(one, four):
         assert torch.equal(a, b)
 
@@ -100,7 +100,7 @@ def test_eigenbasis_optimizers_async_match_sync_and_ignore_stream_delays(optimiz
     async_ = run(asteria.RuntimeConfig(staleness=0, workers=2, stagger=False))
     for a, b in zip(async_, sync):
         assert float((a - b).norm() / b.norm()) < 2e-3
-    stale = asteria.RuntimeConfig(staleness=2, workers=2)
+    stale = asteria.RuntimeConfig(staleness=2, workers=2, deterministic=True)
     for a, b in zip(run(stale), run(stale, side_delay=20_000_000)):
         assert torch.equal(a, b)
 
@@ -321,7 +321,7 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
     late = LATE if late == "at-a-refresh" else BETWEEN
 
     # Staleness 1: the late layer's first real basis comes into use at step 11, inside the checked steps.
-    runtime = dict(mode="sync") if mode == "sync" else dict(staleness=1, workers=2, stagger=False)
+    runtime = dict(mode="sync") if mode == "sync" else dict(staleness=1, workers=2, stagger=False, deterministic=True)
     results = []
     for device in ("cpu", "cuda"):
         model = two_layers().to(device)
@@ -349,3 +349,48 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
         results.append([p.detach().cpu() for p in model.parameters()])
     for cpu, gpu in zip(*results):
         torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
+def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer):
+    """The start-up refreshes run on the GPU inline; then every set goes to the lane (its plan held there), then
+    back to the workers and to the lane again: its versions come from the lane's stream and thread, an
+    eigenbasis set returning to the workers seeds their chain, and nothing fails."""
+    model = small_mlp(sizes=SIZES).cuda()
+    x, y = (t.cuda() for t in regression_data(sizes=SIZES))
+    runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False)
+    with optimizer(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64, runtime=runtime) as opt:
+        refresher = opt._refresher
+        assert refresher.lane is not None and refresher.balancer is not None
+
+        def steps(count: int) -> None:
+            for _ in range(count):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[:64]), y[:64]).backward()
+                opt.step()
+
+        steps(6)  # versions 1 and 2, inline on the GPU
+        for side in (True, False, True):
+            refresher.balancer.replan = lambda side=side: refresher.balancer.plan  # held fixed
+            refresher.balancer.plan = [side] * len(refresher.sets)
+            steps(6)
+            torch.cuda.synchronize()
+            refresher.engine.drain(30.0)
+        steps(3)
+        torch.cuda.synchronize()
+        stats = opt.runtime_stats()
+    assert stats["device_versions"] > 2 * len(refresher.sets)
+    assert stats["refresh_failures"] == 0 and stats["lane_moves"] >= len(refresher.sets)
+    assert stats["device_refresh_seconds"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_start_up_refreshes_run_on_the_gpu_and_match_native_mode():
+    """Versions 1 and 2 (used at their own step) are the device's, computed as native mode computes them."""
+    results = []
+    for runtime in (asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=2, workers=2, stagger=False)):
+        params, stats = run_cuda(runtime, steps=5)  # f = 3: versions 1 (step 3) and 2 (step 6, not reached)
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert stats["device_versions"] >= 1

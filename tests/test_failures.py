@@ -122,7 +122,7 @@ def test_failing_refresh_keeps_last_good_root_then_raises_naming_the_parameter(m
 def test_state_dict_round_trip_resumes_training(mode, staleness, workers):
     def make(mode):
         model = small_mlp()
-        runtime = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=workers)
+        runtime = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=workers, deterministic=True)
         return model, asteria.Shampoo(model.parameters(), lr=0.01, eps=1e-6, precondition_frequency=2,
                                       max_preconditioner_dim=16, runtime=runtime)
 

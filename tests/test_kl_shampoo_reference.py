@@ -140,12 +140,13 @@ def test_reference_comparison_can_fail():
 
 
 def test_async_worker_count_does_not_change_bits():
-    one = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=1))
-    three = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=3))
+    one = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=1, deterministic=True))
+    three = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=3, deterministic=True))
     assert all(torch.equal(a, b) for a, b in zip(one, three))
 
 
-@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=2, workers=2)],
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"),
+                                     asteria.RuntimeConfig(staleness=2, workers=2, deterministic=True)],
                          ids=["sync", "async"])
 def test_state_dict_resume_is_bit_for_bit(runtime):
     def make():

@@ -22,7 +22,7 @@ def make(name: str, nvme_dir=None, budget: int | None = None, nvme_budget: int |
     model = small_mlp(sizes=SIZES)
     memory = asteria.MemoryConfig(nvme_dir=nvme_dir, host_budget=budget, group_bytes=GROUP_BYTES,
                                   nvme_budget=nvme_budget)
-    runtime = asteria.RuntimeConfig(staleness=2, workers=1, memory=memory)
+    runtime = asteria.RuntimeConfig(staleness=2, workers=1, memory=memory, deterministic=True)
     kwargs = {"lr": 0.02, "eps": 1e-6} if name == "shampoo" else {}
     cls = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[name]
     return model, cls(model.parameters(), max_preconditioner_dim=8, precondition_frequency=3, runtime=runtime,

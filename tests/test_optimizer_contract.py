@@ -27,7 +27,8 @@ OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 def runtime(mode: str = "async", **kwargs) -> asteria.RuntimeConfig:
     if mode == "sync":
         return asteria.RuntimeConfig(mode="sync", **kwargs)
-    return asteria.RuntimeConfig(mode="async", workers=1, worker_cpus="any", **kwargs)
+    # The deterministic rule: these tests resume and compare bit for bit.
+    return asteria.RuntimeConfig(mode="async", workers=1, worker_cpus="any", **({"deterministic": True} | kwargs))
 
 
 def make(optimizer, mode: str = "async", **kwargs):

@@ -195,11 +195,12 @@ def test_seeds_names_the_files_whose_settings_differ_and_pools_timing_only_setti
     # Under the newest-finished rule the workers decide which versions are used: not pooled.
     assert main(["seeds", str(tmp_path / "nd"), "--out", str(tmp_path / "out")]) == 2
     assert "workers: 4 in" in capsys.readouterr().err
-    write(tmp_path / "x" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 4})
-    write(tmp_path / "y" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"workers": 14})
-    # Under the deterministic rule (CONFIG's default) they change only the timing: pooled.
+    schedule = CONFIG | {"deterministic": True}
+    write(tmp_path / "x" / "seed1", 1, {"soap-sync": 1.0, "soap-async": 1.01}, schedule | {"workers": 4})
+    write(tmp_path / "y" / "seed2", 2, {"soap-sync": 1.0, "soap-async": 1.01}, schedule | {"workers": 14})
+    # Under the deterministic rule they change only the timing: pooled.
     assert main(["seeds", str(tmp_path / "x"), str(tmp_path / "y"), "--out", str(tmp_path / "out")]) == 0
-    write(tmp_path / "z" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.01}, CONFIG | {"steps": 100})
+    write(tmp_path / "z" / "seed3", 3, {"soap-sync": 1.0, "soap-async": 1.01}, schedule | {"steps": 100})
     capsys.readouterr()
     assert main(["seeds", str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "z"),
                  "--out", str(tmp_path / "out2")]) == 2

@@ -23,6 +23,7 @@ namespace {
 
 using runtime::RefreshEngine;
 using Ring = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
+using AnyRing = nb::ndarray<float, nb::device::cpu>;
 
 std::chrono::nanoseconds seconds_arg(double seconds, const char* name) {
   if (!(seconds > 0.0) || !std::isfinite(seconds)) {
@@ -124,7 +125,7 @@ void init_runtime(nb::module_& m) {
           "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1)
       .def(
           "add_block",
-          [](RefreshEngine& e, Ring snapshots, Ring results, const std::string& kind) {
+          [](RefreshEngine& e, AnyRing snapshots, Ring results, const std::string& kind) {
             runtime::BlockMemory memory;
             std::size_t extra_rows = 0;
             if (kind == "eigenbasis") {
@@ -133,33 +134,54 @@ void init_runtime(nb::module_& m) {
             } else if (kind != "root") {
               throw InvalidArgument("Invalid kind='" + kind + "': must be 'root' or 'eigenbasis'");
             }
-            memory.snapshot_stride = ring_stride(snapshots, "snapshots", 0, "(depth, n, n)");
             const std::string expected = extra_rows == 0 ? "(depth, n, n)" : "(depth, n + 2, n)";
             memory.result_stride = ring_stride(results, "results", extra_rows, expected + " for kind='" + kind + "'");
-            if (results.shape(0) != snapshots.shape(0) || results.shape(2) != snapshots.shape(2)) {
-              throw InvalidArgument("Invalid results shape " + shape_text(results) + ": must be " + expected +
-                                    " = (" + std::to_string(snapshots.shape(0)) + ", " +
-                                    std::to_string(snapshots.shape(2) + extra_rows) + ", " +
-                                    std::to_string(snapshots.shape(2)) + ") to match snapshots " +
-                                    shape_text(snapshots) + " for kind='" + kind + "'");
+            memory.n = static_cast<int>(results.shape(2));
+            memory.depth = static_cast<int>(results.shape(0));
+            memory.packed = snapshots.ndim() == 2;
+            const std::int64_t elements = runtime::snapshot_elements(memory.n, memory.packed);
+            const std::string wanted = memory.packed ? "(depth, n (n + 1) / 2)" : "(depth, n, n)";
+            const bool shape_ok = (snapshots.ndim() == 2 || snapshots.ndim() == 3) &&
+                                  snapshots.shape(0) == results.shape(0) &&
+                                  (memory.packed ? static_cast<std::int64_t>(snapshots.shape(1)) == elements
+                                                 : snapshots.shape(1) == results.shape(2) &&
+                                                       snapshots.shape(2) == results.shape(2));
+            if (!shape_ok) {
+              std::string shape = "(";
+              for (std::size_t d = 0; d < snapshots.ndim(); ++d) {
+                shape += (d ? ", " : "") + std::to_string(snapshots.shape(d));
+              }
+              throw InvalidArgument("Invalid snapshots shape " + shape + "): must be " + wanted + " = (" +
+                                    std::to_string(results.shape(0)) + ", " +
+                                    (memory.packed ? std::to_string(elements)
+                                                   : std::to_string(memory.n) + ", " + std::to_string(memory.n)) +
+                                    ") to match results " + shape_text(results) + " for kind='" + kind + "'");
             }
-            memory.n = static_cast<int>(snapshots.shape(1));
-            memory.depth = static_cast<int>(snapshots.shape(0));
-            memory.snapshots = snapshots.data();
+            const bool contiguous = memory.packed ? snapshots.stride(1) == 1
+                                                  : snapshots.stride(2) == 1 && snapshots.stride(1) == memory.n;
+            if (!contiguous) {
+              throw InvalidArgument("Invalid snapshots strides: each buffer must be contiguous");
+            }
+            memory.snapshot_stride = snapshots.stride(0);
+            memory.snapshots = static_cast<float*>(snapshots.data());
             memory.results = results.data();
             return e.add_block(memory);
           },
           "snapshots"_a.noconvert(), "results"_a.noconvert(), "kind"_a = "root",
-          "Registers a block. `snapshots` is a (depth, n, n) float32 host array (no converted copy is made: the "
-          "engine reads and writes the caller's memory); `results` is (depth, n, n) for "
-          "kind='root' (inverse roots) or (depth, n + 2, n) for kind='eigenbasis' (rows 0..n-1: the basis Q, "
-          "vectors as columns; row n: eigenvalue estimates; row n + 1: the permutation of the previous basis's "
-          "columns, as floats). Version v lives at index v % depth. Returns the block id.")
+          "Registers a block. `snapshots` is a float32 host array of `depth` buffers: (depth, n, n), or (depth, "
+          "n (n + 1) / 2) holding each factor's lower triangle row by row (torch.tril_indices order; half the "
+          "memory, unpacked by the worker). No converted copy is made: the engine reads and writes the caller's "
+          "memory. `results` is (depth, n, n) for kind='root' (inverse roots) or (depth, n + 2, n) for "
+          "kind='eigenbasis' (rows 0..n-1: the basis Q, vectors as columns; row n: eigenvalue estimates; row n + 1: "
+          "the permutation of the previous basis's columns, as floats). Version v lives at index v % depth. "
+          "Returns the block id.")
       .def_prop_ro("num_blocks", &RefreshEngine::num_blocks)
       .def("block_dim", &RefreshEngine::block_dim, "block"_a)
       .def("depth", &RefreshEngine::depth, "block"_a)
       .def("start_at", &RefreshEngine::start_at, "blocks"_a, "version"_a,
            "Declares that versions before `version` will never be written (a resumed run starts there).")
+      .def("skip", &RefreshEngine::skip, "blocks"_a, "version"_a,
+           "Version `version` of `blocks` will never be snapshotted (a deferred refresh): the rings go on in order.")
       .def("resume_at", &RefreshEngine::resume_at, "blocks"_a, "versions"_a,
            "A resumed run uses versions[i] of blocks[i]: activations and staleness count from there.")
       .def(
@@ -208,6 +230,13 @@ void init_runtime(nb::module_& m) {
           "for versions the schedule requires. Each returned version is pinned until release().")
       .def("release", &RefreshEngine::release, "block"_a, "version"_a,
            "Unpins a version returned by activate() once it has been copied.")
+      .def("note_external", &RefreshEngine::note_external, "blocks"_a, "version"_a, "activation_step"_a,
+           "Version `version` of `blocks` is computed outside the engine (e.g. on the GPU), due at "
+           "`activation_step`: the registry tracks it like the workers' own (activation, staleness, bounded wait). "
+           "An eigenbasis block's chain then needs set_basis() before its next submit().")
+      .def("finish_external", &RefreshEngine::finish_external, "blocks"_a, "version"_a, "ok"_a, "error"_a = "",
+           nb::call_guard<nb::gil_scoped_release>(),
+           "The external `version` of `blocks` ended; ok[i] says whether blocks[i]'s result is usable.")
       .def(
           "drain", [](RefreshEngine& e, double timeout_s) { e.drain(seconds_arg(timeout_s, "timeout_s")); },
           "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(), "Waits for every submitted job to end.")
@@ -304,6 +333,15 @@ void init_runtime(nb::module_& m) {
         d["snapshot_wait_seconds"] = s.snapshot_wait_seconds;
         d["refresh_seconds"] = s.refresh_seconds;
         d["faults_triggered"] = s.faults_triggered;
+        nb::dict by_dim;
+        for (const auto& [n, timing] : s.by_dim) {
+          nb::dict t;
+          t["seconds"] = timing.seconds;
+          t["jobs"] = timing.jobs;
+          by_dim[nb::int_(n)] = t;
+        }
+        d["by_dim"] = by_dim;
+        d["external_versions"] = s.external_versions;
         return d;
       });
 }

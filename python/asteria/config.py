@@ -100,15 +100,19 @@ class RuntimeConfig:
             per-thread nice), so that the thread launching the GPU's work never queues behind them.
         blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
             different worker counts are bitwise identical as long as this stays the same).
-        deterministic: activation of versions by schedule only (version k is used from exactly S
-            intervals after its snapshot), never by worker timing. Required for multi-rank runs.
-            With ``False`` each block switches to its newest finished version at the next step.
+        deterministic: ``True``: versions come into use by schedule only (``lag_steps`` after their snapshot),
+            never by timing, so that runs are bitwise reproducible with any worker count and every rank uses
+            the same version at the same step; a version's host buffers are kept for the whole lag. ``False``:
+            each block uses its newest finished version from the next step, and a set's refresh that comes
+            due while its previous one is still on its way is deferred to its next turn. ``None``: ``True``
+            on several ranks (which need it), with ``lag_steps`` given or at ``staleness=0``, else ``False``.
         lag_steps: under the deterministic rule, the steps from a version's snapshot to its first use:
             at most ``staleness`` x ``precondition_frequency`` (checked when the optimizer is built).
-            ``None``: that bound itself, S intervals. A short lag keeps what the rule guarantees (runs
-            reproducible bit for bit, every rank on the same version at the same step) without using
-            each version S intervals late; ``step()`` waits for a version the workers have not finished
-            by then. Not used by ``mode="sync"``; with ``deterministic=False`` it is an error.
+            ``None``: one interval (``precondition_frequency`` steps, capped by that bound). A short lag keeps
+            what the rule guarantees (runs reproducible bit for bit, every rank on the same version at the same
+            step) with fresher versions and fewer host buffers (``lag_steps // precondition_frequency + 1`` per
+            block); ``step()`` waits for a version the workers have not finished by then. Not used by
+            ``mode="sync"``; with ``deterministic=False`` it is an error.
         stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
             their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
             the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
@@ -136,6 +140,19 @@ class RuntimeConfig:
         nonfinite_grad_policy: what to do with a block whose gradient holds NaN/Inf: ``"skip"`` leaves
             its state and parameter untouched for that step and counts it; ``"raise"`` raises.
         max_nonfinite_grad_steps: skipped steps per block, counted in a row, before ``step()`` raises.
+        in_flight: under the newest-finished rule, how many versions of a factor set may be on their way at
+            once (each holds a snapshot and a result buffer per block in pinned host memory). A set's refresh
+            that comes due beyond that is deferred to its next turn, so the work never queues behind itself;
+            more lets a newer version queue behind an older one and supersede it before it starts.
+        device_refresh: whether the refresh executor may compute on the parameters' device beside the
+            workers (``asteria.pipeline.device_lane``). ``None``: where the parameters and preconditioners are
+            on a GPU; there the start-up refreshes run on the device (where they are fastest), and under the
+            newest-finished rule the sets the workers cannot finish within an interval go to it too. ``False``:
+            the workers compute everything. ``True``: also for CPU parameters (a torch thread beside the
+            workers; for tests).
+        device_share: (0, 1], the share of an interval's wall time the device lane's work may fill when
+            the balancer plans it: lower keeps training steps shorter, at the cost of deferred refreshes
+            when the workers and that share together cannot keep up.
         memory: tier placement and budgets.
         process_group, local_world_size: distributed layout (defaults: WORLD and torchrun's
             LOCAL_WORLD_SIZE when torch.distributed is initialized). A group smaller than the world must
@@ -151,7 +168,7 @@ class RuntimeConfig:
     worker_cpus: Sequence[int] | Literal["auto", "any"] = "auto"
     torch_threads: int | Literal["auto", "keep"] = "auto"
     worker_nice: int = 10
-    deterministic: bool = True
+    deterministic: bool | None = None
     lag_steps: int | None = None
     stagger: bool | None = None
     stagger_split: bool | None = None
@@ -160,6 +177,9 @@ class RuntimeConfig:
     max_consecutive_failures: int = 3
     nonfinite_grad_policy: Literal["skip", "raise"] = "skip"
     max_nonfinite_grad_steps: int = 10
+    in_flight: int = 1
+    device_refresh: bool | None = None
+    device_share: float = 1.0
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     process_group: Any = None
     local_world_size: int | None = None
@@ -184,10 +204,11 @@ class RuntimeConfig:
                "torch_threads", self.torch_threads, f"must be 'auto', 'keep' or an int in [1, {MAX_THREADS}]")
         _check(is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", self.worker_nice,
                "must be an int in [0, 19]")
-        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "must be a bool")
+        _check(self.deterministic is None or isinstance(self.deterministic, bool), "deterministic", self.deterministic,
+               "must be None or a bool")
         _check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
                self.lag_steps, "must be None or an int >= 0 (steps from a snapshot to its use)")
-        _check(self.lag_steps is None or self.deterministic, "lag_steps", self.lag_steps,
+        _check(self.lag_steps is None or self.deterministic is not False, "lag_steps", self.lag_steps,
                "applies to the deterministic rule only; with deterministic=False each block takes its newest "
                "finished version: leave lag_steps=None")
         _check(self.stagger is None or isinstance(self.stagger, bool), "stagger", self.stagger,
@@ -207,6 +228,12 @@ class RuntimeConfig:
                self.nonfinite_grad_policy, f"must be one of {NONFINITE_POLICIES}")
         _check(is_int(self.max_nonfinite_grad_steps) and 1 <= self.max_nonfinite_grad_steps <= MAX_COUNT,
                "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, f"must be an int in [1, {MAX_COUNT}]")
+        _check(is_int(self.in_flight) and 1 <= self.in_flight <= MAX_STALENESS + 1, "in_flight", self.in_flight,
+               f"must be an int in [1, {MAX_STALENESS + 1}] (versions of a set on their way at once)")
+        _check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
+               self.device_refresh, "must be None or a bool")
+        _check(is_real(self.device_share) and 0 < self.device_share <= 1, "device_share", self.device_share,
+               "must be a number in (0, 1], the share of an interval the device lane's work may fill")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "
@@ -214,21 +241,30 @@ class RuntimeConfig:
         _check(self.local_world_size is None or (is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
 
+    def resolved_deterministic(self, several_ranks: bool) -> bool:
+        """``deterministic`` resolved: None means the deterministic rule on several ranks (which need it), where
+        ``lag_steps`` is given, or at staleness 0 (where both rules use every version at its own step), else the
+        newest-finished rule."""
+        if self.deterministic is not None:
+            return self.deterministic
+        return several_ranks or self.lag_steps is not None or self.staleness == 0
+
     def stagger_wanted(self) -> bool:
         """``stagger`` resolved before the ranks are consulted: its value, or whether the mode is async and
         some version is used later than its own step (where every one is used at its own step, async mode
         follows the sync trajectory, and so the sync schedule)."""
         if self.stagger is not None:
             return self.stagger
-        at_own_step = self.staleness == 0 or (self.deterministic and self.lag_steps == 0)
+        at_own_step = self.staleness == 0 or (self.deterministic is not False and self.lag_steps == 0)
         return self.mode == "async" and not at_own_step
 
     def activation_lag(self, interval: int) -> int:
         """Steps from a version's snapshot to its first use under the deterministic rule, for refreshes
-        every ``interval`` steps: ``lag_steps``, or S intervals when it is None."""
+        every ``interval`` steps: ``lag_steps``, or one interval (at most the bound, S intervals) when it is
+        None."""
         bound = self.staleness * interval
         if self.lag_steps is None:
-            return bound
+            return min(interval, bound)
         _check(self.lag_steps <= bound, "lag_steps", self.lag_steps,
                f"must be at most staleness x precondition_frequency = {self.staleness} x {interval} = {bound} "
                "(the staleness bound, in steps)")

@@ -81,9 +81,11 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **runtime: Any) -> torch.optim.Optimizer:
-    # Unstaggered unless asked: the single-process references follow the multi-rank schedule.
+    # Unstaggered unless asked, and the deterministic rule: the single-process references follow the multi-rank
+    # schedule.
     config = asteria.RuntimeConfig(mode=mode, staleness=staleness, workers=1, timeout_s=runtime.pop("timeout_s", 20.0),
-                                   stagger=runtime.pop("stagger", False), **runtime)
+                                   stagger=runtime.pop("stagger", False),
+                                   deterministic=runtime.pop("deterministic", True), **runtime)
     if kind == "shampoo":
         return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2,
                                runtime=config)

@@ -37,7 +37,9 @@ enum class RefreshKind {
 };
 
 // Where one block's memory lives. Both rings hold `depth` buffers, buffer i at base + i * stride
-// (elements): snapshots n x n float32; results n x n for kInverseRoot and (n + 2) x n for
+// (elements): snapshots n x n float32 (or, `packed`, the n (n + 1) / 2 elements of the lower triangle in
+// row-major order, torch's tril_indices: the factors are symmetric, so half the host memory and half the
+// device-to-host copy carry all of it); results n x n for kInverseRoot and (n + 2) x n for
 // kEigenbasis (rows 0..n-1 the basis Q in torch's layout, Q[i * n + j] component i of vector j;
 // row n the eigenvalue estimates, the eigenvalues for a block's first, full decomposition; row n + 1
 // the permutation applied to the previous basis's order, as floats). The memory belongs to the
@@ -50,7 +52,11 @@ struct BlockMemory {
   float* results = nullptr;
   std::int64_t result_stride = 0;
   RefreshKind kind = RefreshKind::kInverseRoot;
+  bool packed = false;
 };
+
+// Elements of one snapshot buffer: n x n, or the lower triangle of a packed one.
+std::int64_t snapshot_elements(int n, bool packed);
 
 // Faults the engine can inject into its own worker jobs (see RefreshEngine::inject_fault).
 enum class FaultKind {
@@ -68,6 +74,12 @@ const char* to_string(FaultKind kind) noexcept;
 // inject_fault(block, kAnyVersion, ...): the fault hits every version of the block until clear_faults().
 inline constexpr std::int64_t kAnyVersion = 0;
 
+// The numerics time of the jobs of one block size (the executor's measure of the workers' throughput).
+struct DimTiming {
+  double seconds = 0.0;
+  std::uint64_t jobs = 0;
+};
+
 struct EngineStats {
   PoolStats pool;
   coherence::RegistryStats registry;
@@ -81,6 +93,8 @@ struct EngineStats {
   std::uint64_t faults_triggered = 0;   // jobs that met an injected fault or random delay
   std::uint64_t refreshes_superseded = 0;  // jobs that did not compute: a newer version was queued
                                            // (the registry's superseded_versions)
+  std::map<int, DimTiming> by_dim;         // per block size n, the jobs that computed
+  std::uint64_t external_versions = 0;     // versions computed outside the engine (note_external)
 };
 
 // Thread safety: add_block() must not race with the other calls; everything else is safe to call
@@ -102,6 +116,10 @@ class RefreshEngine {
   // Declares that no version before `version` will ever be written for `blocks` (a run resumed from
   // a checkpoint starts its versions there), so that the rings hand out buffers from that version on.
   void start_at(const std::vector<std::int64_t>& blocks, std::int64_t version);
+  // Version `version` of `blocks` will never be snapshotted (its refresh was deferred): their rings then hand
+  // the buffers to the versions after it in order, as if it had come and gone. Throws InvalidArgument for a
+  // version already written or retired.
+  void skip(const std::vector<std::int64_t>& blocks, std::int64_t version);
   // A resumed run uses versions[i] of blocks[i]: the registry's activations and staleness count from
   // there (CoherenceRegistry::resume_at), not from version 0. Before anything is submitted for them.
   void resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions);
@@ -138,6 +156,22 @@ class RefreshEngine {
   std::vector<coherence::Activation> activate(std::int64_t step, std::chrono::nanoseconds timeout);
   // Unpins a version returned by activate() and lets the ring reuse it and every older version.
   void release(std::int64_t block, std::int64_t version);
+
+  // ---- Versions computed outside the engine (by the caller, e.g. on a GPU) ----------------------
+  // The registry tracks them as it tracks the workers' own, so that the activation rule, the staleness
+  // bound and its bounded wait, and the failure count hold across both; the rings never hold them, and
+  // activate() returns them unpinned (release() only retires them).
+  //
+  // Version `version` of `blocks` was snapshotted outside the engine, due at `activation_step`. The
+  // versions of a block must increase across both kinds. An eigenbasis block's chain then no longer holds
+  // its newest basis: its next submit() throws InvalidArgument until set_basis() seeds it. Throws
+  // InvalidArgument, before any block is touched, for an unknown block, a version not after the block's
+  // newest or an eigenbasis activation step before its last.
+  void note_external(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step);
+  // The external version of `blocks` ended: ok[i] says whether blocks[i]'s result is usable; `error`
+  // names the cause of the failures.
+  void finish_external(const std::vector<std::int64_t>& blocks, std::int64_t version, const std::vector<bool>& ok,
+                       const std::string& error);
 
   // Blocks until every submitted job has ended, up to `timeout`.
   void drain(std::chrono::nanoseconds timeout);
@@ -214,6 +248,8 @@ class RefreshEngine {
   std::uint64_t refreshes_failed_ = 0;        // guarded by mutex_
   std::uint64_t float64_retries_ = 0;         // guarded by mutex_
   std::uint64_t refreshes_skipped_ = 0;       // guarded by mutex_
+  std::map<int, DimTiming> by_dim_;           // guarded by mutex_
+  std::uint64_t external_versions_ = 0;       // guarded by mutex_
   std::uint64_t snapshot_waits_ = 0;          // guarded by mutex_
   double snapshot_wait_seconds_ = 0.0;        // guarded by mutex_
   double refresh_seconds_ = 0.0;              // guarded by mutex_

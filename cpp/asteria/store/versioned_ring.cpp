@@ -121,6 +121,16 @@ void VersionedRing::retire_through(std::int64_t version) {
     std::lock_guard lock(mutex_);
     if (version <= retired_through_) return;
     retired_through_ = version;
+    skipped_.erase(skipped_.begin(), skipped_.upper_bound(version));
+  }
+  changed_.notify_all();
+}
+
+void VersionedRing::skip(std::int64_t version) {
+  {
+    std::lock_guard lock(mutex_);
+    check_writable_version(version);
+    skipped_.insert(version);
   }
   changed_.notify_all();
 }
@@ -145,10 +155,15 @@ std::size_t VersionedRing::index(std::int64_t version, const char* method) const
 
 bool VersionedRing::writable(std::int64_t version) const {
   const Slot& held = slots_[index(version, "begin_write")];
-  const std::int64_t previous = version - depth_;
-  const bool previous_done =
-      previous <= retired_through_ || (held.version == previous && held.state == SlotState::kFailed);
-  return held.state != SlotState::kWriting && held.readers == 0 && previous_done;
+  return held.state != SlotState::kWriting && held.readers == 0 && done_with_buffer(version - depth_);
+}
+
+bool VersionedRing::done_with_buffer(std::int64_t version) const {
+  const Slot& held = slots_[static_cast<std::size_t>(((version % depth_) + depth_) % depth_)];
+  // A skipped version never held the buffer: it is done when the version before it there is.
+  for (; skipped_.contains(version); version -= depth_) {
+  }
+  return version <= retired_through_ || (held.version == version && held.state == SlotState::kFailed);
 }
 
 void VersionedRing::check_writable_version(std::int64_t version) const {
@@ -161,6 +176,9 @@ void VersionedRing::check_writable_version(std::int64_t version) const {
   if (held.version == version) {
     throw InvalidArgument(where("begin_write") + "version " + std::to_string(version) + " was written before (" +
                           to_string(held.state) + ")");
+  }
+  if (skipped_.contains(version)) {
+    throw InvalidArgument(where("begin_write") + "version " + std::to_string(version) + " was skipped");
   }
   // Only a retired or failed version gives way to the next one in its buffer (see writable()), so a
   // newer version there means this one is past writing.

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,10 @@ class VersionedRing {
 
   // Allows every version <= v to be overwritten once unpinned.
   void retire_through(std::int64_t version);
+  // Declares that version v (not yet written, nor retired) will never be written: the version after it in
+  // its buffer may then claim the buffer once v's own predecessor there would have let v claim it, so the
+  // buffer still goes to versions in order. Throws InvalidArgument for a version written or retired.
+  void skip(std::int64_t version);
 
   // State of version v (>= 1, else InvalidArgument): kEmpty if its buffer holds another version.
   SlotState state(std::int64_t version) const;
@@ -74,6 +79,8 @@ class VersionedRing {
   // Index of the buffer of `version`; throws InvalidArgument, naming `method`, if version < 1.
   std::size_t index(std::int64_t version, const char* method) const;
   bool writable(std::int64_t version) const;  // requires mutex_
+  // Whether `version`, the one before a writer in its buffer, is done with it. Requires mutex_.
+  bool done_with_buffer(std::int64_t version) const;
   // Throws InvalidArgument if `version` may never be written. Requires mutex_.
   void check_writable_version(std::int64_t version) const;
   // What keeps `version` from its buffer, for the timeout message. Requires mutex_.
@@ -92,6 +99,7 @@ class VersionedRing {
   std::vector<Slot> slots_;                    // guarded by mutex_
   std::int64_t latest_published_ = 0;          // guarded by mutex_
   std::int64_t retired_through_ = 0;           // guarded by mutex_
+  std::set<std::int64_t> skipped_;             // guarded by mutex_; skipped versions above retired_through_
 };
 
 }  // namespace asteria::store

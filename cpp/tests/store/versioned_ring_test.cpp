@@ -255,6 +255,26 @@ TEST(VersionedRingTest, RejectsInvalidConstruction) {
   EXPECT_NO_THROW(VersionedRing(memory.base(), 64, 0, 1, "block 9 results"));
 }
 
+TEST(VersionedRingTest, ASkippedVersionHandsItsBufferOnInOrder) {
+  using namespace std::chrono_literals;
+  Buffers memory(1, 8);
+  VersionedRing ring(memory.base(), memory.bytes(), memory.bytes(), 1, "one buffer");
+  ring.begin_write(1, 1s);
+  ring.publish(1);
+  ring.skip(2);  // never written: version 3 comes after version 1 in the one buffer
+  EXPECT_THROW(ring.begin_write(3, 10ms), TimeoutError);  // version 1 is not retired yet
+  ring.retire_through(1);
+  EXPECT_NE(ring.begin_write(3, 1s), nullptr);
+  ring.publish(3);
+  EXPECT_THROW(ring.begin_write(2, 10ms), InvalidArgument);  // skipped
+  EXPECT_THROW(ring.skip(3), InvalidArgument);               // written
+  ring.retire_through(3);
+  EXPECT_THROW(ring.skip(3), InvalidArgument);               // retired
+  ring.skip(4);
+  ring.skip(5);  // two in a row: version 6 follows version 3
+  EXPECT_NE(ring.begin_write(6, 1s), nullptr);
+}
+
 TEST(VersionedRingTest, NamesSlotStates) {
   EXPECT_STREQ(to_string(SlotState::kEmpty), "empty");
   EXPECT_STREQ(to_string(SlotState::kWriting), "writing");

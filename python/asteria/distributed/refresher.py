@@ -39,7 +39,8 @@ from asteria.distributed.topology import Topology, replica_ranks
 from asteria.pipeline import cpus, streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import check_arg, check_saved_request, check_saved_snapshot
-from asteria.pipeline.refresh import SAVED, WorkerRefresher
+from asteria.pipeline.refresh import SAVED
+from asteria.pipeline.worker_refresh import WorkerRefresher
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
 STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}

@@ -24,12 +24,15 @@ from asteria.optim import functional as F
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
 from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
+from asteria.optim.refreshers import make_refresher
+from asteria.pipeline.async_refresh import refresh_buffer_bytes
+from asteria.pipeline.worker_refresh import ring_depth
 from asteria.optim.steps import BlockSteps, to_device
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
                                       check_positive, validate_state_dict)
-from asteria.pipeline.refresh import Refresher, make_refresher
+from asteria.pipeline.refresh import Refresher
 from asteria.pipeline.schedule import InstallDelays, RefreshSchedule, stagger_phases
 from asteria.pipeline.tiers import PreconditionerTier
 
@@ -52,6 +55,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
 
     #: whether small adjacent dimensions are merged before blocking (see ``asteria.optim.blocking``)
     MERGE_DIMS = True
+    #: float32 tensors of a block's shape that the optimizer keeps per block (its moments), for the memory
+    #: checks made before anything is allocated
+    PARAM_MOMENTS = 2
     #: steps from a version's activation to its first use: 0 when the step that activates it steps with
     #: it (Shampoo's roots), 1 when the direction is computed while accumulating, before the step's
     #: refresh (SOAP's and KL-Shampoo's bases). The activation of step t may run anywhere between
@@ -91,6 +97,10 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         super().__init__(params, {k: plain(v) for k, v in defaults.items()})
         # A copy (checked again): the caller's object may be changed or reused for another optimizer.
         self.runtime = RuntimeConfig() if runtime is None else replace(runtime, memory=replace(runtime.memory))
+        from asteria.distributed import topology
+
+        several_ranks = topology(replace(self.runtime, deterministic=True)) is not None
+        self.runtime.deterministic = self.runtime.resolved_deterministic(several_ranks)
         self.max_preconditioner_dim = max_preconditioner_dim
         self.precondition_frequency = precondition_frequency
         self.start_preconditioning_step = start
@@ -118,9 +128,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._block_index: tuple[list[ShapeGroup], dict[int, tuple[ShapeGroup, int] | None]] | None = None
         #: each param group's parameter list as built (and its length): ``step()`` refuses edits of them
         self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]
-        from asteria.distributed import topology
-
-        one_process = topology(self.runtime) is None
+        one_process = not several_ranks
         #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split``; None: wherever
         #: the schedule is staggered on one process)
         self.stagger_split = (self.runtime.stagger_split if self.runtime.stagger_split is not None
@@ -164,8 +172,19 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self.schedule = RefreshSchedule(start, precondition_frequency, phases,
                                         aligned=max(1, self.runtime.sync_refreshes))
         self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes)
-        self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
-                                                    [g for _, g in self._set_groups])
+        if self.runtime.mode == "async" and one_process:
+            lag = self.runtime.activation_lag(precondition_frequency)
+            depth = ring_depth(self.runtime, precondition_frequency, lag)
+            self._check_host_memory(refresh_buffer_bytes(sets, depth))
+        try:
+            self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
+                                                        [g for _, g in self._set_groups], self._resident_from_start())
+        except RuntimeError as error:  # a pinned or device allocation the checks above could not foresee
+            if "out of memory" not in str(error):
+                raise
+            raise MemoryError(f"{type(self).__name__}: its refresh buffers could not be allocated ({error}); see "
+                              "memory_report() of a smaller configuration, and RuntimeConfig.deterministic, lag_steps "
+                              "and max_preconditioner_dim for what sizes them") from error
         self._refresher.tier = self._tier
         # Stops the workers when the optimizer is collected or the interpreter exits.
         self._tier_box = [self._tier]  # the finalizer closes the tier in use, also after _fit_gpu_budget
@@ -673,11 +692,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     # ---- reporting and life cycle ---------------------------------------------------------------
     def staleness(self) -> int:
         """Refresh intervals by which the most stale preconditioner in use lags its block's newest
-        snapshot (0 before the first refresh)."""
+        snapshot (0 before the first refresh; a deferred refresh takes no snapshot)."""
         # Measured at the newest step whose activation has run (for SOAP and KL-Shampoo, the activation of
         # the last step runs at the start of the next one: these are the versions that step reads).
-        return max((self.schedule.version_at(self._activated_step, index) - min(fset.versions)
-                    for index, (fset, _) in enumerate(self._set_groups)), default=0)
+        return max((min(self.schedule.version_at(self._activated_step, index), self._refresher.newest_version(index))
+                    - min(fset.versions) for index, (fset, _) in enumerate(self._set_groups)), default=0)
 
     def runtime_stats(self) -> dict[str, Any]:
         """Refreshes done and failed, the staleness histogram seen, waits (count and seconds), worker busy

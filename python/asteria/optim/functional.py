@@ -161,11 +161,21 @@ def regularize_eigenvalues(eigenvalues: Tensor, eps: float) -> Tensor:
     return eigenvalues + shift + eps
 
 
-def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float) -> tuple[Tensor, Tensor]:
+def product(a: Tensor, b: Tensor, widen: bool = False) -> Tensor:
+    """``a @ b``; with ``widen``, computed in float64 and rounded back: a float32 product whatever precision
+    torch's global matmul setting allows (TF32), for threads that must not change that setting."""
+    if widen and a.dtype == torch.float32:
+        return (a.double() @ b.double()).to(a.dtype)
+    return a @ b
+
+
+def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float,
+                 widen: bool = False) -> tuple[Tensor, Tensor]:
     """(scale * F + regularization)^exponent of a batch of symmetric matrices by eigendecomposition.
 
     Works in float32 and retries in float64 when ``torch.linalg.eigh`` fails. Returns the roots and
     a (B,) bool of which are usable (finite input and finite output); unusable rows hold identity.
+    ``widen``: the root's product at least in float32 (see ``product``).
     """
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     usable_input = finite_rows(factor)
@@ -175,7 +185,7 @@ def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float) -> t
     except RuntimeError:  # torch.linalg.LinAlgError: no convergence in float32
         eigenvalues, vectors = torch.linalg.eigh(matrix.double())
     powers = regularize_eigenvalues(eigenvalues, eps).pow(exponent)
-    roots = ((vectors * powers.unsqueeze(-2)) @ vectors.mT).to(factor.dtype)
+    roots = product(vectors * powers.unsqueeze(-2), vectors.mT, widen).to(factor.dtype)
     usable = usable_input & finite_rows(roots)
     return torch.where(batch_view(usable, roots), roots, eye), usable
 
@@ -224,19 +234,21 @@ def identity_rows(bases: Tensor) -> Tensor:
     return (bases == eye).reshape(bases.shape[0], -1).all(dim=1)
 
 
-def qr_refresh(factor: Tensor, basis: Tensor, skip_tol: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def qr_refresh(factor: Tensor, basis: Tensor, skip_tol: float = 0.0,
+               widen: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """SOAP's warm-started eigenbasis refresh: the old basis' columns sorted by their Rayleigh quotients
     diag(Q^T F Q) (descending), one power step F Q, and a QR factorization. With ``skip_tol`` > 0 a
     block whose old basis already diagonalizes F up to that off-diagonal ratio keeps it unchanged.
 
     Returns the new bases, the (B, n) column order applied to the old basis, a (B,) usability mask
-    (unusable rows keep the old basis) and a (B,) mask of skipped blocks."""
-    power = factor @ basis
+    (unusable rows keep the old basis) and a (B,) mask of skipped blocks. ``widen``: the products at least
+    in float32 (see ``product``)."""
+    power = product(factor, basis, widen)
     estimates = (basis * power).sum(dim=-2)
     order = torch.argsort(estimates, dim=-1, descending=True, stable=True)
     skipped = torch.zeros(factor.shape[0], dtype=torch.bool, device=factor.device)
     if skip_tol > 0:
-        rotated = basis.mT @ power
+        rotated = product(basis.mT, power, widen)
         diagonal = torch.linalg.vector_norm(torch.diagonal(rotated, dim1=-2, dim2=-1), dim=-1)
         total = torch.linalg.matrix_norm(rotated)
         off = (total.square() - diagonal.square()).clamp_min(0).sqrt()

@@ -5,6 +5,7 @@ the budget checks and the per-tier memory report. A mixin of ``asteria.optim.bas
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -35,24 +36,60 @@ def device_capacity(device: torch.device) -> int | None:
     return None
 
 
+def host_available() -> int | None:
+    """The host memory that can still be given without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_available(device: torch.device) -> int | None:
+    """The bytes ``device`` can still give: a GPU's free memory plus what torch's allocator holds unused, or
+    the host's available memory for the CPU; None where that is not known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        return host_available()
+    return None
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
 class MemoryTiers:
     """Memory placement and reporting of the Asteria optimizers (see the module docstring)."""
 
     def _check_factor_memory(self) -> None:
-        """Refuses, naming ``max_preconditioner_dim``, a blocking whose factors alone (float32, n x n for each
-        preconditioned dimension of each block, on the parameters' device) exceed all the memory of that
-        device, before anything is allocated: the allocation would fail, or on a host that overcommits
-        memory, the first steps would be killed."""
-        need: dict[torch.device, int] = {}
+        """Refuses, before anything is allocated, a blocking whose state does not fit its device: the factors
+        alone (float32, n x n for each preconditioned dimension of each block) beyond all of the device's
+        memory, or the whole state (factors, the preconditioners in use where they stay on the device, the
+        moments, and the start-up refreshes' results on a GPU) beyond what the device can still give. The
+        error names ``max_preconditioner_dim`` and the bytes; without it the allocation fails inside the
+        allocator, or on a host that overcommits memory the first steps are killed."""
+        factors: dict[torch.device, int] = {}
+        state: dict[torch.device, int] = {}
         largest: dict[torch.device, tuple[int, ShapeGroup]] = {}
         for group in self._groups:
             dims = self._refresh_dims(group)
+            moments = self.PARAM_MOMENTS * group.batch * 4 * math.prod(group.shape)
+            state[group.device] = state.get(group.device, 0) + moments
             if not dims:
                 continue
-            need[group.device] = need.get(group.device, 0) + group.batch * 4 * sum(d * d for d in dims)
+            nbytes = group.batch * 4 * sum(d * d for d in dims)
+            factors[group.device] = factors.get(group.device, 0) + nbytes
+            # The preconditioners in use, and on a GPU the start-up refreshes' results until they are installed.
+            copies = 1 + (self.placement == "device") + (group.device.type == "cuda")
+            state[group.device] += copies * nbytes
             if max(dims) > largest.get(group.device, (0, group))[0]:
                 largest[group.device] = (max(dims), group)
-        for device, total in need.items():
+        for device, total in factors.items():
             capacity = device_capacity(device)
             if capacity is None or total <= capacity:
                 continue
@@ -63,6 +100,51 @@ class MemoryTiers:
                 f"{capacity / 2**30:.1f} GiB in all (the largest, {dim} x {dim}, for {group.blocks[0].name}, a block "
                 f"of shape {tuple(group.shape)}); a smaller max_preconditioner_dim splits large dimensions into more, "
                 "smaller blocks")
+        for device, need in state.items():
+            available = device_available(device)
+            if available is None or need <= available:
+                continue
+            raise ValueError(
+                f"Invalid max_preconditioner_dim={self.max_preconditioner_dim}: this optimizer's state needs "
+                f"{gib(need)} on {device} (factors {gib(factors.get(device, 0))}, with the preconditioners in use "
+                f"under placement {self.placement!r}, the moments and the start-up refreshes), and {device} can "
+                f"still give {gib(available)}; a smaller max_preconditioner_dim, MemoryConfig(placement='host') "
+                "(preconditioners in pinned host memory) or fewer parameters per optimizer would fit")
+
+    def _check_host_memory(self, refresh_bytes: int) -> None:
+        """Refuses, before the refresh buffers are allocated, ``refresh_bytes`` of pinned host memory that
+        ``host_budget`` does not allow (the buffers are never paged to NVMe) or that the host cannot give, naming
+        the bytes and what to change. Pinned pages cannot be swapped out, so the host's available memory bounds
+        them (the CUDA driver pins them itself: the process's memlock limit does not apply)."""
+        if refresh_bytes == 0:
+            return
+        memory = self.runtime.memory
+        if memory.host_budget is not None and refresh_bytes > memory.host_budget:
+            device = sum(t.numel() * t.element_size() for g in self._groups for t in g.state.values()
+                         if t.device.type != "cpu")
+            raise ValueError(f"Invalid host_budget={memory.host_budget}: too small for this model's state (placement "
+                             f"{self.placement!r}: device needs {device} bytes, host needs {refresh_bytes} bytes; per "
+                             f"kind: host {{'refresh_buffers': {refresh_bytes}}}, nvme {{}}); the refresh buffers "
+                             f"({self._in_flight_text()}) stay in host memory: raise host_budget or {self._fewer_text()}")
+        available = host_available()
+        if available is not None and refresh_bytes > available:
+            raise ValueError(f"Invalid runtime={self.runtime!r}: the refresh buffers need {gib(refresh_bytes)} of "
+                             f"pinned host memory ({self._in_flight_text()}), and the host can give {gib(available)} "
+                             f"(MemAvailable); {self._fewer_text()}, or use a host with more memory")
+
+    def _in_flight_text(self) -> str:
+        """What sizes the refresh buffers, for messages."""
+        if not self.runtime.deterministic:
+            return (f"a packed snapshot and a result per block for each of in_flight={self.runtime.in_flight} "
+                    "versions")
+        lag = self.runtime.activation_lag(self.precondition_frequency)
+        return (f"{lag // self.precondition_frequency + 1} packed snapshots and results per block: the versions "
+                f"waiting lag_steps={lag}")
+
+    def _fewer_text(self) -> str:
+        if not self.runtime.deterministic:
+            return "use in_flight=1 or a smaller max_preconditioner_dim"
+        return "use a shorter lag_steps, deterministic=False (one version in flight per set)"
 
     def _resolve_placement(self) -> str:
         """The placement of the preconditioners in use (``MemoryConfig.placement``, with ``"auto"``

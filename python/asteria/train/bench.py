@@ -10,6 +10,7 @@ and CUDA-event; peak GPU memory; energy per step; staleness seen; waits; final l
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -18,11 +19,14 @@ from typing import Any
 import torch
 
 from asteria.train.loop import DEFAULT_LR, RunConfig, make_optimizer, train
+from asteria.train.peers import PEERS
 from asteria.train.provenance import software
 from asteria.train.report import Run, load_run, plt, run_warmup, write_report
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")
+#: peer implementations a bench may run beside those (``asteria.train.peers``), on request
+PEER_CONFIGS = tuple(PEERS)
 
 
 def parse_config(label: str) -> tuple[str, str, int | None]:
@@ -33,9 +37,12 @@ def parse_config(label: str) -> tuple[str, str, int | None]:
     head, sep, tail = label.rpartition("-f")
     if sep and head in CONFIGS and head != "adamw" and tail.isascii() and tail.isdigit():
         base, frequency = head, int(tail)
+    if base in PEER_CONFIGS:
+        return base, "sync", None
     if base not in CONFIGS or (frequency is not None and frequency < 1):
         raise ValueError(f"Invalid config={label!r}: must be one of {CONFIGS}, a second-order one optionally "
-                         "followed by -f<N> (N >= 1, its precondition_frequency), e.g. 'soap-async-f5'")
+                         f"followed by -f<N> (N >= 1, its precondition_frequency), e.g. 'soap-async-f5', or a peer "
+                         f"{PEER_CONFIGS}")
     if base == "adamw":
         return "adamw", "sync", None
     optimizer, mode = base.rsplit("-", 1)
@@ -54,7 +61,7 @@ def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
     start <= f is the optimizer's first refresh). The warm-up's own max is kept beside them."""
     steady = values[warmup:] or values
     median = statistics.median(steady)
-    return {"median": median, "p99": _percentile(steady, 0.99), "max": max(steady),
+    return {"median": median, "mean": statistics.fmean(steady), "p99": _percentile(steady, 0.99), "max": max(steady),
             "max_over_median": max(steady) / median, "warmup_max": max(values[:warmup] or [0.0]),
             "slowest_steps": sorted(((v, i + 1) for i, v in enumerate(values) if i >= warmup), reverse=True)[:5]}
 
@@ -89,8 +96,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         runs[label] = load_run(out / label)
     reference = runs.get("adamw")
-    ref_median = _profile([r["step_time"] for r in reference.records], run_warmup(reference))["median"] \
-        if reference else None
+    ref_profile = _profile([r["step_time"] for r in reference.records], run_warmup(reference)) if reference else None
+    ref_loss = reference.summary["final_loss"] if reference else None
     rows = {}
     for label, run in runs.items():
         s, records = run.summary, run.records
@@ -121,10 +128,20 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "wait_seconds": stats.get("wait_seconds"),
             "install_delay_mean_steps": stats.get("install_delay_mean_steps"),
             "install_delay_max_steps": stats.get("install_delay_max_steps"),
+            "mean_step_seconds": wall["mean"],
+            # what the wall clock pays for the whole run, start-up included
+            "mean_step_all_seconds": statistics.fmean(r["step_time"] for r in records),
+            "refreshes_superseded": stats.get("refreshes_superseded"),
+            "refreshes_deferred": stats.get("refreshes_deferred"),
+            "sets_on_device": stats.get("sets_on_device"),
+            "device_busy_fraction": stats.get("device_busy_fraction"),
         }
         if reference is not None:
             ref = reference.summary
-            row["median_step_vs_adamw"] = wall["median"] / ref_median
+            row["median_step_vs_adamw"] = wall["median"] / ref_profile["median"]
+            row["mean_step_vs_adamw"] = wall["mean"] / ref_profile["mean"]
+            reached = run.reach(ref_loss) if ref_loss is not None and math.isfinite(ref_loss) else None
+            row["wall_to_adamw_loss_seconds"] = reached["wall"] if reached else None
             if s["energy_joules_per_step"] and ref["energy_joules_per_step"]:
                 row["energy_vs_adamw"] = s["energy_joules_per_step"] / ref["energy_joules_per_step"]
         rows[label] = row
@@ -173,27 +190,33 @@ def _plot_energy(runs: dict[str, Run], path: Path) -> None:
 def format_table(results: dict[str, Any]) -> str:
     meters = sorted({r["energy_device"] for r in results["runs"].values() if r.get("energy_device")})
     lines = [f"device: {results['device']}" + (f"; energy read from NVML GPU {', '.join(meters)}" if meters else ""),
-             f"{'config':<18} {'loss':>7} {'val':>7} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'max/med':>8} "
-             f"{'gpu med':>8} {'vs adamw':>9} {'J/step':>8} {'J vs adamw':>10} {'peak GB':>8} {'stale':>5} "
-             f"{'waits':>6} {'delay':>6}"]
+             f"{'config':<18} {'loss':>7} {'val':>7} {'mean ms':>8} {'median':>8} {'max ms':>8} {'max/med':>8} "
+             f"{'gpu med':>8} {'mean/adamw':>10} {'J/step':>8} {'J/adamw':>8} {'peak GB':>8} {'waits':>6} "
+             f"{'dropped':>7} {'delay':>6} {'to adamw s':>10}"]
     for label, r in results["runs"].items():
         energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "n/a"
         peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "n/a"
         gpu = f"{1e3 * r['gpu_median_step_seconds']:.1f}" if r["gpu_median_step_seconds"] else "n/a"
-        vs = f"{r['median_step_vs_adamw']:.2f}x" if "median_step_vs_adamw" in r else "n/a"
+        vs = f"{r['mean_step_vs_adamw']:.2f}x" if r.get("mean_step_vs_adamw") else "n/a"
         energy_vs = f"{r['energy_vs_adamw']:.3f}x" if "energy_vs_adamw" in r else "n/a"
         val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "n/a"
         delay = r.get("install_delay_mean_steps")  # absent from results written before it was measured
         delay = "-" if delay is None else f"{delay:.2f}"
-        lines.append(f"{label:<18} {r['final_loss']:>7.4f} {val:>7} {1e3 * r['median_step_seconds']:>10.1f} "
-                     f"{1e3 * r['p99_step_seconds']:>8.1f} {1e3 * r['max_step_seconds']:>8.1f} "
-                     f"{r['max_over_median']:>8.2f} {gpu:>8} {vs:>9} {energy:>8} {energy_vs:>10} {peak:>8} "
-                     f"{r['max_staleness_seen'] if r['max_staleness_seen'] is not None else '-':>5} "
-                     f"{r['waits'] if r['waits'] is not None else '-':>6} {delay:>6}")
-    lines.append("delay: the mean number of steps by which a version's first use comes after native mode's "
-                 "(the versions after the sync refreshes; 0 for native mode itself)")
-    lines.append("steady steps: after the first (sync_refreshes + 1) x f of each config (allocation, compilation, "
-                 "the sync refreshes); slowest steady steps (step: ms):")
+        dropped = [r.get("refreshes_superseded"), r.get("refreshes_deferred")]
+        dropped = "-" if all(d is None for d in dropped) else str(sum(d or 0 for d in dropped))
+        mean = r.get("mean_step_seconds")
+        mean = "n/a" if mean is None else f"{1e3 * mean:.1f}"
+        reached = r.get("wall_to_adamw_loss_seconds")
+        reached = "-" if reached is None else f"{reached:.1f}"
+        lines.append(f"{label:<18} {r['final_loss']:>7.4f} {val:>7} {mean:>8} {1e3 * r['median_step_seconds']:>8.1f} "
+                     f"{1e3 * r['max_step_seconds']:>8.1f} {r['max_over_median']:>8.2f} {gpu:>8} {vs:>10} "
+                     f"{energy:>8} {energy_vs:>8} {peak:>8} {r['waits'] if r['waits'] is not None else '-':>6} "
+                     f"{dropped:>7} {delay:>6} {reached:>10}")
+    lines.append("mean, median, max: the steady steps (after the first (sync_refreshes + 1) x f); dropped: refreshes "
+                 "superseded or deferred; delay: the mean number of steps by which a version's first use comes after "
+                 "native mode's (0 for native mode itself); to adamw s: training wall clock to AdamW's final loss "
+                 "(10-step mean)")
+    lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
         lines.append(f"  {label:<18} warm-up {r['warmup_steps']} steps, max {1e3 * r['warmup_max_step_seconds']:.0f} ms"

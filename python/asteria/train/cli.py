@@ -20,20 +20,23 @@ from typing import Any
 import torch
 
 from asteria.train import checkpoint
-from asteria.train.bench import CONFIGS, format_table, run_bench
+from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
 from asteria.train.loop import ASYNC_ONLY_SETTINGS, STOP_REQUESTED, RunConfig, train
+from asteria.train.peers import PEERS
 from asteria.train.report import write_report
 from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
 from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
-                  "warmup_steps": int, "lag_steps": int}
-OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation"}  # None (the library's choice), True or False
+                  "warmup_steps": int, "lag_steps": int, "peer_path": str}
+# None (the library's choice), True or False
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic"}
 HELP = {
-    "deterministic": "activate each refresh exactly S intervals after its snapshot (reproducible; required on "
-                     "several ranks); --no-deterministic uses each block's newest finished refresh, within S",
+    "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
+                     "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
+                     "each block's newest finished refresh",
     "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "
-                 "the frequency; default: S intervals), waiting for it if need be: reproducible with a short lag",
+                 "the frequency; default: one interval), waiting for it if need be",
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
                       "step, waited for if need be; later ones follow the staleness rule",
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
@@ -57,6 +60,8 @@ HELP = {
     "checkpoint_every": "write a checkpoint every N steps into OUT/checkpoints (0: never)",
     "keep_checkpoints": "newest checkpoints kept (0: all)",
     "device": "cpu or cuda (default: cuda when available)",
+    "peer_path": "for the ds-* optimizers (Meta's Distributed Shampoo, a peer in the bench): the folder of a checkout "
+                 "of github.com/facebookresearch/optimizers, which holds distributed_shampoo/",
     "lr": "peak learning rate (default: the optimizer's own)",
     "lr_schedule": "after the warm-up: 'cosine' (decay to 10%% of the peak at the last step) or 'constant'",
     "warmup_steps": "linear learning-rate warm-up steps (default: 10%% of the steps, at most 200)",
@@ -127,18 +132,23 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
         raise ValueError(f"Invalid --parallel {cfg.parallel} on one process: it sets how torchrun's processes "
                          "share the model; run under torchrun with 2 or more processes, or leave it out")
     adamw = cfg.optimizer == "adamw"
-    if cfg.mode == "async" and not adamw:
+    peer = cfg.optimizer in PEERS
+    if "peer_path" in given and not cfg.optimizer.startswith("ds-"):
+        raise ValueError(f"Invalid --peer-path {cfg.peer_path} with --optimizer {cfg.optimizer}: it names the checkout "
+                         "of Meta's Distributed Shampoo that the ds-* optimizers import; leave it out")
+    if cfg.mode == "async" and not adamw and not peer:
         return
-    what = "--optimizer adamw" if adamw else "--mode sync"
+    what = "--optimizer adamw" if adamw else f"--optimizer {cfg.optimizer}" if peer else "--mode sync"
     unread = SECOND_ORDER_ONLY if adamw else ASYNC_ONLY
-    if not adamw and cfg.stagger is not True:
+    if not adamw and (peer or cfg.stagger is not True):
         unread += ("sync_refreshes",)
     for name in unread:
         if name in given:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"Invalid {flag} {getattr(cfg, name)} with {what}: "
                              + ("AdamW has no preconditioners" if adamw else
-                                "native mode computes every refresh inside its step and uses it there")
+                                f"{'it' if peer else 'native mode'} computes every refresh inside its step and uses "
+                                "it there")
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
 
@@ -147,8 +157,8 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
 
     for flag, asked, unused in (
             ("--late-activation", cfg.late_activation is True, what),
-            ("--no-deterministic", not cfg.deterministic, what),
-            (switch("stagger"), adamw and "stagger" in given, what),
+            (switch("deterministic"), cfg.deterministic is not None, what),
+            (switch("stagger"), (adamw or peer) and "stagger" in given, what),
             (switch("stagger_split"), "stagger_split" in given and (adamw or cfg.stagger is not True),
              what if adamw else f"{what} without --stagger")):
         if asked:
@@ -157,7 +167,8 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
     if cfg.placement not in ("auto", "device"):
         raise ValueError(f"Invalid --placement {cfg.placement} with {what}: "
                          + ("AdamW has no preconditioners" if adamw else
-                            "native mode keeps its preconditioners on the device") + "; use auto or device")
+                            f"{'it' if peer else 'native mode'} keeps its preconditioners on the device")
+                         + "; use auto or device")
 
 
 def out_dir(text: str) -> Path:
@@ -223,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p.add_argument("--out", type=out_dir, required=True)
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                          help=f"subset of {CONFIGS}; a second-order config followed by -f<N> runs at "
-                              "precondition_frequency N instead of --precondition-frequency (e.g. soap-async-f5)")
+                              "precondition_frequency N instead of --precondition-frequency (e.g. soap-async-f5); "
+                              f"peers beside them: {PEER_CONFIGS} (ds-*: Meta's Distributed Shampoo from --peer-path; "
+                              "hb-*: heavyball, where installed)")
     bench_p.add_argument("--seeds", type=int, nargs="+", default=None,
                          help="repeat the comparison for each of these seeds (in place of --seed) into OUT/seed<S>, "
                               "and write OUT/seeds.md: every config's loss over the seeds and Asteria's loss "

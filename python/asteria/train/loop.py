@@ -32,11 +32,14 @@ from asteria.train.distributed import (PARALLEL_MODES, SHARDED_MODES, Distribute
                                       local_optimizer_state_to_dtensors, resolve_layout)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
+from asteria.train.peers import PEERS, make_peer
 from asteria.train.profiling import StepProfiler, check_profile_steps
 from asteria.train.provenance import software
 
-OPTIMIZERS = ("adamw", "shampoo", "soap", "kl-shampoo")
-DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3}
+ASTERIA_OPTIMIZERS = ("shampoo", "soap", "kl-shampoo")
+OPTIMIZERS = ("adamw", *ASTERIA_OPTIMIZERS, *PEERS)
+DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3} | {
+    peer: 3e-3 for peer in PEERS}  # each peer the learning rate of the Asteria optimizer it stands beside
 # torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
@@ -97,11 +100,12 @@ class RunConfig:
     parallel: str = "ddp"
     local_world_size: int | None = None
     matmul_precision: str = "highest"
-    deterministic: bool = True
+    deterministic: bool | None = None
     lag_steps: int | None = None
     deterministic_kernels: bool = False
     prefetch: str = "forward_end"
     late_activation: bool | None = None
+    peer_path: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -111,6 +115,8 @@ class RunConfig:
         check(self.model in PRESETS, "model", f"must be one of {tuple(PRESETS)}")
         check(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}")
         check(self.mode in ("sync", "async"), "mode", "must be 'sync' or 'async'")
+        check(self.optimizer not in PEERS or self.checkpoint_every == 0, "checkpoint_every",
+              f"the peer {self.optimizer} is not checkpointed by this CLI: use 0")
         check(self.placement in asteria.config.PLACEMENTS, "placement", f"must be one of {asteria.config.PLACEMENTS}")
         for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "max_preconditioner_dim", "eval_every",
                      "eval_batches"):
@@ -150,7 +156,8 @@ class RunConfig:
             value = getattr(self, name)
             check(value is None or (isinstance(value, str) and value.strip() != ""), name,
                   "must be a file or folder path (or None: the default)")
-        check(isinstance(self.deterministic, bool), "deterministic", "must be True or False")
+        check(self.deterministic is None or isinstance(self.deterministic, bool), "deterministic",
+              "must be None (the library's choice), True or False")
         check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
               "must be an int >= 0")
@@ -159,7 +166,7 @@ class RunConfig:
                                   lag_steps=self.lag_steps).activation_lag(self.precondition_frequency)
         check(self.prefetch in PREFETCH_POINTS, "prefetch", f"must be one of {PREFETCH_POINTS}")
         check((self.late_activation is None or isinstance(self.late_activation, bool))
-              and not (self.late_activation and self.deterministic), "late_activation",
+              and not (self.late_activation and self.deterministic is not False), "late_activation",
               "must be None (on where allowed), True or False, and True only with deterministic=False "
               "(--no-deterministic: the deterministic rule fixes each step's versions in advance)")
         check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
@@ -167,7 +174,7 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        return "adamw" if self.optimizer == "adamw" else f"{self.optimizer}-{self.mode}"
+        return self.optimizer if self.optimizer not in ASTERIA_OPTIMIZERS else f"{self.optimizer}-{self.mode}"
 
     @property
     def learning_rate(self) -> float:
@@ -211,6 +218,9 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                  fused=True if cfg.device == "cuda" else None)
+    if cfg.optimizer in PEERS:
+        return make_peer(cfg.optimizer, model.parameters(), cfg.learning_rate, cfg.weight_decay,
+                         cfg.precondition_frequency, cfg.max_preconditioner_dim, cfg.peer_path)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
                                     lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
@@ -230,7 +240,7 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
     ``RunConfig`` as a dict) as ``make_optimizer`` and the runtime resolve them: ``stagger_split`` where the
     schedule is staggered (async mode, or native with ``--stagger``); None there means on one process."""
     split, stagger = config.get("stagger_split"), config.get("stagger")
-    if config.get("optimizer") == "adamw" or not (config.get("mode") == "async" or stagger is True):
+    if config.get("optimizer") not in ASTERIA_OPTIMIZERS or not (config.get("mode") == "async" or stagger is True):
         return False
     # Here the schedule is staggered unless --no-stagger (async mode's default).
     return split if split is not None else processes == 1 and stagger is not False
@@ -251,7 +261,7 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
-    unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer == "adamw" else ()) + (
+    unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
         SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
     if cfg.mode == "sync" and saved["stagger"] is not True and this["stagger"] is not True:
         unused += ("sync_refreshes",)  # it only aligns a staggered schedule (`train` refuses it here otherwise)

@@ -184,6 +184,8 @@ def _math_settings(config: dict[str, Any], labels: list[str]) -> dict[str, Any]:
     checkpoint)."""
     before = {f.name: f.default for f in fields(RunConfig)} | LEGACY_SETTINGS
     config = {k: v for k, v in before.items() if k not in config} | config
+    if config.get("deterministic") is None:  # the library's default for a bench run (one process)
+        config["deterministic"] = False
     if config.get("late_activation") is None:  # the default: on exactly where allowed (the newest-finished rule)
         config["late_activation"] = not config.get("deterministic", True)
     if config.get("stagger_split") is None:  # the default: on where the schedule is staggered (bench: one process)

@@ -167,8 +167,8 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
     over = "" if seeds is None else f", each S over seeds {', '.join(map(str, seeds))} (means)"
     lines = [f"# Staleness sweep: {base.label}, model {base.model}, {base.steps} steps, "
              f"f={base.precondition_frequency}{over}", "",
-             "Activation: " + ("deterministic, each version exactly S intervals after its snapshot (the bound is "
-                               "also the lag)" if base.deterministic else
+             "Activation: " + ("deterministic, each version exactly lag_steps after its snapshot" if base.deterministic
+                               else
                                "each block's newest finished version, at most S intervals behind"), "",
              "| S | final loss | val loss | median step (ms) | waits | max staleness seen |"
              + ("" if seeds is None else

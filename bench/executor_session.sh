@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call of the refresh executor's measurements (the device tool gives short leases). Stages, chosen by
+# $STAGES (default: build cuda small):
+#   build   the package;
+#   cuda    the CUDA tests of the executor and of the paths it touches (stops the call when one fails);
+#   small   asteria bench on olmo-160m at 8 x 1024 tokens a step: AdamW, native Shampoo, Asteria's three at their
+#           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
+#   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
+#   1b      olmo2-1b at 16 x 1024 ($ONEB_CONFIGS, $ONEB_STEPS);
+#   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop.
+# Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/executor-session}
+STAGES=${STAGES:-"build cuda small"}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+quiet() { tr '\r' '\n' | grep -av "it/s\|s/it\|USDT"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
+if has build; then
+  python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
+fi
+if has cuda; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda.txt"
+  grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt" || { echo "CUDA tests failed"; exit 1; }
+fi
+CLI="python3 -m asteria.train.cli"
+COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
+bench() {  # name, model, batch, steps, configs
+  local name=$1 model=$2 batch=$3 steps=$4; shift 4
+  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON --configs "$@" \
+    --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
+  tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
+}
+has small && bench small olmo-160m 8 "${SMALL_STEPS:-200}" \
+  ${SMALL_CONFIGS:-adamw shampoo-async soap-async kl-shampoo-async shampoo-sync ds-shampoo}
+has large && bench large olmo-160m 32 "${LARGE_STEPS:-150}" \
+  ${LARGE_CONFIGS:-adamw shampoo-async soap-async kl-shampoo-async ds-shampoo}
+has 1b && bench 1b olmo2-1b 16 "${ONEB_STEPS:-80}" ${ONEB_CONFIGS:-adamw soap-async shampoo-async kl-shampoo-async}
+has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
+  | tail -12 | tee "$OUT/math.txt"
+exit 0

@@ -1,0 +1,90 @@
+// The refresh engine's eigenbasis chain (SOAP, KL-Shampoo): each job of a block warm-starts from the
+// newest good basis before it, and an activation that passes over good versions composes their column
+// orders, so that state kept in eigen-coordinates follows in one permutation.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "asteria/common/errors.h"
+#include "asteria/linalg/eigenbasis.h"
+#include "asteria/runtime/refresh_engine.h"
+#include "asteria/runtime/refresh_engine_impl.h"
+
+namespace asteria::runtime {
+
+using detail::block_name;
+
+void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float* basis) {
+  Block& b = block(id);
+  const std::string where = "[RefreshEngine::set_basis] " + block_name(id) + ": ";
+  if (b.kind != RefreshKind::kEigenbasis) throw InvalidArgument(where + "not an eigenbasis block");
+  if (basis == nullptr) throw InvalidArgument(where + "Invalid null basis");
+  const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+  if (!std::all_of(basis, basis + nn, [](float x) { return std::isfinite(x); })) {
+    throw InvalidArgument(where + "the basis of version " + std::to_string(version) + " is not finite");
+  }
+  std::lock_guard lock(mutex_);
+  if (version < 1 || version < b.last_version || (b.last_job && !b.last_job->finished())) {
+    throw InvalidArgument(where + "Invalid version=" + std::to_string(version) +
+                          ": must be >= 1 and >= the newest submitted version " + std::to_string(b.last_version) +
+                          ", with no eigenbasis job of the block in flight");
+  }
+  b.last_version = version;
+  b.activated = version;
+  b.chain_needs_basis = false;
+  std::lock_guard chain(b.chain_mutex);
+  b.good_basis.assign(basis, basis + nn);
+  b.good_version = version;
+}
+
+RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64_t id, std::int64_t version,
+                                                            const float* input, float* output,
+                                                            const linalg::RootSpec& spec, double skip_tol,
+                                                            bool poison) {
+  const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+  float* q = output;
+  float* estimates = output + nn;
+  float* perm = estimates + b.n;
+  JobOutcome outcome;
+  std::lock_guard chain(b.chain_mutex);
+  // No basis yet, or the identity of a zero factor (a block whose parameter had no gradient yet): the
+  // full eigendecomposition, as at a block's first refresh.
+  if (b.good_version == 0 || linalg::is_identity(b.n, b.good_basis.data())) {
+    outcome.used_float64 = linalg::eigenbasis(b.n, input, q, estimates, spec.scale).used_float64;
+    std::iota(perm, perm + b.n, 0.0f);
+  } else {
+    const linalg::BasisReport report =
+        linalg::qr_refresh(b.n, input, b.good_basis.data(), q, estimates, perm, spec.scale, skip_tol);
+    outcome.used_float64 = report.used_float64;
+    outcome.skipped = report.skipped;
+  }
+  if (poison) q[0] = std::numeric_limits<float>::quiet_NaN();
+  // The basis and its estimates; a rejected result never becomes the chain's good basis.
+  gate_result(id, version, output, nn + static_cast<std::size_t>(b.n));
+  b.good_basis.assign(q, q + nn);
+  b.good_version = version;
+  return outcome;
+}
+
+float* RefreshEngine::order_row(Block& b, std::int64_t version) {
+  const std::int64_t buffer = version % b.depth;
+  return b.result_base + buffer * b.result_stride + static_cast<std::int64_t>(b.n) * (b.n + 1);
+}
+
+void RefreshEngine::compose_order(Block& b, std::int64_t version) {
+  // Version v's order is relative to the newest good basis before it. When activation passes over
+  // good versions (the newest finished one under the non-deterministic rule, or several versions due
+  // at once), the caller's state is still in the order of the version it has: compose the skipped
+  // versions' orders, newest last, so that the row says where each column comes from in that one.
+  // Skipped versions stay published until release() retires them, and only this thread retires.
+  if (b.activated == 0) return;
+  float* composed = order_row(b, version);
+  for (std::int64_t u = version - 1; u > b.activated; --u) {
+    if (b.results.state(u) != store::SlotState::kPublished) continue;  // failed: not in the chain
+    const float* order = order_row(b, u);
+    for (int j = 0; j < b.n; ++j) composed[j] = order[static_cast<int>(composed[j])];
+  }
+}
+
+}  // namespace asteria::runtime

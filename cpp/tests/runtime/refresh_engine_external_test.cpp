@@ -1,0 +1,188 @@
+// The refresh engine's packed snapshots and its versions computed outside it (note_external): the same
+// activation rule, staleness bound and failure count across both kinds of version.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "asteria/common/errors.h"
+#include "asteria/runtime/refresh_engine.h"
+
+namespace asteria::runtime {
+namespace {
+
+using namespace std::chrono_literals;
+
+EngineConfig config(bool deterministic, int staleness = 2) {
+  EngineConfig c;
+  c.workers = 2;
+  c.registry.staleness = staleness;
+  c.registry.deterministic = deterministic;
+  c.slot_timeout = 5s;
+  return c;
+}
+
+// A random symmetric positive definite n x n matrix (row-major).
+std::vector<float> random_spd(int n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> g(static_cast<std::size_t>(n * n)), a(g.size(), 0.0f);
+  for (float& x : g) x = normal(gen);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      for (int k = 0; k < n; ++k) a[i * n + j] += g[i * n + k] * g[j * n + k];
+    }
+    a[i * n + i] += 0.1f;
+  }
+  return a;
+}
+
+std::vector<float> lower_triangle(const std::vector<float>& a, int n) {
+  std::vector<float> packed;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j <= i; ++j) packed.push_back(a[i * n + j]);
+  }
+  return packed;
+}
+
+struct Memory {
+  Memory(int depth, int n, bool packed, RefreshKind kind)
+      : snapshot_elements(runtime::snapshot_elements(n, packed)),
+        result_elements(static_cast<std::int64_t>(kind == RefreshKind::kEigenbasis ? n + 2 : n) * n),
+        snapshots(static_cast<std::size_t>(depth * snapshot_elements)),
+        results(static_cast<std::size_t>(depth * result_elements)),
+        block{n, depth, snapshots.data(), snapshot_elements, results.data(), result_elements, kind, packed} {}
+  float* snapshot(std::int64_t version) { return snapshots.data() + (version % block.depth) * snapshot_elements; }
+  const float* result(std::int64_t version) const {
+    return results.data() + (version % block.depth) * result_elements;
+  }
+  std::int64_t snapshot_elements;
+  std::int64_t result_elements;
+  std::vector<float> snapshots;
+  std::vector<float> results;
+  BlockMemory block;
+};
+
+TEST(PackedSnapshots, GiveTheSameResultsAsFullOnes) {
+  constexpr int kN = 7;
+  for (const RefreshKind kind : {RefreshKind::kInverseRoot, RefreshKind::kEigenbasis}) {
+    RefreshEngine engine(config(/*deterministic=*/true));
+    Memory full(2, kN, /*packed=*/false, kind), packed(2, kN, /*packed=*/true, kind);
+    const auto a = engine.add_block(full.block), b = engine.add_block(packed.block);
+    for (std::int64_t version = 1; version <= 2; ++version) {  // the second is an eigenbasis chain's QR refresh
+      const std::vector<float> factor = random_spd(kN, static_cast<unsigned>(version));
+      engine.begin_snapshot({a, b}, version, 1s);
+      std::copy(factor.begin(), factor.end(), full.snapshot(version));
+      const std::vector<float> lower = lower_triangle(factor, kN);
+      std::copy(lower.begin(), lower.end(), packed.snapshot(version));
+      engine.submit({a, b}, version, version, linalg::RootSpec{-0.25, 1e-6, 1.0});
+      engine.drain(5s);
+      ASSERT_EQ(engine.activate(version, 1s).size(), 2u);
+      for (std::int64_t i = 0; i < full.result_elements; ++i) {
+        ASSERT_EQ(full.result(version)[i], packed.result(version)[i]) << "element " << i << " of version " << version;
+      }
+      engine.release(a, version);
+      engine.release(b, version);
+    }
+  }
+}
+
+TEST(PackedSnapshots, AreHalfTheMemory) {
+  EXPECT_EQ(snapshot_elements(4, /*packed=*/true), 10);
+  EXPECT_EQ(snapshot_elements(4, /*packed=*/false), 16);
+}
+
+TEST(ExternalVersions, ActivateBesideTheWorkersOwn) {
+  for (const bool deterministic : {true, false}) {
+    RefreshEngine engine(config(deterministic));
+    Memory memory(1, 4, /*packed=*/true, RefreshKind::kInverseRoot);
+    const auto block = engine.add_block(memory.block);
+    engine.note_external({block}, 1, /*activation_step=*/1);
+    EXPECT_THROW(engine.activate(1, 10ms), TimeoutError);  // due (or, newest-finished: the first) and not done
+    engine.finish_external({block}, 1, {true}, "");
+    auto changes = engine.activate(1, 1s);
+    ASSERT_EQ(changes.size(), 1u);
+    EXPECT_EQ(changes[0].version, 1);
+    engine.release(block, 1);  // not pinned: release only retires it
+    // The next version on the workers, in the one buffer the ring has.
+    engine.begin_snapshot({block}, 2, 1s);
+    const std::vector<float> lower = lower_triangle(random_spd(4, 3), 4);
+    std::copy(lower.begin(), lower.end(), memory.snapshot(2));
+    engine.submit({block}, 2, 11, linalg::RootSpec{-0.25, 1e-6, 1.0});
+    engine.drain(5s);
+    changes = engine.activate(11, 1s);
+    ASSERT_EQ(changes.size(), 1u);
+    EXPECT_EQ(changes[0].version, 2);
+    engine.release(block, 2);
+    const EngineStats stats = engine.stats();
+    EXPECT_EQ(stats.refreshes_ok, 2u);
+    EXPECT_EQ(stats.external_versions, 1u);
+    ASSERT_EQ(stats.by_dim.count(4), 1u);
+    EXPECT_EQ(stats.by_dim.at(4).jobs, 1u);  // the workers' job only
+    EXPECT_GT(stats.by_dim.at(4).seconds, 0.0);
+  }
+}
+
+TEST(ExternalVersions, AFailureKeepsThePreviousVersionAndCounts) {
+  EngineConfig c = config(/*deterministic=*/true);
+  c.registry.max_consecutive_failures = 2;
+  RefreshEngine engine(c);
+  Memory memory(1, 4, /*packed=*/true, RefreshKind::kInverseRoot);
+  const auto block = engine.add_block(memory.block);
+  engine.note_external({block}, 1, 1);
+  engine.finish_external({block}, 1, {true}, "");
+  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
+  engine.release(block, 1);
+  engine.note_external({block}, 2, 2);
+  engine.finish_external({block}, 2, {false}, "non-finite result on the device");
+  EXPECT_TRUE(engine.activate(2, 1s).empty());  // version 1 stays
+  EXPECT_EQ(engine.status(block).active_version, 1);
+  EXPECT_EQ(engine.status(block).last_error, "non-finite result on the device");
+  engine.note_external({block}, 3, 3);
+  engine.finish_external({block}, 3, {false}, "non-finite result on the device");
+  EXPECT_THROW(engine.activate(3, 1s), BlockFailure);
+  EXPECT_EQ(engine.stats().refreshes_failed, 2u);
+}
+
+TEST(ExternalVersions, AreRefusedOutOfOrderOrUnknown) {
+  RefreshEngine engine(config(/*deterministic=*/true));
+  Memory memory(1, 4, /*packed=*/false, RefreshKind::kInverseRoot);
+  const auto block = engine.add_block(memory.block);
+  engine.note_external({block}, 2, 2);
+  EXPECT_THROW(engine.note_external({block}, 2, 3), InvalidArgument);
+  EXPECT_THROW(engine.note_external({block + 1}, 3, 3), InvalidArgument);
+  EXPECT_THROW(engine.finish_external({block}, 1, {true}, ""), InvalidArgument);   // never noted
+  EXPECT_THROW(engine.finish_external({block}, 2, {true, true}, ""), InvalidArgument);  // one flag per block
+  EXPECT_THROW(engine.note_external({block}, 3, -1), InvalidArgument);
+}
+
+TEST(ExternalVersions, AnEigenbasisChainNeedsItsBasisBeforeTheWorkersGoOn) {
+  constexpr int kN = 4;
+  RefreshEngine engine(config(/*deterministic=*/true));
+  Memory memory(1, kN, /*packed=*/true, RefreshKind::kEigenbasis);
+  const auto block = engine.add_block(memory.block);
+  engine.note_external({block}, 1, 1);
+  engine.finish_external({block}, 1, {true}, "");
+  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
+  engine.release(block, 1);
+  engine.begin_snapshot({block}, 2, 1s);
+  const std::vector<float> lower = lower_triangle(random_spd(kN, 5), kN);
+  std::copy(lower.begin(), lower.end(), memory.snapshot(2));
+  EXPECT_THROW(engine.submit({block}, 2, 2, linalg::RootSpec{}), InvalidArgument);
+  std::vector<float> identity(kN * kN, 0.0f);
+  for (int i = 0; i < kN; ++i) identity[i * kN + i] = 1.0f;
+  identity[0] = 0.0f;  // not exactly the identity: a real basis to warm-start from
+  identity[1] = 1.0f;
+  identity[kN] = 1.0f;
+  identity[kN + 1] = 0.0f;
+  engine.set_basis(block, 1, identity.data());
+  engine.submit({block}, 2, 2, linalg::RootSpec{});
+  engine.drain(5s);
+  ASSERT_EQ(engine.activate(2, 1s).size(), 1u);
+  engine.release(block, 2);
+}
+
+}  // namespace
+}  // namespace asteria::runtime

@@ -1,0 +1,110 @@
+"""Which factor sets the device lane refreshes and which the C++ workers do, from what each side has been
+measured to take.
+
+Per interval of ``interval`` steps (T seconds of training, measured), the workers can give
+``workers * T * WORKER_UTILIZATION`` CPU-seconds and the device lane ``T * device_share`` seconds. A set
+costs its blocks' refresh time on each side: the workers' mean seconds per block of its size (the engine
+times every job; before any, a prior from one timed root of a small block, scaled by n^3), and the lane's
+(it times every set; the start-up refreshes run there, so every size has a figure before the first plan).
+The plan puts every set on the workers; while they cannot finish them within the interval, it moves to the
+lane the sets where the lane is most ahead of the workers, one at a time, each where that lowers the busier
+side's share of its capacity; the large blocks go to the device first, where an eigendecomposition gains most.
+Work the workers can do stays with them: the device's time is the training's. It is made again every
+interval, so it follows the measured step time and throughputs; a set changes sides only between two of its
+versions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from asteria.pipeline.factors import FactorSet
+
+#: the share of the workers' time the plan fills: their queue needs slack for the stagger's uneven steps
+WORKER_UTILIZATION = 0.85
+#: how far a new step time moves the measured mean (an exponential moving average)
+STEP_TIME_WEIGHT = 0.1
+
+
+class LaneBalancer:
+    """Plans the sides of the factor sets (see the module docstring).
+
+    Thread safety: the training thread's only."""
+
+    def __init__(self, sets: list[FactorSet], interval: int, workers: int, device_share: float,
+                 cpu_prior: dict[int, float]) -> None:
+        self.sets = sets
+        self.interval = interval
+        self.workers = workers
+        self.device_share = device_share
+        self.cpu_prior = cpu_prior  # n -> per-core seconds of one block before any measurement
+        self.cpu_seconds: dict[int, float] = {}  # n -> measured per-core seconds of one block
+        self.device_seconds: dict[int, float] = {}  # n -> measured device seconds of one block
+        self.step_seconds: float | None = None
+        self._last_step: tuple[int, float] | None = None
+        self.plan: list[bool] = [False] * len(sets)  # per set: on the device lane
+        self.plans = 0
+        self.load = (0.0, 0.0)  # the last plan's share of each side's capacity (workers, device)
+
+    def observe_step(self, step: int) -> None:
+        """Notes that ``step`` is being activated now (the wall clock between steps is the step time)."""
+        now = time.monotonic()
+        if self._last_step is not None and step == self._last_step[0] + 1:
+            seconds = now - self._last_step[1]
+            self.step_seconds = seconds if self.step_seconds is None else (
+                (1 - STEP_TIME_WEIGHT) * self.step_seconds + STEP_TIME_WEIGHT * seconds)
+        if self._last_step is None or step > self._last_step[0]:
+            self._last_step = (step, now)
+
+    def observe_costs(self, cpu: dict[int, tuple[float, int]], device: dict[int, tuple[float, int]]) -> None:
+        """The sides' cumulative (seconds, blocks) per block size, as the engine and the lane report them."""
+        for measured, into in ((cpu, self.cpu_seconds), (device, self.device_seconds)):
+            for n, (seconds, blocks) in measured.items():
+                if blocks:
+                    into[n] = seconds / blocks
+
+    def cpu_cost(self, n: int) -> float:
+        if n in self.cpu_seconds:
+            return self.cpu_seconds[n]
+        if self.cpu_seconds:  # scale the nearest measured size by n^3
+            m = min(self.cpu_seconds, key=lambda k: abs(k - n))
+            return self.cpu_seconds[m] * (n / m) ** 3
+        return self.cpu_prior[n]
+
+    def device_cost(self, n: int) -> float | None:
+        return self.device_seconds.get(n)
+
+    def replan(self) -> list[bool]:
+        """Plans the sides now from the latest measurements; returns (and keeps) the plan. Without a measured
+        step time or a device figure for every size, every set stays on the workers."""
+        self.plans += 1
+        plan = [False] * len(self.sets)
+        costs = [(self.cpu_cost(s.dim) * s.batch, self.device_cost(s.dim)) for s in self.sets]
+        if self.step_seconds is None or any(device is None for _, device in costs):
+            self.plan = plan
+            return plan
+        seconds = self.step_seconds * self.interval
+        cpu_capacity = self.workers * seconds * WORKER_UTILIZATION
+        device_capacity = seconds * self.device_share
+        if device_capacity <= 0:
+            self.plan = plan
+            return plan
+        cpu_load = sum(cpu for cpu, _ in costs)
+        device_load = 0.0
+        # The device's advantage over the workers, largest first (ties: the larger sets first).
+        order = sorted(range(len(self.sets)), key=lambda i: (-costs[i][0] / (costs[i][1] * self.sets[i].batch),
+                                                            -costs[i][0]))
+        for i in order:
+            if cpu_load <= cpu_capacity:  # the workers keep up: the device's time stays the training's
+                break
+            cpu, device = costs[i][0], costs[i][1] * self.sets[i].batch
+            now = max(cpu_load / cpu_capacity, device_load / device_capacity)
+            after = max((cpu_load - cpu) / cpu_capacity, (device_load + device) / device_capacity)
+            if after >= now:
+                continue
+            plan[i] = True
+            cpu_load -= cpu
+            device_load += device
+        self.plan = plan
+        self.load = (cpu_load / cpu_capacity, device_load / device_capacity)
+        return plan

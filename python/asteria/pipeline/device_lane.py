@@ -1,0 +1,178 @@
+"""The device lane: refreshes of whole factor sets computed with torch on the parameters' device, beside
+the C++ workers, when the workers alone cannot finish an interval's refreshes within the interval.
+
+Life of version k of a set on the lane:
+1. Its refresh step (training thread): the engine notes k as an external version (``note_external``), so
+   that the one coherence registry decides when k comes into use, bounds its staleness and counts its
+   failures as it does for the workers' versions. The factors are copied on the refresher's side stream
+   into a device snapshot (the main stream waits for that copy only, before it updates the factors).
+2. The lane's thread takes the job, makes its own low-priority stream wait for the snapshot, computes the
+   refresh there with the native mode's math (``refresh_math.refresh_set``), waits for it, and reports the
+   blocks' outcome to the registry (``finish_external``). An eigenbasis warm-starts from the bases in use:
+   a set has one version in flight at a time, so those are the previous version's.
+3. An activation that picks k installs it from the lane's result on the side stream, releases it in the
+   engine, and drops the lane's tensors (their memory stays the side stream's until the copy is done).
+
+The versions used at their own step (the start-up refreshes) run inline instead: on the training
+thread's stream, where they are fastest, since the step waits for them anyway.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.refresh_math import Refreshed, refresh_set
+
+
+@dataclass
+class LaneJob:
+    index: int
+    version: int
+    request: RootRequest
+    snapshot: Tensor
+    ready: torch.cuda.Event | None  # the snapshot copy's event (None on the CPU)
+
+
+class DeviceLane:
+    """Refreshes factor sets on their device off the training thread (see the module docstring).
+
+    Thread safety: ``start``, ``take``, ``release``, ``stats`` and ``close`` are called by the training thread;
+    the lane's own thread only computes and reports to the engine, which is safe to call concurrently."""
+
+    def __init__(self, engine: Any, sets: list[FactorSet], ids: list[list[int]], timeout_s: float) -> None:
+        self.engine = engine
+        self.sets = sets
+        self.ids = ids
+        self.timeout_s = timeout_s
+        devices = {fset.device for fset in sets}
+        self.streams = {d: torch.cuda.Stream(d, priority=0) if d.type == "cuda" else None for d in devices}
+        self._lock = threading.Condition()
+        self._jobs: collections.deque[LaneJob] = collections.deque()       # guarded by _lock
+        self._results: dict[tuple[int, int], Refreshed] = {}               # guarded by _lock
+        self._snapshots: dict[tuple[int, int], Tensor] = {}                # guarded by _lock; kept for checkpoints
+        self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
+        self._busy_seconds = 0.0                                           # guarded by _lock
+        self._stopping = False                                             # guarded by _lock
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="asteria-device-lane", daemon=True)
+        self._thread.start()
+
+    # ---- training thread -------------------------------------------------------------------------
+    def start(self, index: int, version: int, due: int, request: RootRequest,
+              copy: Callable[[FactorSet], tuple[Tensor, torch.cuda.Event | None]] | None,
+              snapshot: Tensor | None = None) -> None:
+        """Notes ``version`` of set ``index`` (due at step ``due``) and starts its refresh: queued for the lane's
+        thread from the snapshot ``copy(fset)`` returns, or with ``copy=None`` computed now on the current
+        stream from ``snapshot`` (default: the live factors; a version used at its own step)."""
+        fset = self.sets[index]
+        self.engine.note_external(self.ids[index], version, due)
+        if copy is None:
+            self._compute(LaneJob(index, version, request, fset.factors if snapshot is None else snapshot, None),
+                          inline=True)
+            return
+        snapshot, event = copy(fset)
+        with self._lock:
+            self._snapshots[(index, version)] = snapshot
+            self._jobs.append(LaneJob(index, version, request, snapshot, event))
+            self._lock.notify()
+
+    def take(self, index: int, version: int) -> Refreshed:
+        """The result of ``version`` of set ``index`` (the registry activated it, so it has finished)."""
+        with self._lock:
+            return self._results[(index, version)]
+
+    def release(self, index: int, version: int, stream: torch.cuda.Stream | None) -> None:
+        """Drops the lane's tensors of ``version`` once ``stream`` (which copied them) is done with them."""
+        with self._lock:
+            refreshed = self._results.pop((index, version), None)
+            self._snapshots.pop((index, version), None)
+        if refreshed is not None and stream is not None:
+            for tensor in (refreshed.new, refreshed.order):
+                if tensor is not None:
+                    tensor.record_stream(stream)
+
+    def snapshot(self, index: int, version: int) -> Tensor | None:
+        """The snapshot of a version not yet released (for a checkpoint), or None."""
+        with self._lock:
+            return self._snapshots.get((index, version))
+
+    def seconds_by_dim(self) -> dict[int, tuple[float, int]]:
+        """Per block size n: the lane's seconds and blocks refreshed (its measured throughput)."""
+        with self._lock:
+            return {n: (seconds, int(blocks)) for n, (seconds, blocks) in self._by_dim.items()}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            wall = max(time.monotonic() - self._started, 1e-9)
+            return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
+                    "device_jobs_queued": len(self._jobs)}
+
+    def close(self) -> None:
+        """Stops the thread after the job it runs (queued jobs are dropped). Idempotent."""
+        with self._lock:
+            self._stopping = True
+            self._jobs.clear()
+            self._lock.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.timeout_s)
+
+    # ---- the lane's thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                job = self._jobs.popleft()
+            self._compute(job)
+
+    def _compute(self, job: LaneJob, inline: bool = False) -> None:
+        """Refreshes the job's set and reports the outcome; ``inline``: on the current stream and thread (the
+        training thread's, which waits for it), else on the lane's stream."""
+        fset = self.sets[job.index]
+        stream = None if inline else self.streams[fset.device]
+        started = time.perf_counter()
+        refreshed: Refreshed | None = None
+        ok = [False] * fset.batch
+        error = ""
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:
+                    if job.ready is not None:
+                        stream.wait_event(job.ready)
+                    job.snapshot.record_stream(stream)  # made on the side stream, read on this one
+                refreshed = refresh_set(fset, job.snapshot, job.request, fset.preconditioners, fset.installed,
+                                        in_thread=not inline)
+                ok = refreshed.usable.tolist()  # waits for this stream only
+        except Exception as failure:  # noqa: BLE001 - reported to the registry as the blocks' failure
+            error = f"device refresh failed: {type(failure).__name__}: {failure}"
+        self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error)
+
+    def _finish(self, index: int, version: int, refreshed: Refreshed | None, ok: list[bool], seconds: float,
+                error: str) -> None:
+        fset = self.sets[index]
+        with self._lock:
+            if refreshed is not None:
+                self._results[(index, version)] = refreshed
+            timing = self._by_dim.setdefault(fset.dim, [0.0, 0])
+            timing[0] += seconds
+            timing[1] += fset.batch
+            self._busy_seconds += seconds
+        reason = error or "the device refresh's result is not finite (the previous version stays in use)"
+        try:
+            self.engine.finish_external(self.ids[index], version, ok, reason)
+        except Exception:  # noqa: BLE001 - the engine was closed meanwhile: nothing waits for this version
+            if not getattr(self.engine, "closed", False):
+                raise
+

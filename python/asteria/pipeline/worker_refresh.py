@@ -1,0 +1,157 @@
+"""What the refreshers on the C++ workers share (one process, or one rank of several): the snapshot staging
+from the device's side stream into pinned host rings, the rings' depth, the deterministic rule's lag, and the
+engine's start and stop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asteria import _core
+from asteria.config import RuntimeConfig, is_int
+from asteria.optim.validation import check_arg, check_entry
+from asteria.pipeline import cpus, streams
+from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.refresh import SAVED, Refresher
+
+
+def ring_depth(config: RuntimeConfig, interval: int, lag: int) -> int:
+    """Host buffers per block for the versions in flight: under the deterministic rule a version waits
+    ``lag`` steps for its use, and a set's snapshots come at least ``interval`` steps apart, so
+    ``lag // interval + 1`` versions of a block can be snapshotted and not yet in use; under the
+    newest-finished rule a set has at most ``in_flight`` versions on their way (a refresh due beyond that is
+    deferred), so one buffer each for their snapshots and results."""
+    return lag // interval + 1 if config.deterministic else config.in_flight
+
+
+class SnapshotStager:
+    """Factor snapshots on their way to the workers: each is copied into its pinned host ring slot on the
+    device's side stream (after the work the main stream has queued, without the training thread waiting),
+    and handed to the engine once that copy has completed; a snapshot due at a step is waited for then.
+    The main stream waits for the copies (their events only) before the factors change in place."""
+
+    def __init__(self, engine: Any, sets: list[FactorSet], timeout_s: float) -> None:
+        self.engine = engine
+        self.sets = sets
+        self.timeout_s = timeout_s
+        self.side = {device: streams.SideStream(device) for device in {s.device for s in sets}}
+        # (set index, engine block ids, version, activation step, request, the copy's event)
+        self.pending: list[tuple[int, list[int], int, int, RootRequest, torch.cuda.Event | None]] = []
+        self._events: dict[torch.device, torch.cuda.Event | None] = {}
+
+    def copy_on_device(self, fset: FactorSet) -> tuple[Tensor, torch.cuda.Event | None]:
+        """A device copy of ``fset``'s factors made on the side stream (a snapshot for the device lane), and
+        the copy's event, which the main stream waits for before the factors change."""
+        side = self.side[fset.device]
+        with side.staging():
+            snapshot = fset.factors.clone()
+        event = side.record()
+        if event is not None:
+            self._events[fset.device] = event
+        return snapshot, event
+
+    def stage(self, index: int, ids: list[int], version: int, due: int, request: RootRequest, slot: Tensor,
+              source: Callable[[], Tensor]) -> None:
+        """Copies ``source()`` (evaluated on the side stream) into ``slot`` for ``version`` of set ``index``."""
+        self.engine.begin_snapshot(ids, version, self.timeout_s)
+        device = self.sets[index].device
+        side = self.side[device]
+        with side.staging():
+            slot.copy_(source(), non_blocking=side.cuda)
+        event = side.record()
+        if event is not None:
+            self._events[device] = event
+        self.pending.append((index, ids, version, due, request, event))
+
+    def submit_ready(self, step: int) -> None:
+        """Hands finished snapshots to the workers; those due by ``step`` are waited for."""
+        waiting = []
+        for entry in self.pending:
+            index, ids, version, due, request, event = entry
+            if not streams.done(event):
+                if due > step:
+                    waiting.append(entry)
+                    continue
+                streams.wait(event)
+            request.submit(self.engine, ids, version, due, self.sets[index].exponent)
+        self.pending = waiting
+
+    def before_factor_update(self) -> None:
+        for device, event in self._events.items():
+            self.side[device].main_waits(event)
+        self._events.clear()
+
+    def wait_all(self) -> None:
+        """Waits for every snapshot copy still in flight (before the host reads the rings)."""
+        for *_, event in self.pending:
+            streams.wait(event)
+
+
+class WorkerRefresher(Refresher):
+    """Base of the refreshers whose jobs run on the C++ workers (one process, or one rank of several):
+    rings of ``ring_depth`` slots per block, the deterministic rule's lag, the engine and the snapshot
+    staging (both made by ``_start_workers``)."""
+
+    @staticmethod
+    def _scheduled_entries(state: dict[str, Any], keys: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The refreshes in flight of a checkpoint's ``state()``, each with its name in errors, once its
+        ``keys``, its version (an int >= 1) and its due step (an int >= 0) are checked."""
+        scheduled = state["scheduled"]
+        check_arg(isinstance(scheduled, (list, tuple)), f"{SAVED}['scheduled']", type(scheduled).__name__,
+                  "must be a tuple of the refreshes in flight")
+        for i, entry in enumerate(scheduled):
+            name = f"{SAVED}['scheduled'][{i}]"
+            check_entry(entry, keys, name)
+            check_arg(is_int(entry["version"]) and entry["version"] >= 1, f"{name}['version']", entry["version"],
+                      "must be an int >= 1")
+            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
+                      "must be an int >= 0, the step the version is due")
+            yield name, entry
+
+    def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
+        super().__init__(sets, config, interval)
+        self.lag = config.activation_lag(interval)  # checked before any thread starts
+        self.depth = ring_depth(config, interval, self.lag)
+        # Installs queued on a side stream, which the current stream waits for before it reads them.
+        self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
+
+    def activation_step(self, step: int, version: int) -> int:
+        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
+        ``lag_steps`` later (default S intervals), except the first ``sync_refreshes`` versions (used at
+        once)."""
+        if version <= self.config.sync_refreshes:
+            return step
+        return step + self.lag
+
+    def before_factor_update(self) -> None:
+        self.stager.before_factor_update()
+
+    def ready(self) -> None:
+        for side, event in self._install_events:
+            side.main_waits(event)
+        self._install_events.clear()
+
+    def _start_workers(self, deterministic: bool, max_consecutive_failures: int) -> None:
+        """Starts the C++ refresh engine (``self.engine``, fed by ``self.stager``) on the configured worker
+        CPUs and caps torch's CPU threads meanwhile (``_stop_workers`` undoes both)."""
+        config = self.config
+        self.worker_cpus = config.resolved_worker_cpus()
+        self.engine = _core.RefreshEngine(
+            workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
+            deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
+            slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
+            sync_versions=config.sync_refreshes)
+        self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
+        self.stager = SnapshotStager(self.engine, self.sets, config.timeout_s)
+
+    def _stop_workers(self) -> None:
+        self.engine.close()
+        self.thread_cap.restore()
+
+    def _worker_stats(self, pool: dict[str, Any]) -> dict[str, Any]:
+        """The workers' part of ``stats()``."""
+        return {"workers": pool["workers"], "worker_cpus": self.worker_cpus, "torch_threads": torch.get_num_threads(),
+                "worker_busy_fraction": pool["busy_fraction"]}

@@ -1,0 +1,67 @@
+"""Peer implementations in the bench, on the same model, batches and schedule as Asteria's runs: Meta's
+Distributed Shampoo (``ds-*``, imported from a local checkout of facebookresearch/optimizers that the user
+names with ``--peer-path``; never vendored) and heavyball's SOAP and KL-Shampoo (``hb-*``, where heavyball is
+installed). Each is set up with the hyperparameters of the Asteria optimizer it stands beside (the
+defaults of ``asteria.Shampoo``, ``asteria.SOAP`` and ``asteria.KLShampoo``), the run's learning rate, weight
+decay, refresh interval and block size; both refresh every block at its interval, inside ``step()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: the peers and the Asteria optimizer each stands beside
+PEERS = {"ds-shampoo": "shampoo", "ds-soap": "soap", "ds-kl-shampoo": "kl-shampoo",
+         "hb-soap": "soap", "hb-kl-shampoo": "kl-shampoo"}
+
+
+def import_distributed_shampoo(peer_path: str | None) -> Any:
+    """The ``distributed_shampoo`` package, from the folder ``peer_path`` that holds it (a checkout of
+    facebookresearch/optimizers), or from the environment when None."""
+    if peer_path is not None:
+        folder = Path(peer_path).expanduser().resolve()
+        if not (folder / "distributed_shampoo" / "__init__.py").is_file():
+            raise ValueError(f"Invalid peer_path={peer_path!r}: it must be a folder holding distributed_shampoo/ (a "
+                             "checkout of github.com/facebookresearch/optimizers)")
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module("distributed_shampoo")
+    except ImportError as error:
+        raise ValueError(f"Invalid peer_path={peer_path!r}: Meta's Distributed Shampoo does not import ({error}); "
+                         "give --peer-path, the folder of a checkout of github.com/facebookresearch/optimizers"
+                         ) from None
+
+
+def make_peer(name: str, params: Any, lr: float, weight_decay: float, frequency: int, max_dim: int,
+              peer_path: str | None) -> torch.optim.Optimizer:
+    """The peer optimizer ``name`` over ``params`` (see the module docstring)."""
+    if name.startswith("ds-"):
+        ds = import_distributed_shampoo(peer_path)
+        common = dict(lr=lr, weight_decay=weight_decay, max_preconditioner_dim=max_dim,
+                      precondition_frequency=frequency, start_preconditioning_step=frequency,
+                      use_bias_correction=True, weight_decay_type=ds.WeightDecayType.DECOUPLED)
+        if name == "ds-shampoo":  # asteria.Shampoo's defaults: betas (0.9, 0.999), eps 1e-12, Adam grafting
+            return ds.DistributedShampoo(params, betas=(0.9, 0.999), epsilon=1e-12,
+                                         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+                                         preconditioner_config=ds.DefaultShampooConfig, **common)
+        if name == "ds-soap":  # asteria.SOAP's: betas (0.95, 0.95), eps 1e-8
+            return ds.DistributedShampoo(params, betas=(0.95, 0.95), epsilon=1e-8,
+                                         preconditioner_config=ds.DefaultSOAPConfig, **common)
+        return ds.DistributedShampoo(params, betas=(0.9, 0.98), epsilon=1e-8,  # asteria.KLShampoo's
+                                     preconditioner_config=ds.EigendecomposedKLShampooPreconditionerConfig(), **common)
+    try:
+        heavyball = importlib.import_module("heavyball")
+    except ImportError as error:
+        raise ValueError(f"Invalid optimizer={name!r}: heavyball is not installed ({error}); pip install heavyball") \
+            from None
+    if name == "hb-soap":
+        return heavyball.SOAP(params, lr=lr, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8,
+                              weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)
+    return heavyball.KLShampoo(params, lr=lr, betas=(0.9, 0.98), shampoo_beta=0.98, eps=1e-8,
+                               weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)

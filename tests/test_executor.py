@@ -1,0 +1,239 @@
+"""The refresh executor of one process: host buffers sized by the work in flight, the newest-finished rule's
+deferred refreshes, the device lane beside the workers, and the balancer that splits the sets between them.
+The device lane runs on the CPU here (``device_refresh=True``): the same torch code as on a GPU, on a thread
+beside the workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asteria
+from asteria.pipeline import packing
+from asteria.pipeline.balance import LaneBalancer
+from asteria.pipeline.factors import FactorSet
+from asteria.pipeline.refresh_math import refresh_set
+from conftest import regression_data, small_mlp, train
+
+OPTIMIZERS = {
+    "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=1e-2, eps=1e-4, precondition_frequency=2,
+                                                       start_preconditioning_step=2, runtime=runtime),
+    "soap": lambda params, runtime: asteria.SOAP(params, lr=1e-2, precondition_frequency=2, runtime=runtime),
+    "kl-shampoo": lambda params, runtime: asteria.KLShampoo(params, lr=1e-2, precondition_frequency=2,
+                                                            runtime=runtime),
+}
+
+
+def factor_bytes(opt) -> int:
+    return sum(fset.factors.numel() * 4 for fset, _ in opt._home_sets)
+
+
+def test_the_pack_keeps_every_entry_of_a_symmetric_block():
+    g = torch.randn(3, 5, 5)
+    sym = g + g.mT
+    packed = packing.pack(sym)
+    assert packed.shape == (3, 15)
+    assert torch.equal(packing.unpack(packed, 5), sym)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_refresh_buffers_are_at_most_twice_the_factors_at_the_defaults(name):
+    with OPTIMIZERS[name](small_mlp(sizes=(8, 32, 16)).parameters(), None) as opt:
+        report = opt.memory_report()
+        assert not opt.runtime.deterministic  # one process: the newest-finished rule
+        assert report["host"]["refresh_buffers"] <= 2 * factor_bytes(opt)
+        assert report["host"]["refresh_buffers"] == opt._refresher.host_bytes()
+
+
+def test_a_long_deterministic_lag_keeps_a_buffer_per_version_it_waits_for():
+    params = list(small_mlp(sizes=(8, 32, 16)).parameters())
+    sizes = {}
+    for lag in (2, 10):  # f = 2: versions wait 1 and 5 intervals
+        runtime = asteria.RuntimeConfig(staleness=5, lag_steps=lag)
+        with OPTIMIZERS["shampoo"](params, runtime) as opt:
+            assert opt.runtime.deterministic and opt._refresher.depth == lag // 2 + 1
+            sizes[lag] = opt.memory_report()["host"]["refresh_buffers"]
+    assert sizes[10] == 3 * sizes[2]  # 6 buffers against 2
+
+
+def test_deterministic_defaults_to_the_newest_finished_rule_on_one_process():
+    params = list(small_mlp().parameters())
+    for runtime, expected in ((None, False), (asteria.RuntimeConfig(lag_steps=3), True),
+                              (asteria.RuntimeConfig(deterministic=True), True)):
+        with OPTIMIZERS["soap"](params, runtime) as opt:
+            assert opt.runtime.deterministic is expected
+    with pytest.raises(ValueError, match="deterministic=False"):
+        asteria.RuntimeConfig(deterministic=False, lag_steps=3)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_refresh_due_while_its_previous_one_is_on_its_way_is_deferred_without_a_wait(name):
+    """A paused job holds its set's version in flight: that set's next turn is deferred (counted), no step
+    waits, and once the job goes on, the set is refreshed again at its next turn."""
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(workers=2, stagger=False, device_refresh=False)
+    data = regression_data()
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        train(model, opt, 5, data=data)  # f = 2: the start-up versions 1 and 2 and version 3
+        engine = opt._refresher.engine
+        block = opt._refresher.ids[0][0]
+        paused = opt._refresher._newest_versions[0] + 1
+        engine.inject_fault(block, paused, "pause")
+        while opt._refresher._newest_versions[0] < paused:  # the next version is snapshotted, its job paused
+            train(model, opt, 1, data=data)
+        engine.wait_paused(1, 30.0)
+        before = opt.runtime_stats()
+        train(model, opt, 4, data=data)  # versions 4 and 5 of set 0 come due while 3 is paused
+        during = opt.runtime_stats()
+        engine.release_pauses()
+        engine.drain(30.0)
+        train(model, opt, 4, data=data)
+        after = opt.runtime_stats()
+    deferred = opt._refresher.sets[0].batch * 2
+    assert during["refreshes_deferred"] - before["refreshes_deferred"] >= deferred
+    assert during["waits"] == before["waits"]
+    assert after["refreshes_superseded"] == 0
+    assert min(opt._refresher.sets[0].versions) > paused  # refreshed again once it went on
+
+
+def lane_sets(kind: str) -> tuple[list[FactorSet], torch.Tensor]:
+    torch.manual_seed(1)
+    g = torch.randn(2, 6, 9)
+    factors = g @ g.mT / 9
+    fset = FactorSet(name="set", factors=factors.clone(), preconditioners=torch.eye(6).repeat(2, 1, 1),
+                     installed=torch.zeros(2, dtype=torch.bool), exponent=-0.25, block_params=["a", "b"], kind=kind)
+    return [fset], factors
+
+
+@pytest.mark.parametrize("kind", ["root", "eigenbasis"])
+def test_the_device_lane_computes_what_native_mode_computes(kind):
+    """The lane's thread refreshes a set from its snapshot with native mode's torch code: the same bits, and
+    the registry activates the version once the lane reports it."""
+    from asteria import _core
+    from asteria.pipeline.device_lane import DeviceLane
+    from asteria.pipeline.factors import RootRequest
+
+    sets, factors = lane_sets(kind)
+    engine = _core.RefreshEngine(workers=1, deterministic=True)
+    rings = [(torch.zeros(1, 21), torch.zeros(1, 8 if kind == "eigenbasis" else 6, 6)) for _ in range(2)]
+    ids = [[engine.add_block(s, r, kind=kind) for s, r in rings]]
+    lane = DeviceLane(engine, sets, ids, timeout_s=30.0)
+    try:
+        request = RootRequest(scale=1.0, eps=1e-6)
+        lane.start(0, 1, 1, request, lambda fset: (fset.factors.clone(), None))
+        sets[0].factors.add_(1.0)  # the factors move on; the lane works from its snapshot
+        changes = engine.activate(1, 30.0)  # waits for the lane's report
+        assert sorted(version for _, version in changes) == [1, 1]
+        expected = refresh_set(sets[0], factors, request, sets[0].preconditioners, sets[0].installed)
+        got = lane.take(0, 1)
+        assert torch.equal(got.new, expected.new) and torch.equal(got.usable, expected.usable)
+        assert lane.seconds_by_dim()[6][1] == 2
+    finally:
+        lane.close()
+        engine.close()
+
+
+def costs(balancer: LaneBalancer, cpu: dict[int, float], device: dict[int, float], step_seconds: float) -> None:
+    balancer.observe_costs({n: (s, 1) for n, s in cpu.items()}, {n: (s, 1) for n, s in device.items()})
+    balancer.step_seconds = step_seconds
+
+
+def balancer_sets(dims: list[int]) -> list[FactorSet]:
+    return [FactorSet(name=f"set {i}", factors=torch.zeros(1, n, n), preconditioners=torch.zeros(1, n, n),
+                      installed=torch.zeros(1, dtype=torch.bool), exponent=-0.25, block_params=["p"])
+            for i, n in enumerate(dims)]
+
+
+def test_the_balancer_gives_the_device_the_large_blocks_the_workers_cannot_finish():
+    sets = balancer_sets([64, 64, 64, 256, 256])
+    balancer = LaneBalancer(sets, interval=10, workers=2, device_share=1.0, cpu_prior={64: 1.0, 256: 1.0})
+    # Per interval (10 steps of 0.1 s): the workers have 2 x 1 x 0.85 = 1.7 s; the sets need 3 x 0.05 +
+    # 2 x 1.6 = 3.35 s of them. The device takes a 256 block in 0.2 s: the two large sets go there.
+    costs(balancer, {64: 0.05, 256: 1.6}, {64: 0.02, 256: 0.2}, 0.1)
+    assert balancer.replan() == [False, False, False, True, True]
+    assert balancer.load[0] <= 1.0 and balancer.load[1] <= 1.0
+    # A small share of the device: one large set fits beside training, and small ones balance the two sides.
+    balancer.device_share = 0.25
+    plan = balancer.replan()
+    assert plan[3] + plan[4] == 1 and max(balancer.load) <= 1.0
+    # Workers that keep up keep everything.
+    costs(balancer, {64: 0.05, 256: 0.1}, {64: 0.02, 256: 0.2}, 0.1)
+    balancer.device_share = 1.0
+    assert balancer.replan() == [False] * 5
+
+
+def test_the_balancer_keeps_everything_on_the_workers_until_it_has_measured():
+    sets = balancer_sets([64, 256])
+    balancer = LaneBalancer(sets, interval=10, workers=1, device_share=1.0, cpu_prior={64: 1.0, 256: 100.0})
+    assert balancer.replan() == [False, False]  # no step time yet
+    costs(balancer, {}, {64: 0.01}, 0.1)
+    assert balancer.replan() == [False, False]  # no device figure for 256 yet
+    costs(balancer, {}, {64: 0.01, 256: 0.05}, 0.1)
+    assert balancer.replan()[1]  # the prior says the workers need 100 s for a 256 block
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(name):
+    """The plan flips every set from one side to the other between their versions: an eigenbasis set that
+    comes back to the workers seeds their chain with the bases in use, and every version is used."""
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(workers=2, stagger=False, device_refresh=True)
+    data = regression_data()
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        refresher = opt._refresher
+        assert refresher.lane is not None and refresher.balancer is not None
+        train(model, opt, 4, data=data)  # the start-up versions, on the lane (inline)
+        assert refresher.stats()["device_versions"] >= 2
+        for side in (True, False, True, False):
+            refresher.balancer.replan = lambda side=side: refresher.balancer.plan  # noqa: E731 - held fixed
+            refresher.balancer.plan = [side] * len(refresher.sets)
+            train(model, opt, 2, data=data)
+            refresher.engine.drain(30.0)
+            train(model, opt, 2, data=data)
+        stats = opt.runtime_stats()
+        versions = [min(fset.versions) for fset in refresher.sets]
+    assert stats["lane_moves"] >= 2 * len(refresher.sets)
+    assert stats["refresh_failures"] == 0
+    assert min(versions) >= 6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_start_up_refreshes_on_the_lane_match_native_mode_bit_for_bit(name):
+    """Until the first version after the start-up ones comes into use, async mode with the lane computes what
+    native mode computes, with the same code, at the same steps."""
+    results = []
+    # torch_threads="keep": the same intra-op threads, so the same rounding, in both runs.
+    for runtime in (asteria.RuntimeConfig(mode="sync"),
+                    asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, torch_threads="keep")):
+        model = small_mlp()
+        with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+            train(model, opt, 4, data=regression_data())  # versions 1 (step 2) and 2 (step 4)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_failing_device_refresh_keeps_the_previous_version_and_raises_past_the_bound(monkeypatch):
+    """A refresh on the lane that raises is the blocks' failure in the registry, as a worker's would be: the
+    previous version stays in use, and past ``max_consecutive_failures`` the step raises naming the cause."""
+    from asteria.errors import RefreshError
+    from asteria.pipeline import device_lane
+
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, max_consecutive_failures=1)
+    data = regression_data()
+    with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
+        train(model, opt, 2, data=data)  # version 1 on the lane, inline
+        before = [p.detach().clone() for p in model.parameters()]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected device failure")
+
+        monkeypatch.setattr(device_lane, "refresh_set", broken)
+        train(model, opt, 1, data=data)
+        with pytest.raises(RefreshError, match="injected device failure"):
+            train(model, opt, 1, data=data)  # version 2 fails at step 4
+        assert opt._refresher.stats()["refresh_failures"] == opt._refresher.sets[0].batch * len(opt._refresher.sets)
+        assert all(min(fset.versions) == 1 for fset in opt._refresher.sets)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
