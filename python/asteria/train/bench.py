@@ -77,7 +77,9 @@ def config_of(base: RunConfig, label: str) -> RunConfig:
                                            "lr": base.lr or DEFAULT_LR[optimizer],
                                            "precondition_frequency": frequency or base.precondition_frequency}))
         if optimizer != "adamw":
-            make_optimizer(cfg, torch.nn.Linear(4, 4, device=cfg.device)).close()
+            made = make_optimizer(cfg, torch.nn.Linear(4, 4, device=cfg.device))
+            if hasattr(made, "close"):  # an Asteria optimizer's workers; a peer holds none
+                made.close()
     except ValueError as error:
         raise ValueError(f"Invalid config {label!r}: {error}") from None
     return cfg
