@@ -125,7 +125,8 @@ class MemoryTiers:
             raise ValueError(f"Invalid host_budget={memory.host_budget}: too small for this model's state (placement "
                              f"{self.placement!r}: device needs {device} bytes, host needs {refresh_bytes} bytes; per "
                              f"kind: host {{'refresh_buffers': {refresh_bytes}}}, nvme {{}}); the refresh buffers "
-                             f"({self._in_flight_text()}) stay in host memory: raise host_budget or {self._fewer_text()}")
+                             f"({self._in_flight_text()}) stay in host memory: raise host_budget or "
+                             f"{self._fewer_text()}")
         available = host_available()
         if available is not None and refresh_bytes > available:
             raise ValueError(f"Invalid runtime={self.runtime!r}: the refresh buffers need {gib(refresh_bytes)} of "

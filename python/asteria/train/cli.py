@@ -30,7 +30,7 @@ from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str}
 # None (the library's choice), True or False
-OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic"}
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh"}
 HELP = {
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
@@ -48,6 +48,12 @@ HELP = {
     "deterministic_kernels": "torch's deterministic kernels, strictly (an operator without one raises; attention's "
                              "backward takes its deterministic algorithm) with cuBLAS's fixed workspace, so that runs "
                              "of one config differ only by the activation timing of --no-deterministic",
+    "in_flight": "with the newest-finished rule, versions of a factor set on their way at once (each a snapshot and "
+                 "a result buffer per block in pinned memory); a refresh due beyond that is deferred to its next turn",
+    "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
+                      "parameters are on a GPU)",
+    "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
+                    "keep up (lower: shorter steps, more deferred refreshes)",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
                        "its last activation, so refreshes finished meanwhile are used a step sooner (default: on "
                        "for --no-deterministic async runs)",
@@ -115,7 +121,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
-ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers")
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch")
 
 

@@ -105,6 +105,9 @@ class RunConfig:
     deterministic_kernels: bool = False
     prefetch: str = "forward_end"
     late_activation: bool | None = None
+    in_flight: int = 1
+    device_refresh: bool | None = None
+    device_share: float = 1.0
     peer_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -123,6 +126,11 @@ class RunConfig:
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
+        check(isinstance(self.device_share, (int, float)) and not isinstance(self.device_share, bool)
+              and 0 < self.device_share <= 1, "device_share", "must be a number in (0, 1]")
+        check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
+        check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
+              "must be None (the library's choice), True or False")
         check(self.seed < 2**32, "seed", "must be below 2**32 (the data order's generator is seeded from it)")
         check(self.staleness <= MAX_STALENESS, "staleness", f"must be at most {MAX_STALENESS} (each block keeps S + 1 "
               "snapshots in pinned host memory)")
@@ -228,7 +236,9 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                     # where the schedule is staggered: async mode, or native with --stagger
                                     stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
                                     else None,
-                                    memory=memory, local_world_size=local_world_size)
+                                    memory=memory, local_world_size=local_world_size, **(dict(
+                                        in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
+                                        device_share=float(cfg.device_share)) if cfg.mode == "async" else {}))
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency,
