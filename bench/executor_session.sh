@@ -8,6 +8,7 @@
 #   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
 #   1b      olmo2-1b at 16 x 1024 ($ONEB_CONFIGS, $ONEB_STEPS);
 #   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop.
+# $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,9 +28,9 @@ if has cuda; then
   grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt" || { echo "CUDA tests failed"; exit 1; }
 fi
 CLI="python3 -m asteria.train.cli"
-COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
+COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers ${EXTRA_ARGS:-}"
 bench() {  # name, model, batch, steps, configs
-  local name=$1 model=$2 batch=$3 steps=$4; shift 4
+  local name=$1${TAG:-} model=$2 batch=$3 steps=$4; shift 4
   $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON --configs "$@" \
     --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
   tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
