@@ -152,10 +152,14 @@ def test_the_balancer_gives_the_device_the_large_blocks_the_workers_cannot_finis
     costs(balancer, {64: 0.05, 256: 1.6}, {64: 0.02, 256: 0.2}, 0.1)
     assert balancer.replan() == [False, False, False, True, True]
     assert balancer.load[0] <= 1.0 and balancer.load[1] <= 1.0
-    # A small share of the device: one large set fits beside training, and small ones balance the two sides.
+    # A small share of the device caps it: one large set fits (0.2 s of 0.25 s), and a small one beside it.
     balancer.device_share = 0.25
     plan = balancer.replan()
-    assert plan[3] + plan[4] == 1 and max(balancer.load) <= 1.0
+    assert plan[3] + plan[4] == 1 and sum(plan[:3]) == 1 and max(balancer.load) <= 1.0
+    # A smaller one fits only the large set: the workers stay over capacity, and the rest is deferred.
+    balancer.device_share = 0.2
+    plan = balancer.replan()
+    assert plan == [False, False, False, True, False] and balancer.load[0] > 1.0
     # Workers that keep up keep everything.
     costs(balancer, {64: 0.05, 256: 0.1}, {64: 0.02, 256: 0.2}, 0.1)
     balancer.device_share = 1.0

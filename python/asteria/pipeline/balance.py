@@ -7,9 +7,11 @@ costs its blocks' refresh time on each side: the workers' mean seconds per block
 times every job; before any, a prior from one timed root of a small block, scaled by n^3), and the lane's
 (it times every set; the start-up refreshes run there, so every size has a figure before the first plan).
 The plan puts every set on the workers; while they cannot finish them within the interval, it moves to the
-lane the sets where the lane is most ahead of the workers, one at a time, each where that lowers the busier
-side's share of its capacity; the large blocks go to the device first, where an eigendecomposition gains most.
-Work the workers can do stays with them: the device's time is the training's. It is made again every
+lane the sets where the lane is most ahead of the workers, one at a time, as long as the lane's share of the
+interval holds them; the large blocks go to the device first, where an eigendecomposition gains most. Work the
+workers can do stays with them: the device's time is the training's (a refresh on the GPU beside training
+lengthens the steps by about its own time), and ``device_share`` caps it; what neither side can finish is
+deferred, set by set. It is made again every
 interval, so it follows the measured step time and throughputs; a set changes sides only between two of its
 versions.
 """
@@ -98,9 +100,7 @@ class LaneBalancer:
             if cpu_load <= cpu_capacity:  # the workers keep up: the device's time stays the training's
                 break
             cpu, device = costs[i][0], costs[i][1] * self.sets[i].batch
-            now = max(cpu_load / cpu_capacity, device_load / device_capacity)
-            after = max((cpu_load - cpu) / cpu_capacity, (device_load + device) / device_capacity)
-            if after >= now:
+            if device_load + device > device_capacity:  # the device's share is a cap: beyond it refreshes defer
                 continue
             plan[i] = True
             cpu_load -= cpu
