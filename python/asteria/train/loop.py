@@ -628,6 +628,7 @@ def _summary(cfg: RunConfig, device: torch.device, records: list[dict[str, Any]]
         "energy_joules_total": sum(energies) if energies and len(energies) == len(records) else None,
         "peak_gpu_bytes": max((r.get("gpu_peak_bytes", 0) for r in records), default=0) or None,
         "runtime_stats": opt.runtime_stats() if hasattr(opt, "runtime_stats") else {},
+        "memory_report": opt.memory_report() if hasattr(opt, "memory_report") else {},
     }
 
 
