@@ -156,6 +156,11 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
               static_cast<std::int64_t>(id), wanted.awaited,
               timeout_message(step, id, wanted.awaited, seconds_since(started), blocks_[id].status, config_));
         }
+        if (closed_) {
+          throw CancelledError("[CoherenceRegistry::activate] the engine was closed while step " + std::to_string(step) +
+                               " waited for block " + std::to_string(id) + " version " +
+                               std::to_string(wanted.awaited));
+        }
         const auto wait_started = Clock::now();
         finished_.wait_until(lock, deadline);
         blocked_seconds += seconds_since(wait_started);
@@ -279,6 +284,14 @@ void CoherenceRegistry::throw_if_failing() const {
                              std::to_string(config_.max_consecutive_failures) + ")");
     }
   }
+}
+
+void CoherenceRegistry::close() {
+  {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+  }
+  finished_.notify_all();
 }
 
 }  // namespace asteria::coherence

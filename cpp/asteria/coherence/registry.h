@@ -105,6 +105,10 @@ class CoherenceRegistry {
   BlockStatus status(std::int64_t block) const;
   RegistryStats stats() const;
 
+  // Ends every wait in activate(), at once and from then on, with CancelledError (the engine is closing:
+  // the versions waited for will never finish). Idempotent.
+  void close();
+
  private:
   struct Block {
     BlockStatus status;
@@ -130,6 +134,7 @@ class CoherenceRegistry {
   std::condition_variable finished_;    // guarded by mutex_
   std::vector<Block> blocks_;           // guarded by mutex_
   RegistryStats stats_;                 // guarded by mutex_
+  bool closed_ = false;                 // guarded by mutex_
   // The step last recorded, each block's histogram bin there (kNoBin: none) and the largest
   // staleness seen before it, so that a repeated activation of a step replaces its record.
   static constexpr std::size_t kNoBin = static_cast<std::size_t>(-1);

@@ -448,6 +448,7 @@ void RefreshEngine::close() {
     if (closed_) return;
     closed_ = true;
   }
+  registry_.close();  // a step waiting for a version ends now, not after its timeout
   {
     // Hung and delayed jobs (fault injection) end now, so that shutdown() below can join them.
     std::lock_guard lock(fault_mutex_);

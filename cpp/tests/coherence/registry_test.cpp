@@ -121,6 +121,25 @@ TEST(CoherenceRegistryTest, DeterministicWaitsForADueVersionStillRunning) {
   EXPECT_EQ(stats.activations, 2u);
 }
 
+TEST(CoherenceRegistryTest, CloseEndsAWaitingActivateAtOnce) {
+  CoherenceRegistry registry(deterministic(1));
+  const std::int64_t running = registry.add_block();
+  registry.note_snapshot(running, 1, 5);
+  auto closer = std::async(std::launch::async, [&] {
+    await_blocked_activate(registry, 1);  // the activate below waits now
+    registry.close();
+  });
+  try {
+    activate(registry, 5, kLongWait);
+    FAIL() << "activate returned while its version was still running";
+  } catch (const CancelledError& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "the engine was closed while step 5 waited for block 0 version 1", e.what());
+  }
+  closer.get();
+  EXPECT_THROW(activate(registry, 5, kLongWait), CancelledError);  // and every later wait
+  EXPECT_LT(registry.stats().wait_seconds, std::chrono::duration<double>(kLongWait).count());
+}
+
 TEST(CoherenceRegistryTest, ActivateTimesOutNamingTheBlockAndVersionAndChangesNothing) {
   CoherenceRegistry registry(deterministic(1));
   const std::int64_t ready = registry.add_block();

@@ -7,10 +7,13 @@ which direction it steps in; the preconditioner refreshes run through one ``Refr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import warnings
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -107,6 +110,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._step = 0
         self._pid = os.getpid()  # the process whose threads the workers are (``_check_process``)
         self._closed = False  # close() was called: step() refuses, prefetch() does nothing
+        self._busy = threading.Lock()  # held by step(), state_dict() and load_state_dict(): ``_exclusive``
         #: what the refresh engine has seen ("": nothing, no step and no checkpoint loaded): only then may an
         #: async optimizer load a state_dict (its engine cannot go back to earlier versions)
         self._used = ""
@@ -271,9 +275,19 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if group_betas:
             for key in getattr(self, "_follows_beta2", ()):  # defaults that follow this group's betas[1]
                 param_group.setdefault(key, betas[1])
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # torch only warns of a tensor listed twice: refused below, by name
+            warnings.filterwarnings("ignore", message=".*duplicate parameters.*")
+            super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
         try:
-            self.check_hyperparameters(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]")
+            seen: dict[int, int] = {}
+            for position, param in enumerate(self.param_groups[-1]["params"]):
+                if id(param) in seen:
+                    raise ValueError(f"Invalid param_groups[{index}]['params']: the tensor at position {position} "
+                                     f"(shape {tuple(param.shape)}) is the one at position {seen[id(param)]} again; "
+                                     "list each parameter once (its statistics would be counted twice)")
+                seen[id(param)] = position
+            self.check_hyperparameters(self.param_groups[-1], f"param_groups[{index}]")
         except ValueError:
             self.param_groups.pop()
             raise
@@ -355,6 +369,30 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError("Invalid step() after close(): this optimizer's workers are stopped; load its "
                                "state_dict() into a new optimizer to go on training")
+        with self._exclusive("step()"):
+            try:
+                return self._step_once(closure)
+            except _core.CancelledError as cancelled:
+                if not self._closed:
+                    raise
+                raise RuntimeError(f"Invalid step(): close() was called (from another thread) while this step ran, "
+                                   f"and its workers stopped ({cancelled}); load a state_dict() taken before into a "
+                                   "new optimizer to go on training") from None
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        """Holds the optimizer for ``call``: one thread at a time may step it or take or load its state (their
+        state would otherwise tear mid-update); a second one is refused at once, before anything changes."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"Invalid concurrent {call}: another thread is inside step(), state_dict() or "
+                               f"load_state_dict() of this {type(self).__name__}; drive one optimizer from one "
+                               "thread at a time (or hold a lock around its calls)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _step_once(self, closure: Callable[[], float] | None) -> float | None:
         self._check_process("step()")
         self._check_param_groups()
         loss = None
@@ -452,8 +490,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         whose version is used at once (staleness 0 or the bootstrap refresh): then ``step()`` does it.
         Called by the hooks of ``asteria.attach``; harmless to call at any time between steps."""
         step = self._step + 1 - self.ACTIVATION_LAG
-        if self._closed or step < 1 or self._activated_step >= step:
-            return
+        if self._closed or step < 1 or self._activated_step >= step or self._busy.locked():
+            return  # (a step running in another thread activates for itself)
         self._check_process("prefetch()")
         if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
                                            for _, version in self.schedule.due(step)):
@@ -475,7 +513,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
     def poll(self) -> None:
         """Hands finished snapshots to the workers and recycles finished staging buffers, without
         waiting for anything (called by the hooks of ``asteria.attach``)."""
-        self._refresher.poll(self._step)
+        if not self._busy.locked():  # a step running in another thread moves them along itself
+            self._refresher.poll(self._step)
 
     def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor, list[bool]]:
         """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update. Which blocks
@@ -569,7 +608,8 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         refuse_per_parameter_readers(self)
         for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             pre_hook(self)
-        state_dict = self._state_dict()
+        with self._exclusive("state_dict()"):
+            state_dict = self._state_dict()
         for post_hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             result = post_hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -652,6 +692,12 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
         state_dict = self._own_part(state_dict)
+        with self._exclusive("load_state_dict()"):
+            self._load(state_dict)
+        for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         validate_state_dict(self, state_dict)
         if self.runtime.mode == "async" and self._used:
             done = f"stepped (step {self._step})" if self._used == "stepped" else self._used
@@ -682,8 +728,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._activated_step = state_dict["activated_step"]
         self._used = "loaded a state_dict" if self.runtime.mode == "async" else ""
         self._refresher.load_state(state_dict["refresher"])
-        for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
-            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it owns refresh workers, host "
