@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import asteria
 from asteria.train.cli import main
 
 # Options of every run; those of a native run; those of an async run (`train` refuses the options a run
@@ -264,3 +265,19 @@ def test_ctrl_c_ends_with_a_hint_and_no_traceback(tmp_path, checkpoints):
     assert "Traceback" not in err and "leaked" not in err
     if checkpoints:  # stopped between steps: no checkpoint cut short
         assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_version_and_help_name_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"asteria {asteria.__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for choices in ("one of adamw, shampoo, soap, kl-shampoo", "one of tiny, olmo-160m", "one of sync, async",
+                    "one of auto, device, host, device_view", "one of forward_start, forward_end, step"):
+        assert choices in text
+    assert "[default: None]" not in text.split("--lr ")[1].split("--lr-schedule")[0]  # its help says it once
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out

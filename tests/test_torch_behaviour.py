@@ -113,3 +113,16 @@ def test_memory_report_counts_state_per_tier_and_kind():
     assert not deterministic
     packed = sum(n * (n + 1) // 2 for n in (16, 8, 4, 16, 16, 4))
     assert report["host"]["refresh_buffers"] == 4 * (packed + factor_floats)
+
+
+def test_import_asteria_needs_torch_and_numpy_alone():
+    """The library itself imports none of the command's extras (the train extra: transformers, tqdm,
+    matplotlib, TensorBoard) beyond what torch imports itself (torch.hub imports tqdm where it is installed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; before = set(sys.modules); import asteria; "
+            "extras = ('transformers', 'tqdm', 'matplotlib', 'tensorboard'); "
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in extras))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -19,9 +19,15 @@ from typing import Any
 
 import torch
 
+import asteria
+from asteria.config import PLACEMENTS
+from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
-from asteria.train.loop import ASYNC_ONLY_SETTINGS, STOP_REQUESTED, RunConfig, train
+from asteria.train.distributed import PARALLEL_MODES
+from asteria.train.loop import (ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, STOP_REQUESTED,
+                                RunConfig, train)
+from asteria.train.model import PRESETS
 from asteria.train.peers import PEERS
 from asteria.train.report import write_report
 from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
@@ -190,13 +196,23 @@ def out_dir(text: str) -> Path:
     return path
 
 
+#: the values an option takes, shown in its help (RunConfig checks them, naming the value and these)
+CHOICES = {"optimizer": OPTIMIZERS, "model": tuple(PRESETS), "mode": ("sync", "async"), "placement": PLACEMENTS,
+           "prefetch": PREFETCH_POINTS, "lr_schedule": LR_SCHEDULES, "parallel": PARALLEL_MODES,
+           "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda")}
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One option per RunConfig field; RunConfig validates the values."""
     for f in fields(RunConfig):
         if f.name in skip:
             continue
         default = "auto" if f.name == "device" else f.default
-        help_text = f"{HELP.get(f.name, '')} [default: {default}]".strip()
+        help_text = HELP.get(f.name, "")
+        if f.name in CHOICES:
+            help_text = f"{help_text}; one of {', '.join(CHOICES[f.name])}".lstrip("; ")
+        if "default" not in help_text:  # a help text that explains its default says it once
+            help_text = f"{help_text} [default: {default}]".strip()
         if isinstance(f.default, bool) or f.name in OPTIONAL_FLAGS:  # --name / --no-name
             parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
@@ -217,7 +233,8 @@ def _one_seed_option(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asteria", description=__doc__)
+    parser = argparse.ArgumentParser(prog="asteria", description=__doc__.replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"asteria {asteria.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train one model with one optimizer")
     _add_run_arguments(train_p)
@@ -268,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     seeds_p.add_argument("--out", type=out_dir, required=True, help="where seeds.md and seeds.json go")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
-    report_p.add_argument("--out", type=out_dir, required=True)
+    report_p.add_argument("--out", type=out_dir, default=Path("runs/report"))
     report_p.add_argument("--target-loss", type=float, default=None,
                           help="loss for the time-to-target column [default: AdamW's final loss]")
     return parser
