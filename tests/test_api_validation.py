@@ -463,3 +463,29 @@ def test_blocks_whose_factors_cannot_fit_the_device_are_refused_before_any_alloc
     narrow = torch.nn.Parameter(torch.zeros(4096, 2))  # a size that does not grow with the host
     with optimizer([narrow], max_preconditioner_dim=1024, runtime=asteria.RuntimeConfig(mode="sync")) as opt:
         assert opt.max_preconditioner_dim == 1024  # split into blocks of at most 1024, within memory: built
+
+
+@pytest.mark.parametrize("mutation, named", [
+    ("step", r"Invalid state_dict\['step'\]=10{30}: must be an int in \[0, 4611686018427387904\]"),
+    ("meta", r"Invalid state_dict\['groups'\]\[0\]\['momentum'\]='torch.strided tensor on meta': must be a dense"),
+    ("sparse", r"Invalid state_dict\['groups'\]\[0\]\['momentum'\]='torch.sparse_coo tensor on cpu': must be a dense"),
+])
+def test_a_state_dict_with_an_unusable_step_or_tensor_is_refused_at_load(mutation, named):
+    """Refused by name when loaded, before anything changes: not at the next step, from inside the core."""
+    model = torch.nn.Linear(4, 4)
+    runtime = asteria.RuntimeConfig(deterministic=True, workers=1)
+    with asteria.Shampoo(model.parameters(), runtime=runtime) as opt:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        saved = opt.state_dict()
+    saved["groups"] = [dict(group) for group in saved["groups"]]
+    if mutation == "step":
+        saved["step"] = 10**30
+    else:
+        momentum = saved["groups"][0]["momentum"]
+        saved["groups"][0]["momentum"] = (torch.empty_like(momentum, device="meta") if mutation == "meta"
+                                          else momentum.to_sparse())
+    with asteria.Shampoo(model.parameters(), runtime=runtime) as fresh:
+        with pytest.raises(ValueError, match=named):
+            fresh.load_state_dict(saved)
+        assert fresh._step == 0

@@ -13,6 +13,9 @@ import torch
 
 from asteria.config import is_int, is_real
 
+#: the largest step a checkpoint may hold: the core counts steps (and activation steps beyond them) in int64
+MAX_STEP = 2**62
+
 STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher",
                    "runtime_mode", "distributed")
 
@@ -75,9 +78,17 @@ def check_saved_request(saved: Any, batch: int, name: str) -> None:
               "(one per block); skip_tol may be left out")
 
 
+def check_dense(tensor: Any, name: str) -> None:
+    """A torch.Tensor with data a step can read: strided (not sparse) and not on the meta device."""
+    check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+    check_arg(tensor.layout == torch.strided and not tensor.is_meta, name,
+              f"{tensor.layout} tensor on {tensor.device}", "must be a dense (strided) tensor with data, not sparse "
+              "or on the meta device")
+
+
 def check_saved_snapshot(tensor: Any, shape: tuple[int, ...], name: str) -> None:
     """A factor snapshot of a refresh in flight: a finite float32 tensor of the set's ``shape``."""
-    check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+    check_dense(tensor, name)
     check_arg(tensor.dtype == torch.float32 and tuple(tensor.shape) == tuple(shape), name,
               f"{tensor.dtype} {tuple(tensor.shape)}", f"must be torch.float32 {tuple(shape)}")
     check_arg(bool(torch.isfinite(tensor).all()), name, "tensor with non-finite values",
@@ -127,8 +138,10 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                          f"{opt._layout()} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
                          "RuntimeConfig.stagger_split differ)")
+    for key in ("step", "activated_step"):
+        check_arg(is_int(state_dict[key]) and 0 <= state_dict[key] <= MAX_STEP, f"state_dict[{key!r}]",
+                  state_dict[key], f"must be an int in [0, {MAX_STEP}] (the core counts steps in 64 bits)")
     step = state_dict["step"]
-    check_arg(is_int(step) and step >= 0, "state_dict['step']", step, "must be an int >= 0")
     for key, expected, what in (("groups", len(opt._groups), "shape group"),
                                 ("param_groups", len(opt.param_groups), "param group"),
                                 ("versions", len(opt._set_groups), "factor set refreshed (the sets are split for "
@@ -159,7 +172,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
                              f"{sorted(expected)} (a different optimizer class?)")
         for key, (shape, dtype) in expected.items():
             tensor, name = saved[key], f"state_dict['groups'][{i}][{key!r}]"
-            check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+            check_dense(tensor, name)
             check_arg(tensor.shape == shape and tensor.dtype == dtype, name, f"{tensor.dtype} {tuple(tensor.shape)}",
                       f"{group.name} expects {dtype} {tuple(shape)}")
             check_arg(not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()), name,
