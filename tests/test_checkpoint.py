@@ -224,3 +224,27 @@ def test_manifest_parser_names_what_is_wrong():
     for raw in (b"\xff\xfe", b"[" * 100_000, b"1" * 5000, b" " * (2 << 20)):
         with pytest.raises(CheckpointError):
             parse_manifest(raw)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 2 MiB tmpfs (as root; skipped where mount is refused): a disk that really fills up."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs a small filesystem: mounting a tmpfs (as root) was refused")
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_checkpoint_onto_a_full_disk_names_the_path_and_enospc(small_filesystem, capsys):
+    """The checkpoint of step 2 does not fit: the command ends with ENOSPC, the path and the bytes (not torch's
+    "unexpected pos"), and leaves no partial folder behind."""
+    out = small_filesystem / "run"
+    argv = ["train", "--out", str(out), *PLAIN, "--optimizer", "adamw", "--mode", "sync"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "[Errno 28] No space left on device: the checkpoint of step 4 needs about" in error
+    assert "the checkpoints published before are intact" in error and ".tmp-step-000000004" in error
+    assert not (out / "checkpoints" / ".tmp-step-000000004").exists()

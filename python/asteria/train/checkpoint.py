@@ -23,6 +23,7 @@ saved as they are, so a resumed run continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -213,6 +214,36 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def interrupted(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``error`` is a KeyboardInterrupt or comes from one: its cause or context, or a failure that
+    torch.distributed.checkpoint wrapped (``failures`` maps each rank to an (exception, traceback) pair)."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    failures = getattr(error, "failures", None)
+    wrapped = [f[0] for f in failures.values() if isinstance(f, tuple) and f] if isinstance(failures, dict) else []
+    return any(interrupted(e, depth + 1) for e in (error.__cause__, error.__context__, *wrapped))
+
+
+def _save_error(error: BaseException, tmp: Path, step: int, need: int) -> OSError:
+    """What a failed write of checkpoint ``step`` into ``tmp`` tells the user: the path and, when the device is
+    full (torch's writer reports that only as an unexpected file position), ENOSPC with the bytes. The partial
+    folder is removed; the checkpoints published before stay intact."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    full = getattr(error, "errno", None) == errno.ENOSPC or (free is not None and free < need)
+    if full:
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the checkpoint of step {step} needs about {need} "
+                       f"bytes and {free} are free; the checkpoints published before are intact: free space, then "
+                       "go on with --resume", str(tmp))
+    return OSError(getattr(error, "errno", None) or errno.EIO, f"the checkpoint of step {step} could not be written "
+                   f"({error}); the checkpoints published before are intact", str(tmp))
+
+
 def save(root: Path, step: int, model_state: dict[str, torch.Tensor], rank_state: Any, config: dict[str, Any],
          keep: int = 0) -> Path:
     """Writes and atomically publishes ``root/step-<step>``; every rank calls it (a collective under
@@ -233,8 +264,13 @@ def save(root: Path, step: int, model_state: dict[str, torch.Tensor], rank_state
     flat: dict[str, torch.Tensor] = {f"model.{k}": v.detach() for k, v in model_state.items()}
     flat |= {f"optim.rank{rank}.{i}": t for i, t in enumerate(tensors)}
     flat[f"state.rank{rank}.json"] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
-    with _quiet():
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    try:
+        with _quiet():
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    except BaseException as error:  # DCP wraps a writer's error in a CheckpointException (a BaseException)
+        if interrupted(error):
+            raise
+        raise _save_error(error, tmp, step, sum(t.numel() * t.element_size() for t in flat.values())) from error
     _barrier()
     if rank == 0:
         fault_point("checkpoint-shards", step)

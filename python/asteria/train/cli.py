@@ -23,6 +23,7 @@ import asteria
 from asteria.config import PLACEMENTS
 from asteria.pipeline.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
+from asteria.train.checkpoint import interrupted
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
 from asteria.train.distributed import PARALLEL_MODES
 from asteria.train.loop import (ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, STOP_REQUESTED,
@@ -87,18 +88,6 @@ HELP = {
     "local_world_size": "ranks per node under torchrun; less than the processes per host simulates several nodes "
                         "(default: torchrun's LOCAL_WORLD_SIZE)",
 }
-
-
-def interrupted(error: BaseException | None, depth: int = 0) -> bool:
-    """Whether ``error`` is a KeyboardInterrupt or comes from one: its cause or context, or a failure that
-    torch.distributed.checkpoint wrapped (``failures`` maps each rank to an (exception, traceback) pair)."""
-    if error is None or depth > 8:
-        return False
-    if isinstance(error, KeyboardInterrupt):
-        return True
-    failures = getattr(error, "failures", None)
-    wrapped = [f[0] for f in failures.values() if isinstance(f, tuple) and f] if isinstance(failures, dict) else []
-    return any(interrupted(e, depth + 1) for e in (error.__cause__, error.__context__, *wrapped))
 
 
 @contextlib.contextmanager
