@@ -198,3 +198,37 @@ def test_a_step_that_times_out_on_the_nvme_tier_goes_on_as_all_host(tmp_path):
     paged, paged_report = run(str(tmp_path), budget)
     assert paged_report["nvme"]["total"] > 0 and paged_report["nvme_bytes_read"] > 0
     assert all(torch.equal(a, b) for a, b in zip(host, paged))
+
+
+def test_a_lost_newest_version_fails_every_later_step_by_name(tmp_path):
+    """One bit flipped in the slot holding a set's newest version: the step that reads it raises, and so does
+    every later one, naming the set and how to recover, instead of going on quietly with the older copy the
+    pager falls back to. The buffers the failed step had acquired go back: no later step waits for them."""
+    from asteria.errors import StateLostError
+
+    budget = tiny_budget("shampoo")
+    data = regression_data(sizes=SIZES)
+    model, opt = make("shampoo", str(tmp_path), budget)
+    with opt:
+        train(model, opt, 7, data=data)  # versions 1 and 2 of every set written; 2 is live
+        paged = opt._tier.paged
+        fset = next(f for f, _ in opt._home_sets if f in paged)
+        key = paged.key[id(fset)]
+        path = next(p for p in page_files(tmp_path) if f"{key:016x}" in os.path.basename(p))
+        with open(path, "r+b") as f:  # one payload bit of the slot (A or B) that holds the newest version
+            header = f.read(64)
+            slot_bytes = int.from_bytes(header[32:40], "little")  # see cpp/asteria/store/page_format.h
+            for offset in (0, slot_bytes):
+                f.seek(offset + 16)  # the version field
+                if int.from_bytes(f.read(8), "little") == paged._versions[key]:
+                    f.seek(offset + 64 + 17)
+                    byte = f.read(1)
+                    f.seek(offset + 64 + 17)
+                    f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(OSError, match=r"[Cc]hecksum|corrupt"):
+            train(model, opt, 1, data=data)
+        for _ in range(3):  # more steps than the read-ahead buffers: none is left held by a failed read
+            with pytest.raises(StateLostError, match=r"lost their newest version .* load the last state_dict\(\) "
+                                                     r"into a new optimizer") as info:
+                train(model, opt, 1, data=data)
+            assert fset.name in str(info.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from asteria._core import BlockFailure, BlockTimeout, CancelledError, NumericalError
 
 __all__ = ["BlockFailure", "BlockTimeout", "CancelledError", "NumericalError", "RefreshError", "NonFiniteGradientError",
-           "RefreshBacklogWarning"]
+           "RefreshBacklogWarning", "StateLostError"]
 
 
 class RefreshError(RuntimeError):
@@ -21,6 +21,12 @@ class RefreshError(RuntimeError):
         self.factor = factor
         self.version = version
         self.cause = cause
+
+
+class StateLostError(RuntimeError):
+    """State the optimizer needs to go on exactly is gone (the newest preconditioners of a set on the NVMe tier
+    failed their checksum, and only an older version is readable): every later step raises this too, rather
+    than quietly leave the trajectory. Recover by loading the last ``state_dict()`` into a new optimizer."""
 
 
 class NonFiniteGradientError(FloatingPointError):

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from asteria import _core
+from asteria.errors import StateLostError
 from asteria.pipeline.factors import FactorSet
 
 
@@ -44,6 +45,7 @@ class PagedSets:
         self.scratch: dict[tuple[int, ...], list[list[Any]]] = {}  # shape -> [[tensor, (ticket,) | None]]
         self._turn: dict[tuple[int, ...], int] = {}
         self._versions: dict[int, int] = {}
+        self._lost: dict[int, str] = {}  # key -> why its newest version is unreadable (``acquire``)
         self._scheduled = False
         self._held: list[tuple[Any, int, torch.cuda.Event | None]] = []  # (pager, buffer, event to wait)
         try:
@@ -128,11 +130,31 @@ class PagedSets:
             self.pagers[shape].read_ahead(keys)
 
     def acquire(self, fset: FactorSet) -> tuple[Tensor, Any, int]:
-        """The host buffer holding ``fset``'s preconditioners, with its pager and index for ``release``."""
+        """The host buffer holding ``fset``'s preconditioners, with its pager and index for ``release``. Raises
+        ``StateLostError`` when the newest version written cannot be read (a corrupt page: the pager falls back
+        to the older copy), now and at every later read of the set."""
         shape = self.shape_of[id(fset)]
         pager = self.pagers[shape]
-        index, _, _ = pager.acquire(self.key[id(fset)], self.timeout_s)
+        key = self.key[id(fset)]
+        if key in self._lost:
+            raise StateLostError(self._lost[key])
+        try:
+            index, version, _ = pager.acquire(key, self.timeout_s)
+        except (OSError, KeyError) as error:  # a corrupt page (ChecksumError), a file gone: the newest is lost
+            if not isinstance(error, TimeoutError):
+                self._lose(fset, key, f"{type(error).__name__}: {error}")
+            raise
+        if version != self._versions[key]:
+            pager.release(index)
+            self._lose(fset, key, f"only version {version} is readable, not the newest, {self._versions[key]}")
+            raise StateLostError(self._lost[key])
         return self.buffers[shape][index].view(torch.float32).view(shape), pager, index
+
+    def _lose(self, fset: FactorSet, key: int, cause: str) -> None:
+        """Marks ``fset``'s newest version lost: every later read of it raises ``StateLostError``."""
+        self._lost[key] = (f"the preconditioners of {fset.name} (parameters {sorted(set(fset.block_params))}) on the "
+                           f"NVMe tier under {self.root} lost their newest version ({cause}); going on would leave "
+                           "the run's trajectory: load the last state_dict() into a new optimizer to go on")
 
     def release_after(self, pager: Any, index: int, event: torch.cuda.Event | None) -> None:
         """Returns a buffer to its pool once ``event`` (the device's copy of it) has completed."""

@@ -190,11 +190,15 @@ class PreconditionerTier:
             return self._views[group_index]
         if self.placement == "device":  # CPU parameters with sets on NVMe: the buffers are read in place
             views = []
-            for fset in sets:
-                tensor, held = self._source(group_index, fset)
-                if held is not None:
-                    self._cpu_held.setdefault(group_index, []).append(held)
-                views.append(tensor)
+            try:
+                for fset in sets:
+                    tensor, held = self._source(group_index, fset)
+                    if held is not None:
+                        self._cpu_held.setdefault(group_index, []).append(held)
+                    views.append(tensor)
+            except BaseException:  # the buffers acquired before a failed read go back to the pool
+                self.done(group_index)
+                raise
             return views
         if group_index not in self._views:
             self._stage(group_index)
