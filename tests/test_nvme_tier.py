@@ -66,7 +66,7 @@ def test_nvme_tier_resumes_exactly(name, tmp_path):
 
 
 def page_files(root) -> list[str]:
-    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".astp"))
 
 
 def test_corrupted_and_removed_pages_raise_clear_errors(tmp_path):
@@ -232,3 +232,28 @@ def test_a_lost_newest_version_fails_every_later_step_by_name(tmp_path):
                                                      r"into a new optimizer") as info:
                 train(model, opt, 1, data=data)
             assert fset.name in str(info.value)
+
+
+def test_the_page_folders_of_killed_owners_are_reclaimed_and_live_ones_kept(tmp_path):
+    """Two processes claim page folders under one nvme_dir; one is killed (SIGKILL: no close(), no cleanup).
+    The next optimizer there removes the dead owner's folder and leaves the live owner's."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from asteria.pipeline.nvme import claim_root; root, _ = claim_root(sys.argv[1]); "
+            "open(root + '/page-0000000000000000.astp', 'wb').write(b'x' * 4096); print(root, flush=True); "
+            "sys.stdin.readline()")
+    owners = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    live, dead = (proc.stdout.readline().strip() for proc in owners)
+    owners[1].send_signal(signal.SIGKILL)
+    owners[1].wait()
+    try:
+        assert os.path.isdir(dead) and os.path.isdir(live)
+        model, opt = make("shampoo", str(tmp_path), tiny_budget("shampoo"))
+        with opt:
+            assert not os.path.exists(dead) and os.path.isdir(live)
+            train(model, opt, 1, data=regression_data(sizes=SIZES))
+        assert sorted(os.listdir(tmp_path)) == [os.path.basename(live)]  # this optimizer's own folder went too
+    finally:
+        owners[0].communicate("\n", timeout=30)

@@ -13,7 +13,10 @@ buffer; the pager publishes the new version only when its write has completed, s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -32,7 +35,8 @@ class PagedSets:
                  timeout_s: float, buffers_per_shape: int = 2) -> None:
         try:  # the directory is created if missing; the page files go to a fresh directory inside it
             os.makedirs(directory, exist_ok=True)
-            self.root = tempfile.mkdtemp(prefix="asteria-nvme-", dir=directory)
+            reclaim_dead_roots(directory)
+            self.root, self._owner = claim_root(directory)
         except OSError as error:
             raise ValueError(f"Invalid memory.nvme_dir={directory!r}: must be a directory this process can create "
                              f"files in ({error.strerror or error})") from error
@@ -193,7 +197,51 @@ class PagedSets:
         for pager in self.pagers.values():
             pager.close()
         self.pagers = {}
+        if self._owner is not None:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.root, OWNER_LOCK))
+            os.close(self._owner)
+            self._owner = None
         try:
             os.rmdir(self.root)
         except OSError:
             pass
+
+
+#: the lock its owner holds on a tier's directory for its life; the kernel drops it when the process dies
+OWNER_LOCK = ".asteria-owner.lock"
+ROOT_PREFIX = "asteria-nvme-"
+
+
+def claim_root(directory: str) -> tuple[str, int]:
+    """A fresh directory for one tier's page files inside ``directory``, with its owner lock held (returned as
+    an open descriptor): made under a hidden name, locked, then renamed into view, so that no other process
+    ever sees it without its lock."""
+    staging = tempfile.mkdtemp(prefix="." + ROOT_PREFIX + "new-", dir=directory)
+    fd = os.open(os.path.join(staging, OWNER_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    root = os.path.join(directory, ROOT_PREFIX + os.path.basename(staging)[len(ROOT_PREFIX) + 5:])
+    os.rename(staging, root)
+    return root, fd
+
+
+def reclaim_dead_roots(directory: str) -> list[str]:
+    """Removes the page directories under ``directory`` whose owner process is gone (killed, say: its owner lock
+    is free); a live owner's, and any directory without an owner lock, are left alone. Returns the removed."""
+    removed = []
+    for entry in os.scandir(directory):
+        if not (entry.name.startswith(ROOT_PREFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            fd = os.open(os.path.join(entry.path, OWNER_LOCK), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its owner is alive
+        shutil.rmtree(entry.path, ignore_errors=True)
+        os.close(fd)
+        removed.append(entry.path)
+    return removed
