@@ -126,6 +126,23 @@ def test_full_file_limit_fails_the_write_and_keeps_previous_version(directory):
         assert torch.equal(dst, v1)
 
 
+def test_a_failed_first_write_says_no_earlier_version_remains(directory):
+    buffers = host_buffers(1, 8000)
+    with _core.Pager(directory, buffers) as pager:
+        saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        try:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, saved[1]))  # less than the first slot
+            ticket = pager.write(3, 1, torch.full((2000,), 1.5))
+            with pytest.raises(_core.PagerIOError) as info:
+                pager.wait(ticket, TIMEOUT)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+            signal.signal(signal.SIGXFSZ, handler)
+        assert "the key has no earlier version to read instead" in str(info.value)
+        assert "previous version stays live" not in str(info.value)
+
+
 def test_removed_file_raises_a_clear_error(directory):
     with _core.Pager(directory, host_buffers(1, 4096)) as pager:
         pager.wait(pager.write(1, 1, torch.ones(1024)), TIMEOUT)

@@ -684,6 +684,9 @@ void Pager::run_write(Job& job, std::byte* bounce) {
   const std::uint64_t offset = static_cast<std::uint64_t>(job.slot) * slot_bytes_;
   const std::string what = " (key " + std::to_string(job.key) + ", version " + std::to_string(job.version) + ")";
   encode_page(job.key, job.version, {job.src, job.bytes}, {bounce, slot_bytes_});
+  // What a failed write leaves readable: the key's first write has nothing before it.
+  const std::string kept = job.create ? "; the key has no earlier version to read instead"
+                                      : "; the previous version stays live";
   int flags = O_WRONLY | O_CLOEXEC | (mode_ == IoMode::kDirect ? O_DIRECT : 0);
   if (job.create) flags |= O_CREAT | (config_.keep_files ? 0 : O_EXCL);
   const int fd = ::open(path.c_str(), flags, 0600);
@@ -704,7 +707,7 @@ void Pager::run_write(Job& job, std::byte* bounce) {
       const int e = n < 0 ? errno : EIO;
       throw PagerIOError(where("write") + "pwrite of " + std::to_string(slot_bytes_) + " bytes at offset " +
                              std::to_string(offset) + " of " + path + " failed after " + std::to_string(done) +
-                             " bytes" + what + ": " + errno_text(e) + "; the previous version stays live",
+                             " bytes" + what + ": " + errno_text(e) + kept,
                          path, offset, slot_bytes_, e);
     }
     done += static_cast<std::size_t>(n);
@@ -712,8 +715,7 @@ void Pager::run_write(Job& job, std::byte* bounce) {
   if (mode_ == IoMode::kBuffered && ::fdatasync(fd) != 0) {
     const int e = errno;
     throw PagerIOError(where("write") + "fdatasync after writing " + std::to_string(slot_bytes_) + " bytes at offset " +
-                           std::to_string(offset) + " of " + path + " failed" + what + ": " + errno_text(e) +
-                           "; the previous version stays live",
+                           std::to_string(offset) + " of " + path + " failed" + what + ": " + errno_text(e) + kept,
                        path, offset, slot_bytes_, e);
   }
   guard.fd = -1;
