@@ -26,7 +26,7 @@ OPTIMIZERS = {
 def run(name: str, placement: str, steps: int = 15, delay: int = 0, attach: bool = False, **memory):
     model = small_mlp(sizes=SIZES).cuda()
     x, y = (t.cuda() for t in regression_data(sizes=SIZES))
-    runtime = asteria.RuntimeConfig(staleness=1, workers=2,
+    runtime = asteria.RuntimeConfig(staleness=1, workers=2, deterministic=True,
                                     memory=asteria.MemoryConfig(placement=placement, **memory))
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:
         handle = asteria.attach(model, opt) if attach else None

@@ -190,8 +190,10 @@ def snapshot_bytes_per_step(runtime: asteria.RuntimeConfig, steps: int = 12) -> 
 
 
 def test_staggered_snapshots_spread_over_the_interval():
-    staggered = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1), steps=15)[6:15]
-    plain = snapshot_bytes_per_step(asteria.RuntimeConfig(staleness=1, workers=1, stagger=False), steps=15)[6:15]
+    # The deterministic rule: every scheduled snapshot is taken (newest-finished may skip one still in flight).
+    on_schedule = dict(staleness=1, workers=1, deterministic=True)
+    staggered = snapshot_bytes_per_step(asteria.RuntimeConfig(**on_schedule), steps=15)[6:15]
+    plain = snapshot_bytes_per_step(asteria.RuntimeConfig(**on_schedule, stagger=False), steps=15)[6:15]
     # Steps 7 to 15, three whole intervals after the refreshes used at their own step (the bootstrap at
     # step 3 and the first refresh at 6, both unstaggered; f = 3, phases 0 to 2): the same bytes in all,
     # but unstaggered they come on one step per interval, staggered on several, none carrying a whole

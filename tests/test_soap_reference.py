@@ -96,8 +96,8 @@ def test_async_staleness_zero_matches_sync_and_reference():
 
 
 def test_async_worker_count_does_not_change_bits():
-    one = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=1))
-    three = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=3))
+    one = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=1, deterministic=True))
+    three = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=3, deterministic=True))
     assert all(torch.equal(a, b) for a, b in zip(one, three))
 
 
@@ -112,7 +112,8 @@ def test_soap_trains_a_classifier():
     assert stats["refreshes"] > 0 and stats["refresh_failures"] == 0
 
 
-@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=2, workers=2)],
+@pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"),
+                                     asteria.RuntimeConfig(staleness=2, workers=2, deterministic=True)],
                          ids=["sync", "async"])
 def test_state_dict_resume_is_bit_for_bit(runtime):
     def make():
