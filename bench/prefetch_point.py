@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from asteria.pipeline.hooks import PREFETCH_POINTS
+from asteria.hooks import PREFETCH_POINTS
 from asteria.train import cli
 
 

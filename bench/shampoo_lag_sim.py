@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import asteria.optim.base as base
-from asteria.optim import functional as F
+from asteria import functional as F
 from asteria.pipeline.refresh import SyncRefresher
 from asteria.train import cli
 

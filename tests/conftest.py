@@ -21,7 +21,7 @@ def _no_optimizer_outlives_its_test():
     """Fails the test that leaves an optimizer's workers running after it (closed neither by ``close()`` nor
     by the garbage collector), where it happens: the torch thread cap they hold would otherwise change the
     thread count of every later test. Costs nothing unless one is left."""
-    from asteria.pipeline.cpus import TorchThreadCap
+    from asteria.cpus import TorchThreadCap
 
     yield
     if not TorchThreadCap._live:

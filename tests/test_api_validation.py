@@ -448,7 +448,7 @@ def test_blocks_whose_factors_cannot_fit_the_device_are_refused_before_any_alloc
     the process killed at the first steps, came otherwise)."""
     import math
 
-    from asteria.optim.memory import device_capacity
+    from asteria.optim.placement import device_capacity
 
     capacity = device_capacity(torch.device("cpu"))
     if capacity is None:

@@ -1,4 +1,4 @@
-"""The worker CPU plan (asteria.pipeline.cpus) and RuntimeConfig.worker_cpus, on a written sysfs tree
+"""The worker CPU plan (asteria.cpus) and RuntimeConfig.worker_cpus, on a written sysfs tree
 and on this machine's real one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import asteria
-from asteria.pipeline import cpus
+from asteria import cpus
 
 
 def write_topology(root, siblings: dict[int, str]) -> None:

@@ -232,7 +232,7 @@ def test_native_refresh_keeps_small_eigenvalue_directions_where_tf32_scrambles_t
     refresh's power step must not (``functional.float32_matmuls``, used by every native refresh): against a
     float64 reference every column of the refreshed basis stays aligned, where TF32 leaves some of the
     small-eigenvalue columns nearly orthogonal to theirs."""
-    from asteria.optim import functional as F
+    from asteria import functional as F
 
     gen = torch.Generator().manual_seed(0)
     n = 256

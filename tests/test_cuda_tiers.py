@@ -35,7 +35,7 @@ def run(name: str, placement: str, steps: int = 15, delay: int = 0, attach: bool
             loss = torch.nn.functional.mse_loss(model(x[:64]), y[:64])
             loss.backward()
             if delay:  # every staging and install copy starts late
-                for side in list(opt._tier._side.values()) + list(opt._refresher.side.values()):
+                for side in list(opt._placement.tier._side.values()) + list(opt._refresher.side.values()):
                     with torch.cuda.stream(side.stream):
                         torch.cuda._sleep(delay)
             opt.step()

@@ -1,4 +1,4 @@
-"""The batched per-step math (``asteria.optim.functional``) against formulas written here, in float64."""
+"""The batched per-step math (``asteria.functional``) against formulas written here, in float64."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import asteria
-from asteria.optim import functional as F
+from asteria import functional as F
 from asteria.optim.kl_shampoo import inv_sqrt_key
 from asteria.pipeline import streams
 

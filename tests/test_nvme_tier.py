@@ -122,7 +122,7 @@ def test_full_disk_raises_and_the_previous_version_stays(tmp_path):
         # The last good versions are still readable: a checkpoint holds them, finite.
         state = opt.state_dict()
         roots = [t for g in state["groups"] for k, t in g.items() if k.startswith("root")]
-        assert len(roots) == sum(len(k) for k in opt._paged_keys.values()) + sum(
+        assert len(roots) == sum(len(k) for k in opt._placement.paged_keys.values()) + sum(
             1 for g in opt._groups for k in g.state if k.startswith("root"))
         assert all(torch.isfinite(t).all() for t in roots)
 
@@ -211,7 +211,7 @@ def test_a_lost_newest_version_fails_every_later_step_by_name(tmp_path):
     model, opt = make("shampoo", str(tmp_path), budget)
     with opt:
         train(model, opt, 7, data=data)  # versions 1 and 2 of every set written; 2 is live
-        paged = opt._tier.paged
+        paged = opt._placement.tier.paged
         fset = next(f for f, _ in opt._home_sets if f in paged)
         key = paged.key[id(fset)]
         path = next(p for p in page_files(tmp_path) if f"{key:016x}" in os.path.basename(p))

@@ -8,7 +8,7 @@ import torch
 import asteria
 from asteria import testing
 from asteria.errors import RefreshError
-from asteria.pipeline.schedule import RefreshSchedule, stagger_phases
+from asteria.pipeline.timeline import RefreshSchedule, stagger_phases
 from conftest import regression_data, resume_is_exact, resumed_run, same_parameters, small_mlp, train
 
 SIZES = (8, 16, 12, 4)
@@ -137,7 +137,7 @@ def test_lag_steps_is_checked_against_the_staleness_bound():
 
 
 def test_install_delays_leave_out_an_install_before_its_snapshot_with_one_warning():
-    from asteria.pipeline.schedule import InstallDelays
+    from asteria.pipeline.timeline import InstallDelays
 
     delays = InstallDelays(RefreshSchedule(start=1, interval=3, phases=[0]), ["set 0"], excluded=1)
     delays.record(7, 0, 3)  # version 3 is snapshotted at step 7: delay 0
@@ -306,7 +306,7 @@ def test_attach_with_tied_frozen_and_unused_parameters(name):
 
     plain_losses, plain = trained(None)
     assert plain_losses[-1] < plain_losses[0] and plain_losses[-2] < plain_losses[1]
-    for point in asteria.pipeline.hooks.PREFETCH_POINTS:  # the same bits wherever the activation runs
+    for point in asteria.hooks.PREFETCH_POINTS:  # the same bits wherever the activation runs
         hooked_losses, hooked = trained(point)
         assert plain_losses == hooked_losses, point
         assert all(torch.equal(a, b) for a, b in zip(plain, hooked)), point

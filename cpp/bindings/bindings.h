@@ -8,7 +8,7 @@ namespace asteria::bindings {
 void init_errors(nanobind::module_& m);
 void init_runtime(nanobind::module_& m);
 void init_linalg(nanobind::module_& m);
-void init_store(nanobind::module_& m);
+void init_pager(nanobind::module_& m);
 void init_node_store(nanobind::module_& m);
 
 }  // namespace asteria::bindings

@@ -7,6 +7,6 @@ NB_MODULE(_core, m) {
   asteria::bindings::init_errors(m);
   asteria::bindings::init_runtime(m);
   asteria::bindings::init_linalg(m);
-  asteria::bindings::init_store(m);
+  asteria::bindings::init_pager(m);
   asteria::bindings::init_node_store(m);
 }

@@ -4,7 +4,7 @@ off the GPU's critical path, on C++ workers with bounded staleness."""
 from asteria.config import MemoryConfig, RuntimeConfig
 from asteria.errors import NonFiniteGradientError, RefreshBacklogWarning, RefreshError
 from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.pipeline.hooks import AttachHandle, attach
+from asteria.hooks import AttachHandle, attach
 
 __all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshBacklogWarning",
            "RefreshError", "RuntimeConfig", "SOAP", "Shampoo", "attach"]

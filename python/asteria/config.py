@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asteria.pipeline import cpus
+from asteria import cpus
 
 MODES = ("sync", "async")
 PLACEMENTS = ("auto", "device", "host", "device_view")
@@ -90,7 +90,7 @@ class RuntimeConfig:
             and its data loader).
         worker_cpus: where the workers run. ``"auto"``: pinned off the first physical cores of this
             rank's share of the machine (SMT siblings included), which stay free for the training
-            thread that launches the GPU's kernels (see ``asteria.pipeline.cpus``); ``"any"``: not
+            thread that launches the GPU's kernels (see ``asteria.cpus``); ``"any"``: not
             pinned; or a sequence of logical CPUs this process may use.
         torch_threads: torch's intra-op CPU threads while the workers run (restored by ``close()``).
             ``"auto"``: when the workers are pinned, at most the physical cores left to this rank's

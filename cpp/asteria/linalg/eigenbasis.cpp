@@ -13,6 +13,7 @@
 #include "asteria/common/errors.h"
 #include "asteria/linalg/detail.h"
 #include "asteria/linalg/lapack.h"
+#include "asteria/linalg/qr.h"
 
 namespace asteria::linalg {
 namespace {

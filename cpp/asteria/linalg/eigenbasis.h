@@ -36,7 +36,7 @@ bool is_identity(int n, const float* q);
 //   T = (scale A) Q_prev,  est_j = Q_prev[:, j] . T[:, j]  (= diag(Q_prev^T scale A Q_prev)),
 //   order = argsort(est) descending and stable (ties keep the lower index first),
 //   estimates[j] = est[order[j]],  perm[j] = order[j],  q = Q of the QR factorization of T[:, order]
-// (Householder reflectors with xGEQRF's signs, those of torch.linalg.qr; see qr_q in lapack.h).
+// (Householder reflectors with xGEQRF's signs, those of torch.linalg.qr; see qr_q in qr.h).
 // Adaptive skip (`skip_tol` > 0): with M = Q_prev^T (scale A) Q_prev and
 // ratio = ||M - diag(M)||_F / ||M||_F (reported; 0 for M = 0), a ratio <= skip_tol keeps the basis:
 // q = q_prev bit for bit, perm = 0..n-1, estimates = diag(M) in Q_prev's order. `skip_tol` = 0

@@ -35,12 +35,6 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda, const T* b, int ldb,
           T beta, T* c, int ldc);
 
-// Householder QR of `a` (m x n, m >= n) in place, then Q formed: `a` becomes the first n columns of Q,
-// with xGEQRF's reflectors and signs (blocked wider than LAPACK; see qr.cpp). `work` is grown as needed.
-// Throws InvalidArgument for a bad shape or leading dimension.
-template <typename T>
-void qr_q(int m, int n, T* a, int lda, std::vector<T>& work);
-
 // Copies the lower triangle of the n x n matrix `a` onto its upper triangle.
 template <typename T>
 void symmetrize_from_lower(int n, T* a, int lda);

@@ -11,6 +11,8 @@
 // scratch buffer in each: on the H200 host, 16 workers each refreshing its own 1024 block did 102
 // SOAP refreshes/s that way and 170/s with the panels factored here. Same reflectors and signs as
 // xGEQRF + xORGQR.
+#include "asteria/linalg/qr.h"
+
 #include <algorithm>
 #include <cstddef>
 #include <string>

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "asteria/common/errors.h"
-#include "asteria/linalg/lapack.h"
+#include "asteria/linalg/qr.h"
 
 extern "C" {
 void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work, const int* lwork,

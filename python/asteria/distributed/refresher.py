@@ -36,9 +36,10 @@ import torch.distributed as dist
 from asteria.config import RuntimeConfig, is_int
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
-from asteria.pipeline import cpus, streams
+from asteria import cpus
+from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.optim.validation import check_arg, check_saved_request, check_saved_snapshot
+from asteria.checks import check_arg, check_saved_request, check_saved_snapshot
 from asteria.pipeline.refresh import SAVED
 from asteria.pipeline.worker_refresh import WorkerRefresher
 

@@ -21,31 +21,25 @@ import torch
 from torch import Tensor
 
 from asteria import _core
+from asteria import functional as F
+from asteria.checks import check_arg, check_count
 from asteria.config import MAX_FREQUENCY, RuntimeConfig, plain
-from asteria.errors import NonFiniteGradientError
-from asteria.optim import functional as F
+from asteria.distributed import topology
+from asteria.distributed.topology import same_on_every_rank
+from asteria.optim import checkpoint
+from asteria.optim.checkpoint import EngineUse
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
-from asteria.optim.memory import HOST_GROUP_BYTES, MemoryTiers
+from asteria.optim.nonfinite import NonfiniteGuard
 from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
+from asteria.optim.placement import HOST_GROUP_BYTES, Placement, check_factor_memory, check_host_memory
 from asteria.optim.refreshers import make_refresher
-from asteria.pipeline.async_refresh import refresh_buffer_bytes
-from asteria.pipeline.worker_refresh import ring_depth
-from asteria.optim.steps import BlockSteps, to_device
+from asteria.optim.steps import BlockSteps
 from asteria.pipeline import streams
+from asteria.pipeline.async_refresh import refresh_buffer_bytes
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.optim.validation import (check_arg, check_betas, check_count, check_nonnegative,  # noqa: F401
-                                      check_positive, validate_state_dict)
 from asteria.pipeline.refresh import Refresher
-from asteria.pipeline.schedule import InstallDelays, RefreshSchedule, stagger_phases
-from asteria.pipeline.tiers import PreconditionerTier
-
-
-NONFINITE_STREAK = "nonfinite_streak"
-NONFINITE_TOTAL = "nonfinite_total"
-
-
-#: the format of a state_dict taken on several ranks: each rank's own state under "rank<r>"
-RANKS_FORMAT = "asteria.ranks.v1"
+from asteria.pipeline.timeline import InstallDelays, Timeline, is_staggered, plan_schedule
+from asteria.pipeline.worker_refresh import ring_depth
 
 
 #: constructor arguments that hold for every group: a param group may not set them
@@ -53,7 +47,7 @@ CONSTRUCTOR_ONLY = ("max_preconditioner_dim", "precondition_frequency", "start_p
                     "precondition_1d", "runtime")
 
 
-class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
+class SecondOrderOptimizer(torch.optim.Optimizer):
     """Base of the Asteria optimizers (see the module docstring)."""
 
     #: whether small adjacent dimensions are merged before blocking (see ``asteria.optim.blocking``)
@@ -100,8 +94,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         super().__init__(params, {k: plain(v) for k, v in defaults.items()})
         # A copy (checked again): the caller's object may be changed or reused for another optimizer.
         self.runtime = RuntimeConfig() if runtime is None else replace(runtime, memory=replace(runtime.memory))
-        from asteria.distributed import topology
-
         several_ranks = topology(replace(self.runtime, deterministic=True)) is not None
         self.runtime.deterministic = self.runtime.resolved_deterministic(several_ranks)
         self.max_preconditioner_dim = max_preconditioner_dim
@@ -111,25 +103,22 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         self._pid = os.getpid()  # the process whose threads the workers are (``_check_process``)
         self._closed = False  # close() was called: step() refuses, prefetch() does nothing
         self._busy = threading.Lock()  # held by step(), state_dict() and load_state_dict(): ``_exclusive``
-        #: what the refresh engine has seen ("": nothing, no step and no checkpoint loaded): only then may an
-        #: async optimizer load a state_dict (its engine cannot go back to earlier versions)
-        self._used = ""
+        #: what the refresh engine has seen: only a fresh async optimizer may load a state_dict
+        self._used = EngineUse.FRESH
         self._activated_step = 0  # the newest step whose activation has been done
         #: set by ``asteria.attach(late_activation=True)``: ``step()``'s last activation waits for the GPU to
         #: reach the end of the backward pass (``mark_backward``)
         self.late_activation = False
         self._backward = streams.BackwardMarks()
-        self._streak_probes: dict[int, tuple[Tensor, Any]] = {}  # group -> (pinned streaks, copy's event)
-        self._informed_groups: set[int] = set()  # id(group): every block's roots in use are informed (``_informed``)
-        self.placement = self._resolve_placement()
-        memory = self.runtime.memory
-        group_bytes = memory.group_bytes
-        if group_bytes is None and not self._resident_from_start():
+        self._nonfinite = NonfiniteGuard(self.runtime)
+        self._placement = Placement(self.runtime, {p.device for group in self.param_groups for p in group["params"]})
+        resident = self._placement.resident()
+        group_bytes = self.runtime.memory.group_bytes
+        if group_bytes is None and not resident:
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
-        self._check_factor_memory()
-        #: (the shape groups it indexes, id(parameter) -> (group, position) of its first block): ``_parameter_step``
-        self._block_index: tuple[list[ShapeGroup], dict[int, tuple[ShapeGroup, int] | None]] | None = None
+        check_factor_memory(self._groups, self._refresh_dims, self.PARAM_MOMENTS, self.placement,
+                            max_preconditioner_dim)
         #: each param group's parameter list as built (and its length): ``step()`` refuses edits of them
         self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]
         one_process = not several_ranks
@@ -142,94 +131,76 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         # whole sets, and on several ranks the refresher shares out whole groups' blocks, so there the shape
         # groups themselves are split.
         runs = None
-        if self.stagger_split and one_process and self._resident_from_start():
+        if self.stagger_split and one_process and resident:
             runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims)
         elif self.stagger_split:
             self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
         #: the factor sets the schedule refreshes (slices of the groups' sets when split), with their groups
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
-        #: the groups' own sets, whose tensors the tiers hold (the same as ``_set_groups`` unless sliced)
-        self._home_sets: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []
         for index, group in enumerate(self._groups):
-            group.state[NONFINITE_STREAK] = torch.zeros(group.batch, dtype=torch.int32, device=group.device)
-            group.state[NONFINITE_TOTAL] = torch.zeros(group.batch, dtype=torch.int64, device=group.device)
+            NonfiniteGuard.init_group(group)
             group.steps = BlockSteps(group.batch, group.device)
             group_sets.append(self._init_group(group))
-            self._home_sets += [(fset, group) for fset in group_sets[-1]]
             if runs is None or len(runs[index]) == 1:
                 self._set_groups += [(fset, group) for fset in group_sets[-1]]
             else:  # run by run, each run's modes together: the order the split groups would have
                 self._set_groups += [(fset.slice(a, b), group) for a, b in runs[index] for fset in group_sets[-1]]
-        self._group_index = {id(group): index for index, group in enumerate(self._groups)}
+        self._placement.hold(self._groups, group_sets)
+        #: the groups' own sets, whose tensors the tiers hold (the same as ``_set_groups`` unless sliced)
+        self._home_sets = self._placement.home_sets
         #: per group, the indices of its factor sets in ``_set_groups``
         self._sets_of = {id(group): [i for i, (_, g) in enumerate(self._set_groups) if g is group]
                          for group in self._groups}
-        self._tier = PreconditionerTier(self.placement, group_sets)
-        self._reading: dict[int, list[Tensor]] = {}
-        self._paged_keys: dict[int, dict[str, FactorSet]] = {}  # group -> state key -> set on the NVMe tier
         sets = [s for s, _ in self._set_groups]
-        stagger = self._staggered(sets)
-        costs = [float(s.batch) * s.dim**3 for s in sets]
-        phases = stagger_phases(costs, precondition_frequency) if stagger else [0] * len(sets)
-        # The versions used at their own step come on the unstaggered steps (see ``RefreshSchedule``).
-        self.schedule = RefreshSchedule(start, precondition_frequency, phases,
-                                        aligned=max(1, self.runtime.sync_refreshes))
+        self.schedule = plan_schedule(start, precondition_frequency, [float(s.batch) * s.dim**3 for s in sets],
+                                      self._staggered(sets), self.runtime.sync_refreshes)
         self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes)
         if self.runtime.mode == "async" and one_process:
             lag = self.runtime.activation_lag(precondition_frequency)
             depth = ring_depth(self.runtime, precondition_frequency, lag)
-            self._check_host_memory(refresh_buffer_bytes(sets, depth))
+            check_host_memory(self.runtime, precondition_frequency, refresh_buffer_bytes(sets, depth), self._groups,
+                              self.placement)
         try:
             self._refresher: Refresher = make_refresher(sets, self.runtime, precondition_frequency,
-                                                        [g for _, g in self._set_groups], self._resident_from_start())
+                                                        [g for _, g in self._set_groups], resident)
         except RuntimeError as error:  # a pinned or device allocation the checks above could not foresee
             if "out of memory" not in str(error):
                 raise
             raise MemoryError(f"{type(self).__name__}: its refresh buffers could not be allocated ({error}); see "
                               "memory_report() of a smaller configuration, and RuntimeConfig.deterministic, lag_steps "
                               "and max_preconditioner_dim for what sizes them") from error
-        self._refresher.tier = self._tier
+        #: when each version is snapshotted, comes into use and is first read (``asteria.pipeline.timeline``)
+        self.timeline = Timeline(self.schedule, self._refresher.rule, self.ACTIVATION_LAG)
+        self._placement.serve(self._refresher)
         # Stops the workers when the optimizer is collected or the interpreter exits.
-        self._tier_box = [self._tier]  # the finalizer closes the tier in use, also after _fit_gpu_budget
-        self._finalizer = weakref.finalize(self, _close, self._refresher, self._tier_box)
+        self._finalizer = weakref.finalize(self, _close, self._refresher, self._placement)
         #: torch's per-parameter ``state``: here a read-only view of each parameter's step count (the state
         #: itself is kept per block shape: ``state_dict()``)
         self.state = ParameterStates(self)  # type: ignore[assignment]
         try:
-            self._fit_gpu_budget()
-            self._place_on_nvme()
-            self._check_budgets()
+            self._placement.fit_gpu_budget()
+            self._placement.place_on_nvme()
+            self._placement.check_budgets()
         except BaseException:
             self.close()
             raise
 
-    def _resident_from_start(self) -> bool:
-        """Whether the preconditioners in use stay where they are allocated, on the parameters' device: no
-        host placement, no NVMe tier, and no GPU budget that could move them to the host."""
-        memory = self.runtime.memory
-        return (self.placement == "device" and memory.nvme_dir is None
-                and not (memory.placement == "auto" and memory.gpu_budget is not None))
+    @property
+    def placement(self) -> str:
+        """Where the preconditioners in use live: ``"device"``, ``"host"`` or ``"device_view"``
+        (``MemoryConfig.placement``, with ``"auto"`` resolved)."""
+        return self._placement.name
 
     def _staggered(self, sets: list[FactorSet]) -> bool:
-        """Whether the refresh schedule is staggered (``RuntimeConfig.stagger``; by default in async mode
-        unless every version is used at its own step).
-        On several ranks the replicas of a block must refresh it at the same step, so the schedule is
-        staggered only where every rank has the same factor sets, hence the same phases (DDP; FSDP2 with
-        even shards); where they differ, ``stagger=None`` falls back to the unstaggered schedule."""
-        from asteria.distributed import topology
-        from asteria.distributed.topology import same_on_every_rank
-
+        """Whether the refresh schedule is staggered (``asteria.pipeline.timeline.is_staggered``): on several
+        ranks the replicas of a block must refresh it at the same step, so only where every rank has the same
+        factor sets, hence the same phases (DDP; FSDP2 with even shards)."""
         wanted = self.runtime.stagger_wanted()
         topo = topology(self.runtime)
-        if topo is None or not wanted:
-            return wanted
-        if same_on_every_rank(topo, [(s.kind, s.batch, s.dim) for s in sets]):
-            return True
-        check_arg(self.runtime.stagger is None, "stagger", self.runtime.stagger,
-                  "the ranks' factor sets differ (e.g. uneven FSDP2 shards), so their phases would differ and the "
-                  "replicas of a block would refresh it at different steps: use None or False")
-        return False
+        shapes = [(s.kind, s.batch, s.dim) for s in sets]
+        same = None if topo is None or not wanted else same_on_every_rank(topo, shapes)
+        return is_staggered(self.runtime.stagger, wanted, same)
 
     # ---- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -242,13 +213,20 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         return list(group.shape)
 
     @abstractmethod
-    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
-        """Updates the group's statistics from ``grads`` (zero in blocks that are not kept)."""
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> Tensor | None:
+        """Updates the group's statistics from ``grads`` (zero in blocks that are not kept). An optimizer
+        with ``ACTIVATION_LAG = 1`` returns here the (B, *shape) direction of this step, computed from the
+        statistics as they stand between its updates and from the bases of the step before (``None``
+        leaves the parameters as they are this step); the others return None and give it in ``_direction``."""
 
-    @abstractmethod
     def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
-        """The (B, *shape) direction to step against, before the learning rate; ``None`` leaves the
-        parameters as they are this step."""
+        """For ``ACTIVATION_LAG = 0``: the (B, *shape) direction to step against, before the learning rate,
+        from the preconditioners of this step's activation; ``None`` leaves the parameters as they are."""
+        raise NotImplementedError(f"{type(self).__name__}._direction (ACTIVATION_LAG = 0 needs one)")
+
+    def _forget_derived(self) -> None:
+        """Drops what a subclass derived from the blocks' step counts and versions in use (they were loaded
+        from a checkpoint, or a step that raised was taken back)."""
 
     @staticmethod
     def check_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
@@ -336,25 +314,6 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         scales = tuple(scale(c) for c in group.steps.counts[fset.offset:fset.offset + fset.batch])
         return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"])
 
-    def _informed(self, group: ShapeGroup) -> Tensor | None:
-        """(B,) bool on the device: which blocks' preconditioners in use were all snapshotted once the
-        block had had a gradient (a version of a zero factor tells nothing); None when all were, as
-        whenever every block had its first gradient by the first refresh."""
-        steps = group.steps
-        if steps.started_by(self.schedule.start) or id(group) in self._informed_groups:
-            return None
-        informed = [first > 0 for first in steps.first_steps]
-        for index in self._sets_of[id(group)]:
-            fset = self._set_groups[index][0]
-            for block, version in enumerate(fset.versions):
-                first = steps.first_steps[fset.offset + block]
-                if version < 1 or self.schedule.snapshot_step(index, version) < first:
-                    informed[fset.offset + block] = False
-        if all(informed):  # for good: versions only grow, and a first step stays (a load clears this)
-            self._informed_groups.add(id(group))
-            return None
-        return to_device(informed, torch.bool, group.device)
-
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -400,7 +359,7 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self._step + 1
-        gathered = [self._gather(group) for group in self._groups]
+        gathered = [self._nonfinite.gather(group) for group in self._groups]
         for group, (_, _, present) in zip(self._groups, gathered):  # once all gathered: a raise there counts nothing
             group.steps.advance(present, step)
         batches = [(grads, keep) for grads, keep, _ in gathered]
@@ -410,13 +369,13 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         except BaseException:
             for group in self._groups:  # the step did not happen: its counts neither
                 group.steps.undo()
-            self._informed_groups.clear()
+            self._forget_derived()
             raise
         try:
             self._step_with(step, batches, due)
         finally:  # from the first statistics update on, the step has happened (see above)
             self._step = step
-            self._used = "stepped"
+            self._used = EngineUse.STEPPED
         return loss
 
     def _before_statistics(self, step: int, due: list[tuple[int, int]]) -> None:
@@ -425,31 +384,33 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         activation of the step before, whose preconditioners the statistics update reads."""
         self._refresher.before_factor_update()
         if due:
-            self._check_nonfinite_streaks()
+            self._nonfinite.check_streaks(self._groups)
         if self.ACTIVATION_LAG:
-            self._activate(step - 1)
+            self._activate(self.timeline.activation_read_at(step))
 
     def _step_with(self, step: int, batches: list[tuple[Tensor, Tensor]], due: list[tuple[int, int]]) -> None:
         """The rest of ``step()``: the statistics, the refreshes ``due`` at ``step``, the activation and the
         parameter update. The buffers the step read are released even when something here raises."""
+        placement = self._placement
         try:
-            for group, (grads, keep) in zip(self._groups, batches):
-                self._accumulate(group, grads, keep, step)
+            directions = []  # with ACTIVATION_LAG: each group's, from the statistics and bases before the refresh
+            for group, (grads, keep) in zip(self._groups, batches, strict=True):
+                directions.append(self._accumulate(group, grads, keep, step))
                 if self.ACTIVATION_LAG:
-                    self._done_reading(group)
+                    placement.done(group)
             if due:
                 items = [(index, version, self._root_request(*self._set_groups[index])) for index, version in due]
                 self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
                 self._refresher.check_backlog(step)
             if not self.ACTIVATION_LAG:
                 self._activate(step)
-            for group, (_, keep) in zip(self._groups, batches):
-                self._apply(group, keep, step)
-                self._done_reading(group)  # at once: the NVMe tier's few buffers serve the groups in turn
+            for group, (_, keep), direction in zip(self._groups, batches, directions, strict=True):
+                self._apply(group, keep, direction if self.ACTIVATION_LAG else self._direction(group, step))
+                placement.done(group)  # at once: the NVMe tier's few buffers serve the groups in turn
         finally:
             for group in self._groups:  # after a raise: what is still held (a no-op for the groups done)
-                self._done_reading(group)
-            self._tier.end_step()
+                placement.done(group)
+            placement.tier.end_step()
             self._backward.clear()
 
     def _activate(self, step: int) -> None:
@@ -489,16 +450,16 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         stream; the main stream will wait only on those copies), unless that step refreshes a set
         whose version is used at once (staleness 0 or the bootstrap refresh): then ``step()`` does it.
         Called by the hooks of ``asteria.attach``; harmless to call at any time between steps."""
-        step = self._step + 1 - self.ACTIVATION_LAG
+        step = self.timeline.activation_read_at(self._step + 1)
         if self._closed or step < 1 or self._activated_step >= step or self._busy.locked():
             return  # (a step running in another thread activates for itself)
         self._check_process("prefetch()")
-        if not self.ACTIVATION_LAG and any(self._refresher.activation_step(step, version) <= step
-                                           for _, version in self.schedule.due(step)):
+        if not self.ACTIVATION_LAG and any(self.timeline.used_at_once(index, version)
+                                           for index, version in self.schedule.due(step)):
             return
         self._counting_installs(step, self._refresher.activate, step)
         self._activated_step = step
-        self._tier.prefetch()
+        self._placement.tier.prefetch()
 
     def mark_backward(self, device: torch.device) -> None:
         """Notes how far the backward pass has been queued on ``device`` (called by the backward hooks of
@@ -516,86 +477,17 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         if not self._busy.locked():  # a step running in another thread moves them along itself
             self._refresher.poll(self._step)
 
-    def _gather(self, group: ShapeGroup) -> tuple[Tensor, Tensor, list[bool]]:
-        """Stacked gradients with bad blocks zeroed, and the (B,) mask of blocks to update. Which blocks
-        have a gradient, as a host list (a non-finite one too: its step is counted, and skipped)."""
-        grads, has_grad, present = group.gather_grads()
-        finite = F.usable_gradient_rows(grads)
-        bad = has_grad & ~finite
-        if self.runtime.nonfinite_grad_policy == "raise" and bool(bad.any()):
-            block = group.blocks[int(bad.nonzero()[0])]
-            raise NonFiniteGradientError(block.name, "policy 'raise' (RuntimeConfig.nonfinite_grad_policy)")
-        streak = group.state[NONFINITE_STREAK]
-        streak.copy_(torch.where(bad, streak + 1, torch.where(has_grad, 0, streak)))
-        group.state[NONFINITE_TOTAL] += bad
-        keep = has_grad & finite
-        return grads.masked_fill_(F.batch_view(~keep, grads), 0.0), keep, present  # ``grads``: a stacked copy
-
-    def _check_nonfinite_streaks(self) -> None:
-        """Raises when some block skipped too many steps in a row. Read at refresh steps only, and on a GPU
-        without making the host wait: each check copies the streaks to pinned host memory on the stream
-        and reads the copy of an earlier check once it has landed. A block that crosses the bound is thus
-        raised for up to two intervals late; a step in between never changes its parameters, it only
-        skips the block."""
-        bound = self.runtime.max_nonfinite_grad_steps
-        for index, group in enumerate(self._groups):
-            streak = group.state[NONFINITE_STREAK]
-            if streak.device.type != "cuda":
-                self._raise_for_streak(group, streak, bound)
-                continue
-            probe = self._streak_probes.get(index)
-            if probe is not None and not probe[1].query():
-                continue  # the last copy is still on its way: read it next time
-            if probe is not None:
-                self._raise_for_streak(group, probe[0], bound)
-            host = probe[0] if probe is not None else torch.empty(streak.shape, dtype=streak.dtype, pin_memory=True,
-                                                                  device="cpu")
-            host.copy_(streak, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(streak.device))
-            self._streak_probes[index] = (host, event)
-
-    @staticmethod
-    def _raise_for_streak(group: ShapeGroup, streak: Tensor, bound: int) -> None:
-        worst = int(streak.max())
-        if worst >= bound:
-            block = group.blocks[int((streak >= bound).nonzero()[0])]
-            raise NonFiniteGradientError(block.name, f"{worst} steps in a row skipped "
-                                         f"(max_nonfinite_grad_steps={bound})")
-
-    def _apply(self, group: ShapeGroup, keep: Tensor, step: int) -> None:
-        hyper = self.param_groups[group.group_index]
-        direction = self._direction(group, step)
+    def _apply(self, group: ShapeGroup, keep: Tensor, direction: Tensor | None) -> None:
+        """The decoupled update of ``group``'s kept blocks along ``direction`` (None: no update)."""
         if direction is None:
             return
+        hyper = self.param_groups[group.group_index]
         if not self.FIRST_GRADIENT_STEPS:
-            first = group.steps.first()  # all first: there was no direction above
-            keep = keep if first is False else keep & ~first
+            keep = group.steps.first().without(keep)  # (never all first: then there is no direction)
         weights = group.gather_params()  # a stacked copy: updated in place, then written back
         group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
 
-    def _parameter_step(self, param: Tensor) -> int | None:
-        """The steps in which ``param`` had a gradient (its blocks all count the same); None for a tensor
-        that is not one of this optimizer's parameters. Where each parameter's first block sits is indexed
-        once per layout of the shape groups, so a lookup costs O(1)."""
-        index = self._block_index
-        if index is None or index[0] is not self._groups:
-            where: dict[int, tuple[ShapeGroup, int] | None] = {
-                id(p): None for g in self.param_groups for p in g["params"]}
-            for group in self._groups:
-                for position, member in enumerate(group.params):
-                    if where.get(id(member)) is None:
-                        where[id(member)] = (group, position)
-            index = self._block_index = (self._groups, where)
-        if id(param) not in index[1]:
-            return None
-        block = index[1][id(param)]
-        return 0 if block is None else block[0].steps.counts[block[1]]
-
-    # ---- checkpoints --------------------------------------------------------------------------
-    def _layout(self) -> list[list]:
-        return [[g.group_index, list(g.shape), g.batch, [b.name for b in g.blocks]] for g in self._groups]
-
+    # ---- checkpoints (``asteria.optim.checkpoint``) --------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The optimizer's full state: step, hyperparameters, every shape group's batched tensors
         (factors, preconditioners in use, moments, counters), the version each block uses, and the
@@ -609,73 +501,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             pre_hook(self)
         with self._exclusive("state_dict()"):
-            state_dict = self._state_dict()
+            state_dict = checkpoint.take(self)
         for post_hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             result = post_hook(self, state_dict)
             state_dict = state_dict if result is None else result
         return state_dict
-
-    def _bound(self) -> dict[str, int | None]:
-        """The staleness bound and the deterministic rule's lag (None: not that rule) a checkpoint's
-        refreshes in flight were scheduled under."""
-        deterministic = self.runtime.mode == "async" and self.runtime.deterministic
-        return {"staleness": self.runtime.staleness, "lag_steps": self._refresher.lag if deterministic else None}
-
-    def _state_dict(self) -> dict[str, Any]:
-        state = self._own_state_dict()
-        identity = self._refresher.identity()
-        if identity is None:
-            return state
-        # On several ranks each rank's state sits under its own key, so that torch.distributed.checkpoint
-        # saves every rank's part (it keeps one copy of a key that every rank has) and each rank loads its own.
-        return {"format": RANKS_FORMAT, f"rank{identity['rank']}": state}
-
-    def _own_part(self, state_dict: Any) -> Any:
-        """This rank's state in a state_dict taken on several ranks (others pass through unchanged)."""
-        if not (isinstance(state_dict, dict) and state_dict.get("format") == RANKS_FORMAT):
-            return state_dict
-        identity = self._refresher.identity()
-        saved = sorted(k for k in state_dict if k != "format")
-        key = None if identity is None else f"rank{identity['rank']}"
-        if key not in state_dict:
-            where = "one process" if identity is None else f"rank {identity['rank']}"
-            raise ValueError(f"Invalid state_dict: it holds the state of {saved}, and this optimizer runs on {where}; "
-                             "resume with the same ranks")
-        return state_dict[key]
-
-    def _own_state_dict(self) -> dict[str, Any]:
-        if self._closed and self._paged_keys:
-            raise RuntimeError("Invalid state_dict() after close(): the preconditioners on the NVMe tier went with "
-                               "their page files at close(); take the state_dict() before closing")
-        # plain(): an lr scheduler may have put NumPy scalars there, which torch.load(weights_only=True) refuses
-        param_groups = [{k: plain(v) for k, v in g.items() if k != "params"}
-                        | {"params": list(range(len(g["params"])))} for g in self.param_groups]
-        return {
-            "format": "asteria.v1",
-            "optimizer": type(self).__name__,
-            "step": self._step,
-            "activated_step": self._activated_step,
-            "layout": self._layout(),
-            "param_groups": param_groups,
-            "groups": [{k: v.detach().clone() for k, v in g.state.items()}
-                       | {k: self._tier.current(fset).clone() for k, fset in self._paged_keys.get(i, {}).items()}
-                       for i, g in enumerate(self._groups)],
-            "versions": [list(fset.versions) for fset, _ in self._set_groups],
-            "block_steps": [list(g.steps.counts) for g in self._groups],
-            "block_first_steps": [list(g.steps.first_steps) for g in self._groups],
-            "refresher": self._refresher.state(self._step),
-            "runtime_mode": self.runtime.mode,
-            "distributed": self._refresher.identity(),
-            "bound": self._bound(),
-            "schedule": self._schedule_key(),
-        }
-
-    def _schedule_key(self) -> dict[str, Any]:
-        """When each set's versions are snapshotted (``RefreshSchedule``): a checkpoint's versions, their
-        activation steps and the blocks' first-gradient checks mean something only under the same one."""
-        schedule = self.schedule
-        return {"start": schedule.start, "interval": schedule.interval, "aligned": schedule.aligned,
-                "phases": list(schedule.phases)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of an optimizer over the same parameters and blocking; raises
@@ -691,43 +521,11 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        state_dict = self._own_part(state_dict)
+        state_dict = checkpoint.own_part(self, state_dict)
         with self._exclusive("load_state_dict()"):
-            self._load(state_dict)
+            checkpoint.restore(self, state_dict)
         for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             post_hook(self)
-
-    def _load(self, state_dict: dict[str, Any]) -> None:
-        validate_state_dict(self, state_dict)
-        if self.runtime.mode == "async" and self._used:
-            done = f"stepped (step {self._step})" if self._used == "stepped" else self._used
-            raise ValueError(f"Invalid load_state_dict into an async {type(self).__name__} that has already {done}: "
-                             "its refresh engine cannot go back to earlier versions; build a new optimizer and "
-                             "load the state_dict into it")
-        for index, (saved, group) in enumerate(zip(state_dict["groups"], self._groups)):
-            paged = self._paged_keys.get(index, {})
-            for key, tensor in saved.items():
-                if key in paged:
-                    self._tier.set_current(paged[key], tensor)
-                else:
-                    group.state[key].copy_(tensor)
-        for versions, (fset, _) in zip(state_dict["versions"], self._set_groups):
-            fset.versions = [int(v) for v in versions]
-        # Older checkpoints: every block counted the optimizer's steps; without first steps, a block's
-        # first gradient is taken as late as its count allows (the safe side for ``_informed``).
-        step = int(state_dict["step"])
-        counts = state_dict.get("block_steps") or [[step] * g.batch for g in self._groups]
-        firsts = state_dict.get("block_first_steps") or [[step - c + 1 if c else 0 for c in group]
-                                                          for group in counts]
-        for group, group_counts, group_firsts in zip(self._groups, counts, firsts):
-            group.steps.load(group_counts, group_firsts)
-        self._informed_groups.clear()
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self._step = state_dict["step"]
-        self._activated_step = state_dict["activated_step"]
-        self._used = "loaded a state_dict" if self.runtime.mode == "async" else ""
-        self._refresher.load_state(state_dict["refresher"])
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it owns refresh workers, host "
@@ -749,15 +547,20 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
         ``late_activation`` whether ``step()`` waits for the end of the backward pass (``asteria.attach``);
         ``stagger_split`` whether the large factor sets are split for the stagger (``RuntimeConfig.stagger_split``)."""
         runtime = self.runtime
-        deterministic = runtime.mode == "async" and runtime.deterministic
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
-                 "lag_steps": self._refresher.lag if deterministic else None,
+                 "lag_steps": checkpoint.bound(self)["lag_steps"],
                  "late_activation": self.late_activation, "stagger_split": self.stagger_split,
                  "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())
-        stats["nonfinite_grad_skips"] = int(sum(int(g.state[NONFINITE_TOTAL].sum()) for g in self._groups))
+        stats["nonfinite_grad_skips"] = self._nonfinite.skips(self._groups)
         return stats
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of optimizer state per tier and per kind of state (``asteria.optim.placement``): ``device``,
+        ``host`` (pinned: preconditioners under the host placements, refresh buffers, NVMe read-ahead) and
+        ``nvme`` (page files), with the placement and the bytes staged and paged so far."""
+        return self._placement.memory_report()
 
     def close(self) -> None:
         """Stops the refresh workers and closes the NVMe tier (its page files are removed). Idempotent;
@@ -776,9 +579,9 @@ class SecondOrderOptimizer(MemoryTiers, torch.optim.Optimizer):
 
 
 
-def _close(refresher: Refresher, tier_box: list[PreconditionerTier]) -> None:
-    """Stops the workers before the buffers they use go away, then closes the NVMe tier."""
+def _close(refresher: Refresher, placement: Placement) -> None:
+    """Stops the workers before the buffers they use go away, then closes the tier (the NVMe tier's files)."""
     try:
         refresher.close()
     finally:
-        tier_box[0].close()
+        placement.close()

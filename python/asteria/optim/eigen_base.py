@@ -1,6 +1,6 @@
 """What SOAP and KL-Shampoo share on top of the base: factor sets refreshed as eigenbases, whose
 installs reorder the state kept in eigen-coordinates, and a direction computed while accumulating
-(before this step's refresh changes the bases).
+(before this step's refresh changes the bases), which ``_accumulate`` returns.
 
 A block steps in the identity basis of its zero factors until the first basis of a factor with a gradient
 in it comes into use, and meanwhile keeps its state in plain coordinates: when its first gradient comes
@@ -35,7 +35,6 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
     FIRST_GRADIENT_STEPS = False  # a block's first gradient builds its factors (and basis) only
 
     def __init__(self, *args, **kwargs) -> None:
-        self._directions: dict[int, Tensor] = {}
         #: per factor set (index), per block: whether its first basis from a factor with a gradient is still to come
         self._awaiting: dict[int, list[bool]] = {}
         self._settled: set[int] = set()  # id(group): no block of it awaits a first basis any more
@@ -82,7 +81,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
                     if step > firsts[block] + 1:  # else its state is still empty (or isotropic)
                         arrived.append(block)
             if arrived:
-                bases = bases or self._preconditioners(group)
+                bases = bases or self._placement.read(group)
                 blocks = streams.indices_to_device([fset.offset + block for block in arrived], group.device)
                 self._into_basis(group, fset.mode, blocks, bases[fset.mode][blocks].square())
         if changed:
@@ -134,7 +133,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         sets = []
         for mode, dim in enumerate(group.shape):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), dtype=torch.float32, device=device)
-            basis = group.state[basis_key(mode)] = self._new_preconditioners(group, dim)
+            basis = group.state[basis_key(mode)] = self._placement.new_preconditioners(group, dim)
             installed = group.state[has_basis_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
 
             def permute(blocks: Tensor, order: Tensor, mode: int = mode) -> None:
@@ -153,6 +152,3 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         # The factors' scale does not change an eigenbasis, and eps does not enter one.
         hyper = self.param_groups[group.group_index]
         return RootRequest(scale=1.0, eps=hyper["eps"], skip_tol=hyper["refresh_skip_tol"])
-
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
-        return self._directions.pop(id(group), None)

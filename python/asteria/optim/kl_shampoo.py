@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from asteria.config import RuntimeConfig
-from asteria.optim import functional as F
+from asteria import functional as F
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
-from asteria.optim.validation import (check_betas, check_common_hyperparameters, check_nonnegative,
+from asteria.checks import (check_betas, check_common_hyperparameters, check_nonnegative,
                                      check_positive, key_name)
 from asteria.pipeline.factors import FactorSet
 
@@ -118,40 +118,51 @@ class KLShampoo(EigenbasisOptimizer):
         estimates = torch.einsum("ban,ba->bn", weights, inv_sqrt[blocks].pow(-2))
         inv_sqrt[blocks] = estimates.rsqrt()
 
-    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> Tensor | None:
+        """The momentum, the direction from it and the eigenvalue estimates before this step's, then the
+        factors and the estimates."""
         self._enter_first_bases(group, step)
         hyper = self.param_groups[group.group_index]
         beta1, beta = hyper["betas"]
         first = group.steps.first()  # a block's first gradient builds its factors alone; it takes no step
-        if first is not False:
-            starting = keep if first is True else keep & first
+        if not first.none:
+            starting = first.only(keep)
             if group.order >= 2:
-                only = grads if first is True else grads * F.batch_view(first, grads)
+                only = grads if first.every else grads * F.batch_view(first.mask, grads)
                 self._update_factors(group, only, starting, beta, rotate=False)
                 if hyper["init_factor"] is None:
                     self._init_from_gradient(group, only, starting)
-            if first is True:
-                return
-            keep = keep & ~first
-            grads = grads.masked_fill(F.batch_view(first, grads), 0.0)
+            if first.every:
+                return None
+            keep = first.without(keep)
+            grads = grads.masked_fill(F.batch_view(first.mask, grads), 0.0)
         F.masked_ema_(group.state[EXP_AVG], grads, beta1, keep)
         if group.order < 2:
-            beta2 = hyper["betas"][1]
             # Adam's bias corrections count each block's steps after its first (s = count - 1).
-            F.masked_ema_square_(group.state[ADAM_EXP_AVG_SQ], grads, beta2, keep)
-            self._directions[id(group)] = F.adam_direction(
-                group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
-                group.steps.of(lambda c: 1.0 - beta1 ** max(c - 1, 1)),
-                group.steps.of(lambda c: 1.0 - beta2 ** max(c - 1, 1)), hyper["eps"])
-            return
-        bases = self._preconditioners(group)
-        # Times s / (1 + eps s) with s = prod_a d_a^(-1/2), as a division by 1/s + eps = prod_a d_a^(1/2) + eps:
-        # two passes over the block (the damped outer product in one addcmul, then the division in place).
-        sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)],
-                             plus=hyper["eps"])
-        rotated = F.project(group.state[EXP_AVG], bases).div_(sqrt_d)
-        self._directions[id(group)] = F.project(rotated, bases, back=True)
+            F.masked_ema_square_(group.state[ADAM_EXP_AVG_SQ], grads, hyper["betas"][1], keep)
+            return self._adam_direction(group, hyper)
+        bases = self._placement.read(group)
+        direction = self._step_direction(group, bases, hyper["eps"])
         self._update_factors(group, grads, keep, beta, rotate=True)
+        return direction
+
+    @staticmethod
+    def _adam_direction(group: ShapeGroup, hyper: dict) -> Tensor:
+        """Adam's direction for the blocks of vectors and scalars, which KL-Shampoo does not precondition."""
+        beta1, beta2 = hyper["betas"]
+        return F.adam_direction(group.state[EXP_AVG], group.state[ADAM_EXP_AVG_SQ],
+                                group.steps.of(lambda c: 1.0 - beta1 ** max(c - 1, 1)),
+                                group.steps.of(lambda c: 1.0 - beta2 ** max(c - 1, 1)), hyper["eps"])
+
+    def _step_direction(self, group: ShapeGroup, bases: list[Tensor], eps: float) -> Tensor:
+        """The momentum in the eigenbases times s / (1 + eps s), s = prod_a d_a^(-1/2) from the eigenvalue
+        estimates as they stand (before this step's update), rotated back."""
+        # As a division by 1/s + eps = prod_a d_a^(1/2) + eps: two passes over the block (the damped outer
+        # product in one addcmul, then the division in place).
+        sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)],
+                             plus=eps)
+        rotated = F.project(group.state[EXP_AVG], bases).div_(sqrt_d)
+        return F.project(rotated, bases, back=True)
 
     def _init_from_gradient(self, group: ShapeGroup, grads: Tensor, keep: Tensor) -> None:
         """Every mode's eigenvalue estimates start at (mean g^2)^(1/order) of the block's first gradient, so
@@ -206,7 +217,7 @@ class KLShampoo(EigenbasisOptimizer):
     def _update_factors(self, group: ShapeGroup, grads: Tensor, keep: Tensor, beta: float, rotate: bool) -> None:
         """The KL factor update (each factor through the other modes' inverse) and, after the first
         step, the eigenvalue estimates in the stale bases; all from the state before this step."""
-        bases = self._preconditioners(group)
+        bases = self._placement.read(group)
         numel = math.prod(group.shape)
         last = group.order - 1
         # Nothing below reads the factors, so each may take its update as soon as it is computed.

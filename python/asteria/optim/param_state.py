@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import Tensor
 
+from asteria.optim.groups import ShapeGroup
+
 # torch.distributed.checkpoint.state_dict's functions that read an optimizer's state per parameter
 PER_PARAMETER_READERS = {("torch.distributed.checkpoint.state_dict", "_get_optim_state_dict")}
 
@@ -30,6 +32,8 @@ class ParameterStates(Mapping[Tensor, dict[str, Any]]):
 
     def __init__(self, optimizer: Any) -> None:
         self._optimizer = weakref.ref(optimizer)  # no cycle through the view
+        #: (the shape groups it indexes, id(parameter) -> (group, position) of its first block): ``_count``
+        self._index: tuple[list[ShapeGroup], dict[int, tuple[ShapeGroup, int] | None]] | None = None
 
     def _owner(self) -> Any:
         optimizer = self._optimizer()
@@ -41,11 +45,30 @@ class ParameterStates(Mapping[Tensor, dict[str, Any]]):
         return [p for group in self._owner().param_groups for p in group["params"]]
 
     def __getitem__(self, param: Tensor) -> dict[str, Any]:
-        count = self._owner()._parameter_step(param) if isinstance(param, Tensor) else None
+        count = self._count(param) if isinstance(param, Tensor) else None
         if count is None:
             shown = f"tensor of shape {tuple(param.shape)}" if isinstance(param, Tensor) else repr(param)
             raise KeyError(f"not a parameter of this optimizer: {shown}")
         return {"step": count}
+
+    def _count(self, param: Tensor) -> int | None:
+        """The steps in which ``param`` had a gradient (its blocks all count the same); None for a tensor
+        that is not one of the optimizer's parameters. Where each parameter's first block sits is indexed
+        once per layout of the shape groups, so a lookup costs O(1)."""
+        optimizer = self._owner()
+        index = self._index
+        if index is None or index[0] is not optimizer._groups:
+            where: dict[int, tuple[ShapeGroup, int] | None] = {
+                id(p): None for g in optimizer.param_groups for p in g["params"]}
+            for group in optimizer._groups:
+                for position, member in enumerate(group.params):
+                    if where.get(id(member)) is None:
+                        where[id(member)] = (group, position)
+            index = self._index = (optimizer._groups, where)
+        if id(param) not in index[1]:
+            return None
+        block = index[1][id(param)]
+        return 0 if block is None else block[0].steps.counts[block[1]]
 
     def __setitem__(self, param: Tensor, value: Any) -> None:
         raise TypeError("Invalid assignment to optimizer.state: it is a read-only view of each parameter's step "

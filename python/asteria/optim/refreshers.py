@@ -4,8 +4,9 @@ or the distributed one."""
 from __future__ import annotations
 
 from asteria.config import RuntimeConfig
-from asteria.distributed import distributed_refresher, topology
-from asteria.optim.validation import check_arg
+from asteria.distributed.runtime import distributed_refresher
+from asteria.distributed.topology import topology
+from asteria.checks import check_arg
 from asteria.pipeline.async_refresh import AsyncRefresher, device_lane_wanted
 from asteria.pipeline.factors import FactorSet
 from asteria.pipeline.refresh import Refresher, SyncRefresher

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asteria import functional as F
 from asteria.config import RuntimeConfig
-from asteria.optim import functional as F
 from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key, has_root_key, root_key
-from asteria.optim.validation import (check_arg, check_betas, check_common_hyperparameters, check_positive,
+from asteria.optim.steps import to_device
+from asteria.checks import (check_arg, check_betas, check_common_hyperparameters, check_positive,
                                      check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
@@ -69,6 +70,7 @@ class Shampoo(SecondOrderOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grafting=grafting,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps)
         self.check_hyperparameters(defaults)
+        self._informed_groups: set[int] = set()  # id(group): every block's roots in use are informed (``_informed``)
         super().__init__(params, defaults, max_preconditioner_dim=max_preconditioner_dim,
                          precondition_frequency=precondition_frequency,
                          start_preconditioning_step=start_preconditioning_step, runtime=runtime)
@@ -81,6 +83,28 @@ class Shampoo(SecondOrderOptimizer):
         check_unit(hyper["grafting_beta2"], name("grafting_beta2"), "must be None or in [0, 1)")
         check_positive(hyper["grafting_eps"], name("grafting_eps"))
 
+    def _informed(self, group: ShapeGroup) -> Tensor | None:
+        """(B,) bool on the device: which blocks' preconditioners in use were all snapshotted once the
+        block had had a gradient (a version of a zero factor tells nothing); None when all were, as
+        whenever every block had its first gradient by the first refresh."""
+        steps = group.steps
+        if steps.started_by(self.schedule.start) or id(group) in self._informed_groups:
+            return None
+        informed = [first > 0 for first in steps.first_steps]
+        for index in self._sets_of[id(group)]:
+            fset = self._set_groups[index][0]
+            for block, version in enumerate(fset.versions):
+                first = steps.first_steps[fset.offset + block]
+                if version < 1 or self.schedule.snapshot_step(index, version) < first:
+                    informed[fset.offset + block] = False
+        if all(informed):  # for good: versions only grow, and a first step stays (``_forget_derived`` clears it)
+            self._informed_groups.add(id(group))
+            return None
+        return to_device(informed, torch.bool, group.device)
+
+    def _forget_derived(self) -> None:
+        self._informed_groups.clear()
+
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
         group.state[MOMENTUM] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
@@ -88,7 +112,7 @@ class Shampoo(SecondOrderOptimizer):
         sets = []
         for mode, dim in enumerate(group.shape):
             factor = group.state[factor_key(mode)] = torch.zeros((batch, dim, dim), dtype=torch.float32, device=device)
-            root = group.state[root_key(mode)] = self._new_preconditioners(group, dim)
+            root = group.state[root_key(mode)] = self._placement.new_preconditioners(group, dim)
             has_root = group.state[has_root_key(mode)] = torch.zeros(batch, dtype=torch.bool, device=device)
             sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=root,
                                   installed=has_root, exponent=-1.0 / (2 * group.order),
@@ -113,7 +137,7 @@ class Shampoo(SecondOrderOptimizer):
         fallback = adam if hyper["grafting"] == "adam" else momentum
         if group.order == 0:
             return fallback
-        roots = self._preconditioners(group)
+        roots = self._placement.read(group)
         shampoo = F.precondition(momentum, roots)
         if hyper["grafting"] == "adam":
             shampoo = F.graft(shampoo, adam)

@@ -9,11 +9,11 @@ import torch
 from torch import Tensor
 
 from asteria.config import RuntimeConfig
-from asteria.optim import functional as F
+from asteria import functional as F
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
-from asteria.optim.validation import (check_arg, check_betas, check_common_hyperparameters, check_nonnegative,
+from asteria.checks import (check_arg, check_betas, check_common_hyperparameters, check_nonnegative,
                                      check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
@@ -107,34 +107,41 @@ class SOAP(EigenbasisOptimizer):
     def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
         if not self._rotated(group):
             return [None] * group.order
-        return self._preconditioners(group)
+        return self._placement.read(group)
 
     def _into_basis(self, group: ShapeGroup, mode: int, blocks: Tensor, weights: Tensor) -> None:
         second = group.state[EXP_AVG_SQ]  # the first moment is kept in plain coordinates: it needs nothing
         second[blocks] = F.project(second[blocks], [weights if m == mode else None for m in range(group.order)])
 
-    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
+    def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> Tensor | None:
+        """Adam's moments in the bases of the step before, the direction from them, then the factors."""
         self._enter_first_bases(group, step)
         hyper = self.param_groups[group.group_index]
         factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
         steps = group.steps
         first = steps.first()  # a block's first gradient only builds its factors: it never meets its own projection
-        if first is True:
+        if first.every:
             F.update_factors_(factors, grads, 0.0, keep)
-            return
+            return None
         beta1, beta2 = hyper["betas"]
         # Debiased by each block's own count of steps (s = count - 1 after the first); the factors of a block
         # at its first gradient take it whole (weight 0 on the zeros before).
-        moments = keep if first is False else keep & ~first
+        moments = first.without(keep)
         bases = self._bases(group)
         F.masked_ema_(group.state[EXP_AVG], grads, steps.of(lambda c: debiased(beta1, max(c - 1, 1))), moments)
         rotated = F.project(grads, bases)
-        if first is not False:
-            rotated = rotated.masked_fill(F.batch_view(first, rotated), 0.0)  # (may be ``grads`` itself)
+        if first.mask is not None:
+            rotated = rotated.masked_fill(F.batch_view(first.mask, rotated), 0.0)  # (may be ``grads`` itself)
         F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, steps.of(lambda c: debiased(beta2, max(c - 1, 1))),
                              moments)
-        denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(hyper["eps"])
-        self._directions[id(group)] = F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
+        direction = self._step_direction(group, bases, hyper["eps"])
         shampoo_beta = hyper["shampoo_beta"]
         F.update_factors_(factors, grads, steps.of(lambda c: debiased(shampoo_beta, c - 1) if c >= 2 else 0.0), keep)
+        return direction
 
+    @staticmethod
+    def _step_direction(group: ShapeGroup, bases: list[Tensor | None], eps: float) -> Tensor:
+        """Adam's direction in the eigenbases ``bases``, rotated back: the first moment projected and divided
+        by the root of the second (kept in the bases), floored at ``eps``."""
+        denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(eps)
+        return F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)

@@ -9,9 +9,39 @@ bias corrections read these counts; the refresh schedule stays global (``SecondO
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class FirstGradients:
+    """Which blocks of a shape group take their first gradient this step (count 1): all of them (``every``),
+    or those of ``mask``, a (B,) bool tensor on the device (None: none of them)."""
+
+    every: bool
+    mask: Tensor | None = None
+
+    @property
+    def none(self) -> bool:
+        return not self.every and self.mask is None
+
+    def without(self, keep: Tensor) -> Tensor:
+        """The (B,) mask ``keep`` less the blocks that take their first gradient."""
+        if self.every:
+            return torch.zeros_like(keep)
+        return keep if self.mask is None else keep & ~self.mask
+
+    def only(self, keep: Tensor) -> Tensor:
+        """The (B,) mask ``keep`` restricted to the blocks that take their first gradient."""
+        if self.every:
+            return keep
+        return torch.zeros_like(keep) if self.mask is None else keep & self.mask
+
+
+NO_FIRST = FirstGradients(every=False)
+ALL_FIRST = FirstGradients(every=True)
 
 
 class BlockSteps:
@@ -30,7 +60,7 @@ class BlockSteps:
         self._uniform: int | None = 0  # the count every block has (None: they differ)
         self._started_by: int | None = None  # every block's first gradient came by this step (None: not known)
         self._before: tuple[list[int], list[int], int | None] | None = None  # for ``undo``
-        self._first: bool | Tensor | None = None  # ``first()`` of the current counts (None: not built yet)
+        self._first: FirstGradients | None = None  # ``first()`` of the current counts (None: not built yet)
 
     def advance(self, present: list[bool], step: int) -> None:
         """Counts optimizer step ``step`` for the blocks whose parameter has a gradient (``undo`` takes
@@ -93,14 +123,13 @@ class BlockSteps:
             return float(rule(count))
         return to_device([float(rule(c)) for c in self.counts], torch.float32, self.device)
 
-    def first(self) -> bool | Tensor:
-        """Which blocks take their first gradient this step (count 1): ``True`` or ``False`` when all or
-        none do, else a (B,) bool tensor on the device."""
+    def first(self) -> FirstGradients:
+        """Which blocks take their first gradient this step (count 1)."""
         if self._uniform is not None:
-            return self._uniform == 1
+            return ALL_FIRST if self._uniform == 1 else NO_FIRST
         if self._first is None:  # read twice a step (accumulate, apply): copied to the device once
             flags = [count == 1 for count in self.counts]
-            self._first = to_device(flags, torch.bool, self.device) if any(flags) else False
+            self._first = FirstGradients(False, to_device(flags, torch.bool, self.device)) if any(flags) else NO_FIRST
         return self._first
 
 

@@ -20,7 +20,7 @@ import torch
 
 from asteria import _core
 from asteria.config import RuntimeConfig, is_int
-from asteria.optim.validation import check_arg, check_saved_request, check_saved_snapshot
+from asteria.checks import check_arg, check_saved_request, check_saved_snapshot
 from asteria.pipeline import packing, streams
 from asteria.pipeline.backlog import BacklogMonitor
 from asteria.pipeline.balance import LaneBalancer

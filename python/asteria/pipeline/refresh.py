@@ -17,10 +17,11 @@ import torch
 
 from asteria.config import RuntimeConfig
 from asteria.errors import RefreshError
-from asteria.optim import functional as F
-from asteria.optim.validation import check_arg, check_counts
+from asteria import functional as F
+from asteria.checks import check_arg, check_counts
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh_math import refresh_set
+from asteria.pipeline.timeline import ActivationRule
 
 
 SAVED = "state_dict['refresher']"  # how a checkpoint's refresher state is named in errors
@@ -36,6 +37,8 @@ class Refresher(ABC):
         self.sets = sets
         self.config = config
         self.interval = interval
+        #: from which step each version is in use (``asteria.pipeline.timeline``; checks ``lag_steps``)
+        self.rule = ActivationRule.of(config, interval)
         self._newest_versions = [0] * len(sets)
         self.tier: Any = None  # the optimizer's PreconditionerTier: told before a preconditioner is overwritten
         self._installs: list[tuple[int, int]] = []  # (set index, version) per block whose version changed
@@ -68,9 +71,14 @@ class Refresher(ABC):
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
 
+    @property
+    def lag(self) -> int:
+        """Steps from a snapshot to its activation under the deterministic rule (0 in native mode)."""
+        return self.rule.lag
+
     def activation_step(self, step: int, version: int) -> int:
-        """The step from which ``version`` of a set, snapshotted at ``step``, is in use."""
-        return step
+        """The step whose activation ``version`` of a set, snapshotted at ``step``, is due at."""
+        return self.rule.activation_step(step, version)
 
     def poll(self, step: int) -> None:
         """Moves finished transfers along without waiting (``step``: the last completed step)."""

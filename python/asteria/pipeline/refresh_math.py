@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asteria.optim import functional as F
+from asteria import functional as F
 from asteria.pipeline.factors import FactorSet, RootRequest
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asteria import _core
+from asteria import _core, cpus
+from asteria.checks import check_arg, check_entry
 from asteria.config import RuntimeConfig, is_int
-from asteria.optim.validation import check_arg, check_entry
-from asteria.pipeline import cpus, streams
+from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh import SAVED, Refresher
 
@@ -112,19 +112,10 @@ class WorkerRefresher(Refresher):
             yield name, entry
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
-        super().__init__(sets, config, interval)
-        self.lag = config.activation_lag(interval)  # checked before any thread starts
+        super().__init__(sets, config, interval)  # (lag_steps is checked there, before any thread starts)
         self.depth = ring_depth(config, interval, self.lag)
         # Installs queued on a side stream, which the current stream waits for before it reads them.
         self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
-
-    def activation_step(self, step: int, version: int) -> int:
-        """The step from which ``version`` (snapshotted at ``step``) is used under the deterministic rule:
-        ``lag_steps`` later (default S intervals), except the first ``sync_refreshes`` versions (used at
-        once)."""
-        if version <= self.config.sync_refreshes:
-            return step
-        return step + self.lag
 
     def before_factor_update(self) -> None:
         self.stager.before_factor_update()

@@ -21,7 +21,7 @@ import torch
 
 import asteria
 from asteria.config import PLACEMENTS
-from asteria.pipeline.hooks import PREFETCH_POINTS
+from asteria.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import interrupted
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench

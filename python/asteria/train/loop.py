@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import asteria
 from asteria.config import MAX_FREQUENCY, MAX_STALENESS, is_int
-from asteria.pipeline.hooks import PREFETCH_POINTS
+from asteria.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer

@@ -1,18 +1,30 @@
-"""Argument checks shared by the optimizers: hyperparameters (also per param group) and checkpoints.
+"""An Asteria optimizer's checkpoint: what ``state_dict()`` holds, how ``load_state_dict()`` restores it, and
+the checks that refuse a checkpoint naming what differs before anything changes.
 
-Every error is ``ValueError("Invalid <name>=<value>: <what is allowed>")``; a checkpoint is checked in
-full before ``load_state_dict`` changes anything.
+The state of a ``SecondOrderOptimizer`` is kept per shape group (batched tensors), per factor set (the version
+each block uses) and in its refresher (the refreshes scheduled but not yet in use, as their snapshots). With
+``deterministic=True`` a run resumed from it continues bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from asteria.config import is_int, is_real
+from asteria.checks import check_arg, check_dense, check_entry
+from asteria.config import is_int, plain
+from asteria.optim.groups import ShapeGroup
+from asteria.pipeline.timeline import RefreshSchedule
 
+if TYPE_CHECKING:
+    from asteria.optim.base import SecondOrderOptimizer
+
+#: the format of one process's state
+FORMAT = "asteria.v1"
+#: the format of a state_dict taken on several ranks: each rank's own state under "rank<r>"
+RANKS_FORMAT = "asteria.ranks.v1"
 #: the largest step a checkpoint may hold: the core counts steps (and activation steps beyond them) in int64
 MAX_STEP = 2**62
 
@@ -20,104 +32,132 @@ STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups",
                    "runtime_mode", "distributed")
 
 
-def check_arg(ok: bool, name: str, value: Any, allowed: str) -> None:
-    """Raises ``ValueError('Invalid name=value: allowed')`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"Invalid {name}={value!r}: {allowed}")
+class EngineUse(enum.Enum):
+    """What an optimizer's refresh engine has seen. An async engine cannot go back to earlier versions, so
+    only a fresh one may load a checkpoint."""
+
+    FRESH = "fresh"
+    STEPPED = "stepped"
+    LOADED = "loaded a state_dict"
 
 
-def is_scalar_tensor(value: Any) -> bool:
-    """A one-element real tensor that needs no gradient (torch's optimizers accept one as ``lr``)."""
-    return (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
-            and value.dtype != torch.bool and not value.requires_grad)
+def layout(groups: list[ShapeGroup]) -> list[list]:
+    """The blocking a checkpoint's tensors belong to: per shape group its param group, shape, batch and blocks."""
+    return [[g.group_index, list(g.shape), g.batch, [b.name for b in g.blocks]] for g in groups]
 
 
-def check_nonnegative(value: Any, name: str) -> None:
-    check_arg(is_real(value) and value >= 0, name, value, "must be a finite number >= 0")
+def schedule_key(schedule: RefreshSchedule) -> dict[str, Any]:
+    """When each set's versions are snapshotted: a checkpoint's versions, their activation steps and the blocks'
+    first-gradient checks mean something only under the same schedule."""
+    return {"start": schedule.start, "interval": schedule.interval, "aligned": schedule.aligned,
+            "phases": list(schedule.phases)}
 
 
-def check_positive(value: Any, name: str) -> None:
-    check_arg(is_real(value) and value > 0, name, value, "must be a finite number > 0")
+def bound(opt: SecondOrderOptimizer) -> dict[str, int | None]:
+    """The staleness bound and the deterministic rule's lag (None: not that rule) under which a checkpoint's
+    refreshes in flight were scheduled."""
+    deterministic = opt.runtime.mode == "async" and opt.runtime.deterministic
+    return {"staleness": opt.runtime.staleness, "lag_steps": opt._refresher.lag if deterministic else None}
 
 
-def check_unit(value: Any, name: str, allowed: str = "must be in [0, 1)") -> None:
-    check_arg(is_real(value) and 0.0 <= value < 1.0, name, value, allowed)
+def take(opt: SecondOrderOptimizer) -> dict[str, Any]:
+    """``opt``'s state; on several ranks under this rank's own key, so that torch.distributed.checkpoint saves
+    every rank's part (it keeps one copy of a key that every rank has) and each rank loads its own."""
+    state = _own_state(opt)
+    identity = opt._refresher.identity()
+    if identity is None:
+        return state
+    return {"format": RANKS_FORMAT, f"rank{identity['rank']}": state}
 
 
-def check_betas(betas: Any, name: str = "betas") -> None:
-    check_arg(isinstance(betas, (tuple, list)) and len(betas) == 2, name, betas, "must be a pair of floats")
-    for i, beta in enumerate(betas):
-        check_unit(beta, f"{name}[{i}]")
+def _own_state(opt: SecondOrderOptimizer) -> dict[str, Any]:
+    placement = opt._placement
+    if opt._closed and placement.paged_keys:
+        raise RuntimeError("Invalid state_dict() after close(): the preconditioners on the NVMe tier went with "
+                           "their page files at close(); take the state_dict() before closing")
+    # plain(): an lr scheduler may have put NumPy scalars there, which torch.load(weights_only=True) refuses
+    param_groups = [{k: plain(v) for k, v in g.items() if k != "params"}
+                    | {"params": list(range(len(g["params"])))} for g in opt.param_groups]
+    return {
+        "format": FORMAT,
+        "optimizer": type(opt).__name__,
+        "step": opt._step,
+        "activated_step": opt._activated_step,
+        "layout": layout(opt._groups),
+        "param_groups": param_groups,
+        "groups": [{k: v.detach().clone() for k, v in g.state.items()}
+                   | {k: placement.tier.current(fset).clone() for k, fset in placement.paged_keys.get(i, {}).items()}
+                   for i, g in enumerate(opt._groups)],
+        "versions": [list(fset.versions) for fset, _ in opt._set_groups],
+        "block_steps": [list(g.steps.counts) for g in opt._groups],
+        "block_first_steps": [list(g.steps.first_steps) for g in opt._groups],
+        "refresher": opt._refresher.state(opt._step),
+        "runtime_mode": opt.runtime.mode,
+        "distributed": opt._refresher.identity(),
+        "bound": bound(opt),
+        "schedule": schedule_key(opt.schedule),
+    }
 
 
-def check_count(value: Any, name: str, minimum: int = 1, optional: bool = False) -> None:
-    prefix = "None or " if optional else ""
-    check_arg((optional and value is None) or (is_int(value) and value >= minimum), name, value,
-              f"must be {prefix}an int >= {minimum}")
+def own_part(opt: SecondOrderOptimizer, state_dict: Any) -> Any:
+    """This rank's state in a state_dict taken on several ranks (others pass through unchanged)."""
+    if not (isinstance(state_dict, dict) and state_dict.get("format") == RANKS_FORMAT):
+        return state_dict
+    identity = opt._refresher.identity()
+    saved = sorted(k for k in state_dict if k != "format")
+    key = None if identity is None else f"rank{identity['rank']}"
+    if key not in state_dict:
+        where = "one process" if identity is None else f"rank {identity['rank']}"
+        raise ValueError(f"Invalid state_dict: it holds the state of {saved}, and this optimizer runs on {where}; "
+                         "resume with the same ranks")
+    return state_dict[key]
 
 
-def check_counts(value: Any, name: str, length: int, what: str, minimum: int = 0) -> None:
-    """``value`` must be a list (or tuple, or a 1-D integer NumPy array, as older checkpoints hold) of
-    ``length`` ints >= ``minimum``: ``what`` says what they are."""
-    if isinstance(value, np.ndarray) and value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
-        value = value.tolist()
-    check_arg(isinstance(value, (list, tuple)) and len(value) == length
-              and all(is_int(v) and v >= minimum for v in value), name, value,
-              f"must be {length} ints >= {minimum}, {what}")
-
-
-def check_saved_request(saved: Any, batch: int, name: str) -> None:
-    """A ``RootRequest.saved()``: (scale, eps, skip_tol), or (scale, eps) as older checkpoints hold it, the
-    scale one number or one per block of the set."""
-    ok = isinstance(saved, (list, tuple)) and len(saved) in (2, 3) and all(is_real(v) for v in saved[1:])
-    if ok:
-        scale = saved[0]
-        ok = is_real(scale) or (isinstance(scale, (list, tuple)) and len(scale) == batch
-                                and all(is_real(v) for v in scale))
-    check_arg(ok, name, saved, f"must be (scale, eps, skip_tol): finite numbers, the scale one or {batch} of them "
-              "(one per block); skip_tol may be left out")
-
-
-def check_dense(tensor: Any, name: str) -> None:
-    """A torch.Tensor with data a step can read: strided (not sparse) and not on the meta device."""
-    check_arg(isinstance(tensor, torch.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
-    check_arg(tensor.layout == torch.strided and not tensor.is_meta, name,
-              f"{tensor.layout} tensor on {tensor.device}", "must be a dense (strided) tensor with data, not sparse "
-              "or on the meta device")
-
-
-def check_saved_snapshot(tensor: Any, shape: tuple[int, ...], name: str) -> None:
-    """A factor snapshot of a refresh in flight: a finite float32 tensor of the set's ``shape``."""
-    check_dense(tensor, name)
-    check_arg(tensor.dtype == torch.float32 and tuple(tensor.shape) == tuple(shape), name,
-              f"{tensor.dtype} {tuple(tensor.shape)}", f"must be torch.float32 {tuple(shape)}")
-    check_arg(bool(torch.isfinite(tensor).all()), name, "tensor with non-finite values",
-              "a snapshot of the factors must be finite (a corrupted checkpoint?)")
-
-
-def check_entry(entry: Any, keys: tuple[str, ...], name: str) -> None:
-    """A dict holding at least ``keys``."""
-    check_arg(isinstance(entry, dict) and all(key in entry for key in keys), name,
-              f"{type(entry).__name__} with keys {sorted(entry, key=str) if isinstance(entry, dict) else '?'}",
-              f"must be a dict with the keys {list(keys)}")
-
-
-def key_name(where: str, key: str) -> str:
-    """``lr`` for the defaults (where == ""), ``param_groups[1]['lr']`` for a group."""
-    return f"{where}[{key!r}]" if where else key
+def restore(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """Checks ``state_dict`` in full, then loads it into ``opt``."""
+    validate_state_dict(opt, state_dict)
+    if opt.runtime.mode == "async" and opt._used is not EngineUse.FRESH:
+        done = f"stepped (step {opt._step})" if opt._used is EngineUse.STEPPED else opt._used.value
+        raise ValueError(f"Invalid load_state_dict into an async {type(opt).__name__} that has already {done}: "
+                         "its refresh engine cannot go back to earlier versions; build a new optimizer and "
+                         "load the state_dict into it")
+    placement = opt._placement
+    for index, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups, strict=True)):
+        paged = placement.paged_keys.get(index, {})
+        for key, tensor in saved.items():
+            if key in paged:
+                placement.tier.set_current(paged[key], tensor)
+            else:
+                group.state[key].copy_(tensor)
+    for versions, (fset, _) in zip(state_dict["versions"], opt._set_groups, strict=True):
+        fset.versions = [int(v) for v in versions]
+    # Older checkpoints: every block counted the optimizer's steps; without first steps, a block's
+    # first gradient is taken as late as its count allows (the safe side for Shampoo's ``_informed``).
+    step = int(state_dict["step"])
+    counts = state_dict.get("block_steps") or [[step] * g.batch for g in opt._groups]
+    firsts = state_dict.get("block_first_steps") or [[step - c + 1 if c else 0 for c in group] for group in counts]
+    for group, group_counts, group_firsts in zip(opt._groups, counts, firsts, strict=True):
+        group.steps.load(group_counts, group_firsts)
+    opt._forget_derived()
+    for saved, group in zip(state_dict["param_groups"], opt.param_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    opt._step = state_dict["step"]
+    opt._activated_step = state_dict["activated_step"]
+    opt._used = EngineUse.LOADED if opt.runtime.mode == "async" else EngineUse.FRESH
+    opt._refresher.load_state(state_dict["refresher"])
 
 
 def unstaggered(schedule: Any) -> bool:
-    """Whether a saved refresh schedule (``_schedule_key()``) refreshes every set at the same steps."""
+    """Whether a saved refresh schedule (``schedule_key()``) refreshes every set at the same steps."""
     return isinstance(schedule, dict) and isinstance(schedule.get("phases"), list) and not any(schedule["phases"])
 
 
-def validate_state_dict(opt: Any, state_dict: Any) -> None:
-    """Checks a checkpoint against optimizer ``opt`` (an ``asteria.optim.base.SecondOrderOptimizer``):
+def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
+    """Checks a checkpoint against optimizer ``opt``:
     every key present, the step a count, one entry per shape group, param group and factor set, every
     state tensor of the expected shape and dtype and finite where it is floating point, versions counts,
     hyperparameters valid. Raises ``ValueError`` naming the entry; changes nothing."""
-    check_arg(isinstance(state_dict, dict) and state_dict.get("format") == "asteria.v1", "state_dict",
+    check_arg(isinstance(state_dict, dict) and state_dict.get("format") == FORMAT, "state_dict",
               type(state_dict).__name__, "must come from an Asteria optimizer's state_dict()")
     saved_class = state_dict.get("optimizer")  # None: written before the class was recorded
     if saved_class is not None and saved_class != type(opt).__name__:
@@ -134,9 +174,9 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                          f"mode {opt.runtime.mode!r}")
     check_bound(opt, state_dict.get("bound"))
-    if state_dict["layout"] != opt._layout():
+    if state_dict["layout"] != layout(opt._groups):
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
-                         f"{opt._layout()} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
+                         f"{layout(opt._groups)} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
                          "RuntimeConfig.stagger_split differ)")
     for key in ("step", "activated_step"):
         check_arg(is_int(state_dict[key]) and 0 <= state_dict[key] <= MAX_STEP, f"state_dict[{key!r}]",
@@ -150,7 +190,8 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         check_arg(isinstance(value, (list, tuple)) and len(value) == expected, f"state_dict[{key!r}]",
                   f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else '?'} entries",
                   f"must be a list of {expected} entries, one per {what} of this optimizer")
-    saved_schedule, schedule = state_dict.get("schedule"), opt._schedule_key()  # None: written before it was saved
+    saved_schedule = state_dict.get("schedule")  # None: written before it was saved
+    schedule = schedule_key(opt.schedule)
     if unstaggered(saved_schedule) and unstaggered(schedule):  # then how many versions are aligned changes nothing
         saved_schedule = saved_schedule | {"aligned": schedule["aligned"]}
     if saved_schedule is not None and saved_schedule != schedule:
@@ -166,7 +207,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
-        expected = opt._expected_state(i)
+        expected = opt._placement.expected_state(i)
         if saved.keys() != expected.keys():
             raise ValueError(f"Invalid state_dict: state {sorted(saved, key=str)} of {group.name} does not match "
                              f"{sorted(expected)} (a different optimizer class?)")
@@ -205,7 +246,7 @@ def validate_state_dict(opt: Any, state_dict: Any) -> None:
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
 
 
-def check_bound(opt: Any, saved: Any) -> None:
+def check_bound(opt: SecondOrderOptimizer, saved: Any) -> None:
     """An async checkpoint's refreshes in flight were scheduled under its staleness bound and lag (ring
     slots and activation steps): resuming with a smaller one would make them late. ``saved`` is the
     checkpoint's ``bound`` entry (None: written before it was recorded; not checked)."""
@@ -213,7 +254,7 @@ def check_bound(opt: Any, saved: Any) -> None:
         return
     check_arg(isinstance(saved, dict) and is_int(saved.get("staleness")), "state_dict['bound']", saved,
               "must be a dict with the staleness (an int) and lag_steps the checkpoint was written with")
-    mine = opt._bound()
+    mine = bound(opt)
     if mine["staleness"] < saved["staleness"]:
         raise ValueError(f"Invalid state_dict: saved with staleness={saved['staleness']}, this optimizer has "
                          f"staleness={mine['staleness']}; the refreshes in flight were scheduled under the saved "
@@ -231,14 +272,3 @@ def describe_layout(identity: dict[str, Any] | None) -> str:
         return "a single process"
     return (f"rank {identity['rank']} of world size {identity['world_size']} (local world size "
             f"{identity['local_world_size']}, block owners {identity['owners']})")
-
-
-def check_common_hyperparameters(hyper: dict[str, Any], where: str = "") -> None:
-    """The hyperparameters every Asteria optimizer has: lr, betas, eps and weight_decay."""
-    lr = hyper["lr"]
-    value = float(lr) if is_scalar_tensor(lr) else lr
-    check_arg(is_real(value) and value >= 0, key_name(where, "lr"), lr,
-              "must be a finite number >= 0 (or a one-element tensor holding one)")
-    check_betas(hyper["betas"], key_name(where, "betas"))
-    check_positive(hyper["eps"], key_name(where, "eps"))
-    check_nonnegative(hyper["weight_decay"], key_name(where, "weight_decay"))

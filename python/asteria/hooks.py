@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from asteria.config import plain
+from asteria.optim.base import SecondOrderOptimizer
 
 
 class AttachHandle:
@@ -55,7 +56,7 @@ class AttachHandle:
     Neither the hooks nor the handle keep the optimizer alive: once it is collected (or closed) the hooks
     left on the model do nothing, and ``optimizer`` is None."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, handles: list[RemovableHandle],
+    def __init__(self, model: nn.Module, optimizer: SecondOrderOptimizer, handles: list[RemovableHandle],
                  late_activation: bool = False) -> None:
         self.model = model
         self._optimizer = weakref.ref(optimizer)
@@ -64,7 +65,7 @@ class AttachHandle:
         self.late_activation = late_activation
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> SecondOrderOptimizer | None:
         """The optimizer whose hooks these are; None once it has been collected."""
         return self._optimizer()
 
@@ -117,8 +118,6 @@ def attach(model: nn.Module, optimizer: Any, drain_points: int = DRAIN_POINTS,
     models with tied, frozen or unused parameters, and models of which the optimizer sees only part.
     Returns a handle; ``handle.remove()`` leaves no hook behind.
     """
-    from asteria.optim.base import SecondOrderOptimizer
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"Invalid model={type(model).__name__}: must be a torch.nn.Module")
     if not isinstance(optimizer, SecondOrderOptimizer):

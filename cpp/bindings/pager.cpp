@@ -89,7 +89,7 @@ nb::dict stats_dict(const store::PagerStats& s) {
 
 }  // namespace
 
-void init_store(nb::module_& m) {
+void init_pager(nb::module_& m) {
   nb::class_<PyPager>(m, "Pager",
                       "NVMe pager: versioned records (key, version, up to record_bytes bytes) in checksummed A/B "
                       "page files under `directory`, written and read by background I/O threads with O_DIRECT "
