@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import trace_steps
 
 import asteria
-import trace_steps
 from asteria.train.bench import warmup_steps
 from asteria.train.loop import RunConfig, make_optimizer
 from asteria.train.model import build_model

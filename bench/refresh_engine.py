@@ -41,7 +41,6 @@ import torch  # noqa: E402
 
 from asteria import _core  # noqa: E402
 
-
 ROUNDS = 3  # timed rounds per configuration (interleaved); each reports its best
 
 

@@ -63,7 +63,8 @@ def worker_threads() -> int:
 
 def relative_errors(actual, expected) -> list[float]:
     """Per tensor pair, ||actual - expected|| / ||expected|| in float64."""
-    return [float((a.detach().double() - e.double()).norm() / e.double().norm()) for a, e in zip(actual, expected)]
+    return [float((a.detach().double() - e.double()).norm() / e.double().norm())
+            for a, e in zip(actual, expected, strict=True)]
 
 
 #: how far ``within_rounding_noise`` nudges the inputs of a run: far above float32's unit roundoff (6e-8), so
@@ -119,7 +120,7 @@ def small_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Mo
     """A small MLP with a bias on every layer (1-D parameters too)."""
     gen = torch.Generator().manual_seed(seed)
     layers: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         linear = torch.nn.Linear(a, b)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(b, a, generator=gen) / a**0.5)
@@ -183,14 +184,14 @@ def resumed_run(model: torch.nn.Module, opt, weights: list[torch.Tensor], load, 
     checkpoint loaded however the test saves it), then ``steps`` steps; closes ``opt``."""
     with opt:
         with torch.no_grad():
-            for p, q in zip(model.parameters(), weights):
+            for p, q in zip(model.parameters(), weights, strict=True):
                 p.copy_(q)
         load(opt)
         train(model, opt, steps, data=data)
 
 
 def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:

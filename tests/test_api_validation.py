@@ -10,10 +10,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import small_mlp, train
 
 import asteria
 from asteria import testing
-from conftest import small_mlp, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -107,7 +107,7 @@ def test_hyperparameters_changed_after_construction_are_checked_at_the_step(opti
         opt.param_groups[0][key] = value
         with pytest.raises(ValueError, match=match):
             train(model, opt, 1)
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt._step == 3
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)) and opt._step == 3
 
 
 def test_a_scheduler_that_makes_the_lr_nan_is_refused_at_the_step():
@@ -155,7 +155,7 @@ def test_param_groups_edited_after_construction_are_refused_at_the_step():
             before = [p.detach().clone() for p in model.parameters()]
             with pytest.raises(ValueError, match=match):
                 train(model, opt, 1)
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
             assert opt.runtime_stats()["step"] == 1
 
 
@@ -355,7 +355,8 @@ def test_load_state_dict_rejects_bad_checkpoints_and_changes_nothing(optimizer, 
         change(state)
         with pytest.raises(ValueError, match=match):
             target.load_state_dict(state)
-        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in target._groups for t in g.state.values()]))
+        now = [t for g in target._groups for t in g.state.values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, now, strict=True))
         assert [dict(g) for g in target.param_groups] == hyper
         assert target.runtime_stats()["step"] == 3
 

@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import regression_data, small_mlp, train, worker_threads
 
 import asteria
 from asteria import _core
-from conftest import regression_data, small_mlp, worker_threads, train
 
 
 def run(runtime: asteria.RuntimeConfig, steps: int = 24, sizes=(8, 16, 4), hook=None, **kwargs):
@@ -27,7 +27,7 @@ def run(runtime: asteria.RuntimeConfig, steps: int = 24, sizes=(8, 16, 4), hook=
 def test_worker_count_does_not_change_bits(staleness):
     one, _ = run(asteria.RuntimeConfig(staleness=staleness, workers=1, deterministic=True))
     four, _ = run(asteria.RuntimeConfig(staleness=staleness, workers=4, deterministic=True))
-    for a, b in zip(one, four):
+    for a, b in zip(one, four, strict=True):
         assert torch.equal(a, b)
 
 
@@ -35,7 +35,7 @@ def test_staleness_changes_the_trajectory():
     """The determinism test above is not vacuous: a different schedule gives different bits."""
     fresh, _ = run(asteria.RuntimeConfig(staleness=0, workers=1, deterministic=True))
     stale, _ = run(asteria.RuntimeConfig(staleness=3, workers=1, deterministic=True, lag_steps=6))
-    assert any(not torch.equal(a, b) for a, b in zip(fresh, stale))
+    assert any(not torch.equal(a, b) for a, b in zip(fresh, stale, strict=True))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

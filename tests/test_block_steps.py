@@ -8,13 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import assert_within_rounding_noise, regression_data, rounding_noise, small_mlp
+from test_shampoo_reference import HYPER as SHAMPOO_HYPER
+from test_shampoo_reference import grafted_direction, mode_unfold, reference_root
 
 import asteria
 from asteria.optim.kl_shampoo import inv_sqrt_key
 from asteria.optim.soap import EXP_AVG_SQ
-from conftest import assert_within_rounding_noise, regression_data, rounding_noise, small_mlp
-from test_shampoo_reference import HYPER as SHAMPOO_HYPER
-from test_shampoo_reference import grafted_direction, mode_unfold, reference_root
 
 OPTIMIZERS = {
     "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-2, precondition_frequency=3,
@@ -36,7 +36,7 @@ def layers_at(params: list[torch.Tensor]) -> torch.nn.ModuleList:
     """``two_layers()`` with the parameters set to ``params`` (a run resumed from them)."""
     model = two_layers()
     with torch.no_grad():
-        for p, q in zip(model.parameters(), params):
+        for p, q in zip(model.parameters(), params, strict=True):
             p.copy_(q)
     return model
 
@@ -117,7 +117,7 @@ def test_steps_without_gradients_change_nothing(name, mode):
                 torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
                 opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -136,7 +136,7 @@ class LateShampooReference:
     def step(self):
         self.t += 1
         (b1, b2), refresh = self.betas, self.t >= self.start and (self.t - self.start) % self.frequency == 0
-        for p, s in zip(self.params, self.state):
+        for p, s in zip(self.params, self.state, strict=True):
             order = p.dim()
             if p.grad is not None:
                 g = p.grad.double().numpy()
@@ -187,7 +187,7 @@ def test_shampoo_with_a_late_parameter_matches_a_per_parameter_reference(mode):
     actual, expected = run_late_shampoo(make), run_late_shampoo(reference)
     # float32 roots against float64: up to 3.7e-4 apart after 14 steps on some hosts (torch's CPU eigh
     # rounds differently by instruction set); the old rule's count lands 6e-2 away.
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         assert float((a.double() - e.double()).norm() / e.double().norm()) < 1e-3
     # The reference with the optimizer's count for every parameter (the old rule) lands elsewhere.
     class GlobalCount(LateShampooReference):
@@ -244,7 +244,7 @@ def test_resume_with_counts_that_differ_is_bit_for_bit(name, tmp_path):
     with OPTIMIZERS[name](resumed.parameters(), runtime) as opt:
         opt.load_state_dict(saved)
         train_layers(resumed, [opt], range(LATE + 2, STEPS))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("mode", RUNTIMES)
@@ -440,4 +440,4 @@ def test_resume_while_a_block_awaits_its_first_real_basis_is_bit_for_bit(name):
         assert any(any(waiting) for waiting in opt._awaiting.values())
         train_layers(resumed, [opt], range(6, STEPS), late=BETWEEN)
         assert not any(any(waiting) for waiting in opt._awaiting.values())
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))

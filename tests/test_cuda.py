@@ -7,12 +7,12 @@ import threading
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp
 
 import asteria
 from asteria import testing
 from asteria.pipeline import streams
 from asteria.pipeline.async_refresh import AsyncRefresher
-from conftest import regression_data, small_mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,7 +44,7 @@ def test_async_staleness_zero_matches_sync_on_gpu():
     sync, _ = run_cuda(asteria.RuntimeConfig(mode="sync"))
     async_, stats = run_cuda(asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False))
     assert stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
-    for a, b in zip(async_, sync):
+    for a, b in zip(async_, sync, strict=True):
         assert float((a - b).norm() / b.norm()) < 1e-3
 
 
@@ -54,7 +54,7 @@ def test_injected_stream_delays_do_not_change_results(staleness):
     plain, _ = run_cuda(runtime)
     delayed_main, _ = run_cuda(runtime, main_delay=20_000_000)
     delayed_side, _ = run_cuda(runtime, side_delay=20_000_000)
-    for a, b, c in zip(plain, delayed_main, delayed_side):
+    for a, b, c in zip(plain, delayed_main, delayed_side, strict=True):
         assert torch.equal(a, b)
         assert torch.equal(a, c)
 
@@ -62,7 +62,7 @@ def test_injected_stream_delays_do_not_change_results(staleness):
 def test_worker_count_does_not_change_bits_on_gpu():
     one, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=1, deterministic=True))
     four, _ = run_cuda(asteria.RuntimeConfig(staleness=1, workers=4, deterministic=True))
-    for a, b in zip(one, four):
+    for a, b in zip(one, four, strict=True):
         assert torch.equal(a, b)
 
 
@@ -98,10 +98,10 @@ def test_eigenbasis_optimizers_async_match_sync_and_ignore_stream_delays(optimiz
 
     sync = run(asteria.RuntimeConfig(mode="sync"))
     async_ = run(asteria.RuntimeConfig(staleness=0, workers=2, stagger=False))
-    for a, b in zip(async_, sync):
+    for a, b in zip(async_, sync, strict=True):
         assert float((a - b).norm() / b.norm()) < 2e-3
     stale = asteria.RuntimeConfig(staleness=2, workers=2, deterministic=True)
-    for a, b in zip(run(stale), run(stale, side_delay=20_000_000)):
+    for a, b in zip(run(stale), run(stale, side_delay=20_000_000), strict=True):
         assert torch.equal(a, b)
 
 
@@ -347,7 +347,7 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
             # Sync mode carries only the layer that stepped in its identity basis (first gradient between refreshes).
             assert carried == ([0, 1] if optimizer != "shampoo" and (mode == "async" or late == BETWEEN) else [])
         results.append([p.detach().cpu() for p in model.parameters()])
-    for cpu, gpu in zip(*results):
+    for cpu, gpu in zip(*results, strict=True):
         torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp
 
 import asteria
-from conftest import regression_data, small_mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,15 +51,15 @@ def test_host_placement_gives_the_device_placement_bits(name):
     # The same grouping in both: batched GPU kernels may round differently for another batch size.
     device, device_report = run(name, "device", group_bytes=64 * 64 * 4 * 2)
     host, host_report = run(name, "host", group_bytes=64 * 64 * 4 * 2)
-    differences = [float((a - b).abs().max()) for a, b in zip(device, host)]
-    assert all(torch.equal(a, b) for a, b in zip(device, host)), differences
+    differences = [float((a - b).abs().max()) for a, b in zip(device, host, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(device, host, strict=True)), differences
     assert host_report["placement"] == "host" and host_report["bytes_staged"] > 0
     assert host_report["host"]["total"] > device_report["host"]["total"]
     assert host_report["device"]["total"] < device_report["device"]["total"]
     delayed, _ = run(name, "host", delay=5_000_000, group_bytes=64 * 64 * 4 * 2)
-    assert all(torch.equal(a, b) for a, b in zip(device, delayed))
+    assert all(torch.equal(a, b) for a, b in zip(device, delayed, strict=True))
     hooked, _ = run(name, "host", delay=5_000_000, attach=True, group_bytes=64 * 64 * 4 * 2)
-    assert all(torch.equal(a, b) for a, b in zip(device, hooked))
+    assert all(torch.equal(a, b) for a, b in zip(device, hooked, strict=True))
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
@@ -67,7 +67,7 @@ def test_device_views_of_host_memory_give_the_same_bits(name):
     device, _ = run(name, "device", group_bytes=64 * 64 * 4 * 2)
     viewed, report = run(name, "device_view", delay=5_000_000, group_bytes=64 * 64 * 4 * 2)
     assert report["placement"] == "device_view" and report["bytes_staged"] == 0
-    assert all(torch.equal(a, b) for a, b in zip(device, viewed))
+    assert all(torch.equal(a, b) for a, b in zip(device, viewed, strict=True))
 
 
 def test_auto_placement_moves_preconditioners_to_the_host_under_a_gpu_budget():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import small_mlp, train
 
 import asteria
-from conftest import small_mlp, train
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_nonfinite_gradient_policy_raise_names_the_parameter():
         model[2].bias.grad[1] = float("inf")
         with pytest.raises(asteria.NonFiniteGradientError, match="'2.bias'"):
             opt.step()
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -135,12 +135,12 @@ def test_state_dict_round_trip_resumes_training(mode, staleness, workers):
     model2, opt2 = make(mode)
     with opt2:
         with torch.no_grad():
-            for p, q in zip(model2.parameters(), params):
+            for p, q in zip(model2.parameters(), params, strict=True):
                 p.copy_(q)
         opt2.load_state_dict(saved)
         resumed = train(model2, opt2, 4)
         assert opt2.runtime_stats()["step"] == 9
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     assert resumed == continued  # bit for bit, refreshes in flight included
 
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from conftest import small_mlp, train, worker_threads
 
 import asteria
 from asteria import testing
-from conftest import small_mlp, worker_threads, train
 
 NAMES = ["shampoo", "soap", "kl"]
 PARAM = "0.weight"  # (16, 8): two factors, one engine block per mode
@@ -82,7 +82,7 @@ def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cau
             blocks = testing.inject_fault(opt, PARAM, "throw", version=opt.refresh_version(step))
         good = preconditioners(opt, PARAM)
         run_past(model, opt, first)  # the first failing refresh: the last good preconditioners stay in use
-        assert all(torch.equal(a, b) for a, b in zip(preconditioners(opt, PARAM), good))
+        assert all(torch.equal(a, b) for a, b in zip(preconditioners(opt, PARAM), good, strict=True))
         stats = opt.runtime_stats()
         assert stats["refresh_failures"] == len(blocks) == 2
         for status in testing.block_status(opt, PARAM):  # counted per block
@@ -97,8 +97,9 @@ def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cau
         assert info.value.version == opt.refresh_version(second)
         assert f"parameter '{PARAM}'" in str(info.value) and "mode 0" in str(info.value)
         assert "injected worker exception" in info.value.cause
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the raising step changed none
-        assert all(torch.equal(a, b) for a, b in zip(preconditioners(opt, PARAM), good))
+        # the raising step changed none
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(preconditioners(opt, PARAM), good, strict=True))
         assert all_state_finite(opt)
 
 
@@ -180,8 +181,9 @@ def test_bad_gradient_under_raise_names_the_parameter_and_changes_nothing(name):
         with pytest.raises(asteria.NonFiniteGradientError, match="'2.bias'") as info:
             one_step_with_grads(model, opt, lambda m: m[2].bias.grad.__setitem__(1, float("inf")))
         assert info.value.param == "2.bias"
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        assert all(torch.equal(a, b) for a, b in zip(state, [t for g in opt._groups for t in g.state.values()]))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        now = [t for g in opt._groups for t in g.state.values()]
+        assert all(torch.equal(a, b) for a, b in zip(state, now, strict=True))
         train(model, opt, 2)  # a good gradient afterwards trains on
         assert opt.runtime_stats()["step"] == 5
 
@@ -212,7 +214,7 @@ def test_hung_refresh_times_out_clearly_and_close_returns_promptly(name):
     with pytest.raises(TimeoutError, match=rf"mode 0 of parameter '{PARAM}' \(version {version}\) not done within "
                                            r"timeout_s=0.5: .* needs version \d+, still running after waiting"):
         train(model, opt, 1)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(c == opt._step for g in opt._groups for c in g.steps.counts)  # the step that raised counts nothing
     started = time.monotonic()
     opt.close()  # ends the hung job instead of waiting for it
@@ -242,7 +244,7 @@ def test_a_refresh_that_times_out_loses_nothing_and_training_goes_on(name):
             before = params_of(model)
             with pytest.raises(TimeoutError, match=rf"'{PARAM}' \(version {version}\) not done within timeout_s=0.5"):
                 train(model, opt, 1)
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
             counted = opt.runtime_stats()["step"]
             assert counted == (waits if not opt.ACTIVATION_LAG else waits - 1)
             assert all(c == counted for g in opt._groups for c in g.steps.counts)
@@ -252,7 +254,7 @@ def test_a_refresh_that_times_out_loses_nothing_and_training_goes_on(name):
             before = params_of(model)
             train(model, opt, 1)
             with torch.no_grad():
-                for p, b in zip(model.parameters(), before):
+                for p, b in zip(model.parameters(), before, strict=True):
                     p.copy_(b)
         train(model, opt, 3)
         status = testing.block_status(opt, PARAM)
@@ -266,7 +268,7 @@ def test_a_refresh_that_times_out_loses_nothing_and_training_goes_on(name):
     (ref_params, ref_state, ref_steps, _), _ = run(fault=False)
     assert newest >= version  # the refresh that timed out came into use
     assert steps == ref_steps
-    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
     assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
 
 

@@ -76,7 +76,7 @@ def test_kl_shampoo_matrix_estimates_match_the_general_formula():
         fast = opt._estimates(group, rotated)
         general = [F.mode_mean((rotated * opt._inv_sqrt_outer(group, skip=mode)) ** 2, mode) for mode in range(2)]
         assert group.state[inv_sqrt_key(0)].shape == (group.batch, group.shape[0])
-        for a, b in zip(fast, general):
+        for a, b in zip(fast, general, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import ReferenceOptimizer, regression_data, relative_errors, resume_is_exact, small_mlp, train
 
 import asteria
-from conftest import ReferenceOptimizer, regression_data, relative_errors, resume_is_exact, small_mlp, train
 
 SIZES = (8, 8, 8)
 HYPER = dict(lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -29,7 +29,7 @@ class ReferenceKLShampoo(ReferenceOptimizer):
     def step(self):
         self.t += 1
         b1, b = self.betas
-        for p, s in zip(self.params, self.state):
+        for p, s in zip(self.params, self.state, strict=True):
             g = p.grad.double().numpy()
             if g.ndim == 1:
                 if self.t > 1:
@@ -142,7 +142,7 @@ def test_reference_comparison_can_fail():
 def test_async_worker_count_does_not_change_bits():
     one = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=1, deterministic=True))
     three = run_kl(16, asteria.RuntimeConfig(staleness=2, workers=3, deterministic=True))
-    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
 
 
 @pytest.mark.parametrize("runtime", [asteria.RuntimeConfig(mode="sync"),

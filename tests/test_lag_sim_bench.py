@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 import asteria.optim.base as base
 from asteria.train.cli import main
-from conftest import bench_script
 
 RUN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu",
        "--steps", "16", "--eval-every", "16", "--precondition-frequency", "3", "--configs", "shampoo-sync",
@@ -39,7 +39,7 @@ def test_lag_zero_is_native_and_a_lag_departs_after_the_first_late_install(sim, 
     assert l0 == native  # lag 0 runs the late versions' own path (decomposed, kept, installed at once)
     # f = 3, first refresh at step 3, two versions used at their own step (3 and 6): version 3 is snapshotted
     # at step 9 and installed at 11, so step 9's update (the loss of step 10) is the first to differ.
-    first = [next(i + 1 for i, (a, b) in enumerate(zip(run, native)) if a != b) for run in (l2, c2)]
+    first = [next(i + 1 for i, (a, b) in enumerate(zip(run, native, strict=True)) if a != b) for run in (l2, c2)]
     assert first == [10, 10]
     assert l2[:11] == c2[:11] and l2[11] != c2[11]  # the re-estimate acts from the install at step 11
 

@@ -21,7 +21,7 @@ def test_warmup_then_cosine_to_a_tenth():
     assert cfg.lr_at(60) == pytest.approx(MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5)  # half way: the midpoint
     assert cfg.lr_at(110) == pytest.approx(MIN_LR_RATIO)
     lrs = [cfg.lr_at(s) for s in range(1, 111)]
-    assert max(lrs) <= 1.0 and all(a > b for a, b in zip(lrs[10:], lrs[11:]))
+    assert max(lrs) <= 1.0 and all(a > b for a, b in zip(lrs[10:], lrs[11:], strict=True))
 
 
 def test_constant_schedule_and_default_warmup():
@@ -60,7 +60,7 @@ def test_a_checkpoint_from_before_the_schedule_resumes_only_as_constant():
 
 def model_with_grads(*grads: torch.Tensor) -> torch.nn.Module:
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(g)) for g in grads])
-    for p, g in zip(model.parameters(), grads):
+    for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g.clone()
     return model
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp, train
 
 import asteria
 from asteria.testing import engine_blocks
-from conftest import regression_data, small_mlp, train
 
 SIZES = (8, 16, 4)
 
@@ -59,7 +59,8 @@ def test_activation_passing_over_a_version_composes_the_orders(cls):
         # The raw orders, each relative to the version before it, read before activation rewrites them.
         depth = refresher.depth
         n_plus_1 = [fset.dim + 1 for fset in refresher.sets]
-        orders = {v: [r[v % depth, :, n].long().clone() for r, n in zip(refresher.results, n_plus_1)] for v in (2, 3)}
+        orders = {v: [r[v % depth, :, n].long().clone() for r, n in zip(refresher.results, n_plus_1, strict=True)]
+                  for v in (2, 3)}
         snapshot = lambda: {(id(g), name): t.clone() for g in opt._groups for name, t in g.state.items()}  # noqa: E731
         states = snapshot()
         opt.prefetch()  # activates step 5's versions: the newest finished is 3, passing over 2

@@ -10,9 +10,9 @@ import signal
 
 import pytest
 import torch
+from conftest import regression_data, resume_is_exact, small_mlp, train
 
 import asteria
-from conftest import regression_data, resume_is_exact, small_mlp, train
 
 SIZES = (8, 32, 32, 32, 4)
 GROUP_BYTES = 8 * 8 * 4 * 2 * 4  # four (8, 8) blocks per shape group: many sets of one shape
@@ -52,7 +52,7 @@ def test_nvme_tier_gives_the_all_host_bits(name, tmp_path):
         train(paged_model, paged, 14, data=data)
         report = paged.memory_report()
         assert report["nvme_bytes_read"] > 0 and report["nvme_bytes_written"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), paged_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), paged_model.parameters(), strict=True))
     assert os.listdir(tmp_path) == []  # close() removes the page files
     with pytest.raises(RuntimeError, match=r"Invalid state_dict\(\) after close\(\): the preconditioners on the "
                                            "NVMe tier went with their page files"):
@@ -170,8 +170,9 @@ def test_a_step_that_times_out_on_the_nvme_tier_goes_on_as_all_host(tmp_path):
     that pages half the roots to NVMe, the step counts without a parameter update (as all-host), and the
     run goes on through the same fault to the bits of the all-host run: no page buffer or read-ahead is
     left behind by the raise."""
-    from asteria import testing
     from test_fault_injection import next_refreshes, run_to
+
+    from asteria import testing
 
     def run(nvme_dir=None, budget=None):
         model = small_mlp(sizes=SIZES)
@@ -197,7 +198,7 @@ def test_a_step_that_times_out_on_the_nvme_tier_goes_on_as_all_host(tmp_path):
     budget = report["host"]["refresh_buffers"] + (report["host"]["total"] - report["host"]["refresh_buffers"]) // 2
     paged, paged_report = run(str(tmp_path), budget)
     assert paged_report["nvme"]["total"] > 0 and paged_report["nvme_bytes_read"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(host, paged))
+    assert all(torch.equal(a, b) for a, b in zip(host, paged, strict=True))
 
 
 def test_a_lost_newest_version_fails_every_later_step_by_name(tmp_path):

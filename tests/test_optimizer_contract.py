@@ -7,19 +7,19 @@ hyperparameters, sparse and strided gradients."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 import gc
 import io
 import pickle
 import warnings
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+from conftest import regression_data, resumed_run, same_parameters, small_mlp, train, worker_threads
 
 import asteria
-from conftest import regression_data, resumed_run, same_parameters, small_mlp, worker_threads, train
 
 OPTIMIZERS = [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo]
 
@@ -75,7 +75,7 @@ def test_a_closed_optimizer_refuses_to_step_and_its_state_dict_goes_on_exactly(o
     with pytest.raises(RuntimeError, match=r"Invalid step\(\) after close\(\): .* load its state_dict\(\) into a new"):
         closed.step()
     closed.prefetch()
-    assert all(torch.equal(a, b) for a, b in zip(before, closed_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, closed_model.parameters(), strict=True))
     assert closed._step == 7
     saved = closed.state_dict()
     resumed_model, resumed = make(optimizer, mode, **settings)
@@ -147,7 +147,7 @@ def test_loading_into_an_async_optimizer_that_has_run_is_refused_and_changes_not
             opt.load_state_dict(saved)
         assert opt._step == 8
         assert all(torch.equal(a, b) for key, group in enumerate(opt._groups)
-                   for a, b in zip(before[key], group.state.values()))
+                   for a, b in zip(before[key], group.state.values(), strict=True))
         train(model, opt, 3)  # still usable
         assert opt._step == 11
     model2, fresh = make(optimizer, staleness=1)
@@ -252,8 +252,9 @@ def test_torch_per_parameter_checkpoint_api_is_refused_before_anything_changes(m
                                                 r"state_dict's get_optimizer_state_dict.*dcp.save\(\{'optim': opt\}"):
                 call()
         assert opt.runtime_stats()["step"] == 3
-        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in opt._groups for t in g.state.values()]))
-        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        now = [t for g in opt._groups for t in g.state.values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, now, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
         assert opt.state_dict()["step"] == 3  # a call of its own is not refused
 
 
@@ -287,7 +288,8 @@ def test_torch_defaults_of_the_caller_do_not_change_the_state(optimizer, mode):
             assert {t.dtype for g in opt._groups for t in g.state.values() if t.is_floating_point()} == \
                 {torch.float32}
             train(model, opt, 4)
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())), (dtype, device)
+        assert all(torch.equal(a, b)
+                   for a, b in zip(model.parameters(), reference.parameters(), strict=True)), (dtype, device)
 
 
 def malformed(path: tuple, value) -> Callable[[dict], None]:
@@ -340,7 +342,8 @@ def test_a_malformed_refresher_state_is_refused_by_name_before_anything_changes(
         with pytest.raises(ValueError, match=match):
             fresh.load_state_dict(bad)
         assert fresh._step == 0
-        assert all(torch.equal(a, b) for a, b in zip(before, [t for g in fresh._groups for t in g.state.values()]))
+        now = [t for g in fresh._groups for t in g.state.values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, now, strict=True))
         fresh.load_state_dict(saved)  # the good one still loads into it
         assert fresh._step == 3
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import regression_data, resume_is_exact, resumed_run, same_parameters, small_mlp, train
 
 import asteria
 from asteria import testing
 from asteria.errors import RefreshError
 from asteria.pipeline.timeline import RefreshSchedule, stagger_phases
-from conftest import regression_data, resume_is_exact, resumed_run, same_parameters, small_mlp, train
 
 SIZES = (8, 16, 12, 4)
 OPTIMIZERS = {
@@ -26,7 +26,7 @@ def test_stagger_phases_balance_the_cost():
     assert sorted(stagger_phases([1.0] * 4, 4)) == [0, 1, 2, 3]
     costs = [8.0, 5.0, 4.0, 3.0, 3.0, 1.0]
     phases = stagger_phases(costs, 3)
-    load = [sum(c for c, p in zip(costs, phases) if p == slot) for slot in range(3)]
+    load = [sum(c for c, p in zip(costs, phases, strict=True) if p == slot) for slot in range(3)]
     assert max(load) == 8.0 and sum(load) == sum(costs)  # 8 | 5+3 | 4+3+1: the best split of these costs
     assert stagger_phases(costs, 1) == [0] * len(costs)
 
@@ -70,8 +70,8 @@ def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(
         # The aligned versions (the bootstrap and those used at their own step) are the unstaggered ones.
         assert steps[:aligned] == plain_steps[:aligned]
         # Every later version comes no later than the unstaggered one, one interval apart.
-        assert all(s <= p for s, p in zip(steps, plain_steps))
-        assert all(b - a == interval for a, b in zip(steps[aligned:], steps[aligned + 1:]))
+        assert all(s <= p for s, p in zip(steps, plain_steps, strict=True))
+        assert all(b - a == interval for a, b in zip(steps[aligned:], steps[aligned + 1:], strict=True))
         assert steps[aligned] > steps[aligned - 1]
         # Versions count the refreshes so far, whatever the phase, and each knows its snapshot's step.
         assert [staggered.version_at(s, index) for s in steps] == list(range(1, len(steps) + 1))
@@ -103,7 +103,7 @@ def test_install_delays_are_lag_steps_under_the_deterministic_rule(name, stalene
     assert stats["install_delay_mean_steps"] == stats["install_delay_max_steps"] == stats["lag_steps"] == lag
     # Still the deterministic rule: another worker count gives the same bits.
     again, _ = run(name, asteria.RuntimeConfig(staleness=staleness, lag_steps=lag, workers=1), steps=24)
-    assert all(torch.equal(a, b) for a, b in zip(params, again))
+    assert all(torch.equal(a, b) for a, b in zip(params, again, strict=True))
 
 
 @pytest.mark.parametrize("name", ["shampoo", "kl-shampoo"])
@@ -111,11 +111,11 @@ def test_lag_steps_zero_is_staleness_zero_and_the_default_is_one_interval(name):
     """lag_steps=0 uses every version at its own step, as S = 0 does; lag_steps=None means one interval."""
     zero, _ = run(name, asteria.RuntimeConfig(staleness=2, lag_steps=0, workers=2), steps=16)
     native_like, stats = run(name, asteria.RuntimeConfig(staleness=0, workers=2), steps=16)
-    assert all(torch.equal(a, b) for a, b in zip(zero, native_like)) and stats["lag_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(zero, native_like, strict=True)) and stats["lag_steps"] == 0
     full, _ = run(name, asteria.RuntimeConfig(staleness=2, lag_steps=3, workers=2), steps=16)
     default, stats = run(name, asteria.RuntimeConfig(staleness=2, workers=2, deterministic=True), steps=16)
-    assert all(torch.equal(a, b) for a, b in zip(full, default)) and stats["lag_steps"] == 3
-    assert not all(torch.equal(a, b) for a, b in zip(zero, full))  # the lag changes the trajectory
+    assert all(torch.equal(a, b) for a, b in zip(full, default, strict=True)) and stats["lag_steps"] == 3
+    assert not all(torch.equal(a, b) for a, b in zip(zero, full, strict=True))  # the lag changes the trajectory
     _, stats = run(name, asteria.RuntimeConfig(staleness=2, deterministic=False, workers=2), steps=4)
     assert stats["lag_steps"] is None
 
@@ -186,7 +186,7 @@ def run(name: str, runtime: asteria.RuntimeConfig, steps: int = 14, attach: bool
 def snapshot_bytes_per_step(runtime: asteria.RuntimeConfig, steps: int = 12) -> list[int]:
     totals: list[int] = []
     run("shampoo", runtime, steps=steps, hook=lambda step, opt: totals.append(opt.runtime_stats()["bytes_to_host"]))
-    return [b - a for a, b in zip([0] + totals, totals)]
+    return [b - a for a, b in zip([0] + totals, totals, strict=True)]
 
 
 def test_staggered_snapshots_spread_over_the_interval():
@@ -211,9 +211,9 @@ def test_staggered_async_at_staleness_zero_matches_staggered_sync(name):
     sync, _ = run(name, asteria.RuntimeConfig(mode="sync", stagger=True), sizes=square)
     async_, _ = run(name, asteria.RuntimeConfig(staleness=0, workers=2, stagger=True), sizes=square)
     plain, _ = run(name, asteria.RuntimeConfig(staleness=0, workers=2), sizes=square)
-    for a, s in zip(async_, sync):
+    for a, s in zip(async_, sync, strict=True):
         assert float((a - s).norm() / s.norm()) < 2e-3
-    assert any(not torch.equal(a, p) for a, p in zip(async_, plain))  # staggering does change the schedule
+    assert any(not torch.equal(a, p) for a, p in zip(async_, plain, strict=True))  # staggering does change the schedule
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -226,24 +226,24 @@ def test_async_with_every_version_at_its_own_step_follows_sync_by_default(name, 
     async_, stats = run(name, asteria.RuntimeConfig(workers=2, **own_step), sizes=square)
     staggered, _ = run(name, asteria.RuntimeConfig(workers=2, stagger=True, **own_step), sizes=square)
     assert stats["lag_steps"] == 0
-    error = max(float((a - s).norm() / s.norm()) for a, s in zip(async_, sync))
+    error = max(float((a - s).norm() / s.norm()) for a, s in zip(async_, sync, strict=True))
     assert error < 1e-3  # measured: 1.8e-4 (Shampoo), 1.0e-5 (SOAP), 1.1e-7 (KL-Shampoo)
     # The staggered schedule, a different trajectory, is told apart (1e-3 to 0.13): the test can fail.
-    assert max(float((a - s).norm() / s.norm()) for a, s in zip(staggered, sync)) > 10 * error
+    assert max(float((a - s).norm() / s.norm()) for a, s in zip(staggered, sync, strict=True)) > 10 * error
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_staggered_runs_are_bitwise_identical_across_worker_counts(name):
     one, _ = run(name, asteria.RuntimeConfig(staleness=2, workers=1, deterministic=True))
     three, _ = run(name, asteria.RuntimeConfig(staleness=2, workers=3, deterministic=True))
-    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
 
 
 @pytest.mark.parametrize("name, staleness", [("shampoo", 0), ("shampoo", 2), ("soap", 1), ("kl-shampoo", 2)])
 def test_attach_changes_no_bits(name, staleness):
     plain, _ = run(name, asteria.RuntimeConfig(staleness=staleness, workers=2, deterministic=True))
     hooked, stats = run(name, asteria.RuntimeConfig(staleness=staleness, workers=2, deterministic=True), attach=True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked, strict=True))
     assert stats["refreshes"] > 0 and stats["max_staleness_seen"] <= staleness
 
 
@@ -309,7 +309,7 @@ def test_attach_with_tied_frozen_and_unused_parameters(name):
     for point in asteria.hooks.PREFETCH_POINTS:  # the same bits wherever the activation runs
         hooked_losses, hooked = trained(point)
         assert plain_losses == hooked_losses, point
-        assert all(torch.equal(a, b) for a, b in zip(plain, hooked)), point
+        assert all(torch.equal(a, b) for a, b in zip(plain, hooked, strict=True)), point
 
 
 @pytest.mark.parametrize("name", ["shampoo", "kl-shampoo"])
@@ -498,7 +498,7 @@ def test_stagger_split_evens_out_the_refresh_bursts_without_changing_the_math(ki
             train(model, opt, 25, data=regression_data(sizes=sizes))
             runs.append((len(opt._set_groups), [p.detach().clone() for p in model.parameters()]))
     assert runs[1][0] > runs[0][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
     # A checkpoint of one batching does not load into the other, and the error says why.
     (_, whole), (_, split) = make(False), make(True)
     with whole, split, pytest.raises(ValueError, match="RuntimeConfig.stagger_split differ"):
@@ -542,7 +542,7 @@ def test_split_sets_on_whole_groups_train_as_split_groups_do(kind, tmp_path):
     (sliced_groups, *sliced), (split_groups, *split) = runs
     assert sliced_groups < split_groups
     assert sliced[0] == split[0] and sliced[1] == split[1] and sliced[3] == split[3] > 0
-    assert all(torch.equal(a, b) for a, b in zip(sliced[2], split[2]))
+    assert all(torch.equal(a, b) for a, b in zip(sliced[2], split[2], strict=True))
 
 
 @pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp, train
 
 import asteria
 from asteria import testing
-from conftest import regression_data, small_mlp, train
 
 SIZES = (8, 8, 8)
 
@@ -51,13 +51,13 @@ def test_resume_with_a_refresh_running_is_bit_for_bit(name):
     model2, opt2 = make(name)
     with opt2:
         with torch.no_grad():
-            for p, q in zip(model2.parameters(), params):
+            for p, q in zip(model2.parameters(), params, strict=True):
                 p.copy_(q)
         opt2.load_state_dict(saved)
         resumed = train(model2, opt2, 9, data=data)
         assert opt2.runtime_stats()["refresh_failures"] == 0
     assert resumed == continued
-    assert all(torch.equal(a, b) for a, b in zip(reference, model2.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(reference, model2.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap", "kl"])
@@ -74,7 +74,7 @@ def test_resume_from_a_resumed_run_is_bit_for_bit(name):
         with opt2:
             if state is not None:
                 with torch.no_grad():
-                    for p, q in zip(model2.parameters(), current):
+                    for p, q in zip(model2.parameters(), current, strict=True):
                         p.copy_(q)
                 opt2.load_state_dict(state)
             # train() picks batches by its own step counter: replay the same batches as the single run.
@@ -86,7 +86,7 @@ def test_resume_from_a_resumed_run_is_bit_for_bit(name):
                 opt2.step()
             state = opt2.state_dict()
             current = [p.detach().clone() for p in model2.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(reference, current))
+    assert all(torch.equal(a, b) for a, b in zip(reference, current, strict=True))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -104,7 +104,7 @@ def test_a_resumed_run_counts_staleness_from_the_versions_in_use(deterministic):
     assert min(v for versions in saved["versions"] for v in versions) > 3
     model2 = small_mlp(sizes=SIZES)
     with torch.no_grad():
-        for p, q in zip(model2.parameters(), params):
+        for p, q in zip(model2.parameters(), params, strict=True):
             p.copy_(q)
     with asteria.SOAP(list(model2.named_parameters()), lr=0.01, precondition_frequency=2, runtime=runtime) as opt2:
         opt2.load_state_dict(saved)

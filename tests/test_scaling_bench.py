@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from asteria.train import cli
 from conftest import bench_script
 
+from asteria.train import cli
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,7 @@ def fake_run(run_dir: Path, step_ms: list[float], losses: list[float], procs: in
     """A finished run as ``asteria train`` leaves it (the fields the driver reads)."""
     run_dir.mkdir(parents=True)
     wall, lines = 0.0, []
-    for step, (ms, loss) in enumerate(zip(step_ms, losses), start=1):
+    for step, (ms, loss) in enumerate(zip(step_ms, losses, strict=True), start=1):
         wall += ms / 1e3
         lines.append(json.dumps({"step": step, "loss": loss, "step_time": ms / 1e3, "wall": wall,
                                  "gpu_step_time": ms / 1e3 - 0.01}))

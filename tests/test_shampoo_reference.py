@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import NOISE_FACTOR, ReferenceOptimizer, relative_errors, relative_rounding_noise, small_mlp, train
 
 import asteria
-from conftest import NOISE_FACTOR, ReferenceOptimizer, relative_errors, relative_rounding_noise, small_mlp, train
 
 
 def reference_root(matrix: np.ndarray, exponent: float, eps: float) -> np.ndarray:
@@ -114,7 +114,7 @@ def run_asteria(steps: int, runtime: asteria.RuntimeConfig, max_dim: int = 16,
 
 
 def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float) -> None:
-    for err, e in zip(relative_errors(actual, expected), expected):
+    for err, e in zip(relative_errors(actual, expected), expected, strict=True):
         assert err < rtol, f"relative error {err:.2e} >= {rtol:.0e} for a parameter of shape {tuple(e.shape)}"
 
 
@@ -143,5 +143,5 @@ def test_reference_differs_from_adam_only_run():
                          max_preconditioner_dim=16, runtime=asteria.RuntimeConfig(mode="sync"), **HYPER) as opt:
         train(model, opt, 14)
     reference = run_reference(14)
-    errors = [float((p.detach() - r).norm() / r.norm()) for p, r in zip(model.parameters(), reference)]
+    errors = [float((p.detach() - r).norm() / r.norm()) for p, r in zip(model.parameters(), reference, strict=True)]
     assert max(errors) > 1e-2

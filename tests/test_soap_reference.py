@@ -5,10 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    ReferenceOptimizer,
+    blob_classification,
+    regression_data,
+    relative_errors,
+    resume_is_exact,
+    small_mlp,
+    train,
+    train_classifier,
+)
 
 import asteria
-from conftest import (ReferenceOptimizer, blob_classification, regression_data, relative_errors, resume_is_exact,
-                      small_mlp, train, train_classifier)
 
 SIZES = (8, 8, 8)  # square weights: the first factors are full rank, so their eigenbases are unique
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -34,7 +42,7 @@ class ReferenceSOAP(ReferenceOptimizer):
     def step(self):
         self.t += 1
         b1, b2 = self.betas
-        for p, s in zip(self.params, self.state):
+        for p, s in zip(self.params, self.state, strict=True):
             g = p.grad.double().numpy()
             matrix = g.ndim == 2
             if self.t == 1:
@@ -98,7 +106,7 @@ def test_async_staleness_zero_matches_sync_and_reference():
 def test_async_worker_count_does_not_change_bits():
     one = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=1, deterministic=True))
     three = run_soap(20, asteria.RuntimeConfig(staleness=2, workers=3, deterministic=True))
-    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
 
 
 def test_soap_trains_a_classifier():
@@ -136,9 +144,9 @@ def test_refresh_skip_is_counted_and_keeps_the_basis(runtime):
         later = [t for g in opt._groups for k, t in g.state.items() if k.startswith("basis")]
         stats = opt.runtime_stats()
     assert stats["refreshes_skipped"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(first, later))
+    assert all(torch.equal(a, b) for a, b in zip(first, later, strict=True))
     default = run_soap(14, runtime)  # tol 0 (the default) never skips: the bases move
-    assert not all(torch.equal(a, b) for a, b in zip(default, [p.detach() for p in model.parameters()]))
+    assert not all(torch.equal(a, b) for a, b in zip(default, [p.detach() for p in model.parameters()], strict=True))
 
 
 @pytest.mark.parametrize("kwargs, match", [

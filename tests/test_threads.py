@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp, train
 
 import asteria
-from conftest import regression_data, small_mlp, train
 
 
 def make(model, **runtime):
@@ -94,6 +94,10 @@ def test_threads_stepping_saving_and_closing_at_once_end_cleanly():
     train(model, opt, 3, data=data)
     errors: list[BaseException] = []
     barrier = threading.Barrier(4)
+    # The threads share one model: autograd must not free a .grad (zero_grad) that another thread's backward
+    # is accumulating into, so the gradients are computed under a lock; the optimizer's calls race freely.
+    model_lock = threading.Lock()
+    x, y = data[0][:32], data[1][:32]
 
     def worker(kind: int) -> None:
         barrier.wait()
@@ -102,7 +106,10 @@ def test_threads_stepping_saving_and_closing_at_once_end_cleanly():
                 if kind == 3:
                     opt.close() if _ == 10 else opt.state_dict()
                 else:
-                    train(model, opt, 1, data=data)
+                    with model_lock:
+                        opt.zero_grad(set_to_none=True)
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
             except RuntimeError as error:
                 message = str(error)
                 if not ("concurrent" in message or "close" in message):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import regression_data, small_mlp, train
 
 import asteria
-from conftest import regression_data, small_mlp, train
 
 RUNTIMES = [asteria.RuntimeConfig(mode="sync"), asteria.RuntimeConfig(staleness=1, workers=1)]
 
@@ -37,7 +37,7 @@ def test_lr_scheduler_drives_the_step_size(runtime):
                 frozen = [p.detach().clone() for p in model.parameters()]
             opt.step()
             scheduler.step()
-        assert all(torch.equal(a, b) for a, b in zip(frozen, model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(frozen, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
@@ -67,7 +67,7 @@ def test_step_with_a_closure_returns_its_loss_and_steps_as_without_one(optimizer
         runs.append(([loss.detach().item() for loss in losses], [p.detach().clone() for p in model.parameters()]))
     (plain_losses, plain_params), (closure_losses, closure_params) = runs
     assert closure_losses == plain_losses and plain_losses[-1] < plain_losses[0]
-    assert all(torch.equal(a, b) for a, b in zip(plain_params, closure_params))
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, closure_params, strict=True))
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES, ids=["sync", "async"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import blob_classification, regression_data, small_mlp, train, train_classifier
 
 import asteria
-from conftest import blob_classification, regression_data, small_mlp, train, train_classifier
 
 
 @pytest.mark.parametrize("mode, deterministic", [("sync", True), ("async", True), ("async", False)])

@@ -3,8 +3,8 @@ off the GPU's critical path, on C++ workers with bounded staleness."""
 
 from asteria.config import MemoryConfig, RuntimeConfig
 from asteria.errors import NonFiniteGradientError, RefreshBacklogWarning, RefreshError
-from asteria.optim import SOAP, KLShampoo, Shampoo
 from asteria.hooks import AttachHandle, attach
+from asteria.optim import SOAP, KLShampoo, Shampoo
 
 __all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshBacklogWarning",
            "RefreshError", "RuntimeConfig", "SOAP", "Shampoo", "attach"]

@@ -36,8 +36,8 @@ class MemoryConfig:
     in use live (see ``asteria.pipeline.tiers``): ``"device"`` (as native implementations keep them),
     ``"host"`` (pinned host memory, staged each step through a small device ring of at most two
     groups per shape), ``"device_view"`` (pinned host memory read in place by the device: for
-    coherent-memory machines) or ``"auto"`` (``"device_view"`` on a coherent-memory device, else
-    ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``). Host placements need
+    coherent-memory machines) or ``"auto"`` (``"host"`` with an ``nvme_dir``, else ``"device_view"`` on a
+    coherent-memory device, else ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``). Host placements need
     ``mode="async"``: the native ``"sync"`` mode is the all-device baseline. ``group_bytes`` bounds
     the preconditioner bytes of one batched shape group (default: 32 MiB under the host placements,
     unbounded on the device), which bounds the staging ring. The optimizer checks the budgets against
@@ -74,90 +74,56 @@ class MemoryConfig:
 
 @dataclass(kw_only=True)
 class RuntimeConfig:
-    """How preconditioner refreshes are computed and scheduled.
+    """How preconditioner refreshes are computed and scheduled (a reference with the reasons behind each
+    default: the README's "Configuration" and ``docs/architecture.md``).
 
     Attributes:
-        mode: ``"sync"`` computes every refresh inside ``step()`` on the parameter's device with torch
-            (the native baseline, as Meta's Distributed Shampoo does). ``"async"`` snapshots the
-            factors into host buffers and computes the refresh on the C++ workers.
-        staleness: S >= 0. A block's preconditioner in use is at most S refresh intervals behind its
-            newest snapshot; the optimizer waits (bounded barrier) rather than exceed it.
-            ``staleness=0`` in async mode reproduces the sync trajectory (to rounding: the eigensolvers
-            differ), as long as both modes use the same schedule, which they do unless ``stagger=True``
-            is given to one of them only.
-        workers: C++ worker threads; ``None``: one per CPU of the workers' set (``worker_cpus``), capped
-            at 32; unpinned, this rank's share of the CPUs less 2 (cores left to the training process
-            and its data loader).
-        worker_cpus: where the workers run. ``"auto"``: pinned off the first physical cores of this
-            rank's share of the machine (SMT siblings included), which stay free for the training
-            thread that launches the GPU's kernels (see ``asteria.cpus``); ``"any"``: not
-            pinned; or a sequence of logical CPUs this process may use.
-        torch_threads: torch's intra-op CPU threads while the workers run (restored by ``close()``).
-            ``"auto"``: when the workers are pinned, at most the physical cores left to this rank's
-            training process, so that a parallel CPU operator of the training loop does not wait for
-            time slices on the workers' cores; ``"keep"``: unchanged; or an int >= 1.
-        worker_nice: 0..19, how far below the training thread the workers' CPU priority sits (Linux
-            per-thread nice), so that the thread launching the GPU's work never queues behind them.
-        blas_threads: BLAS threads per worker job (results do not depend on ``workers``, so runs with
-            different worker counts are bitwise identical as long as this stays the same).
-        deterministic: ``True``: versions come into use by schedule only (``lag_steps`` after their snapshot),
-            never by timing, so that runs are bitwise reproducible with any worker count and every rank uses
-            the same version at the same step; a version's host buffers are kept for the whole lag. ``False``:
-            each block uses its newest finished version from the next step, and a set's refresh that comes
-            due while its previous one is still on its way is deferred to its next turn. ``None``: ``True``
-            on several ranks (which need it), with ``lag_steps`` given or at ``staleness=0``, else ``False``.
-        lag_steps: under the deterministic rule, the steps from a version's snapshot to its first use:
-            at most ``staleness`` x ``precondition_frequency`` (checked when the optimizer is built).
-            ``None``: one interval (``precondition_frequency`` steps, capped by that bound). A short lag keeps
-            what the rule guarantees (runs reproducible bit for bit, every rank on the same version at the same
-            step) with fresher versions and fewer host buffers (``lag_steps // precondition_frequency + 1`` per
-            block); ``step()`` waits for a version the workers have not finished by then. Not used by
-            ``mode="sync"``; with ``deterministic=False`` it is an error.
-        stagger: spread the refreshes of the factor sets over the steps of each interval (balanced by
-            their O(n^3) cost) instead of refreshing all of them on one step, so that no step carries
-            the whole burst of snapshot copies and jobs. ``None``: on in async mode, off in sync mode
-            (the native baseline refreshes everything together) and off where async mode uses every
-            version at its own step (``staleness=0`` or ``lag_steps=0``), so that it follows the sync
-            trajectory; on several ranks only where every rank has the same factor sets (DDP), as a
-            block's replicas must refresh it at the same step. Deterministic either way.
-        stagger_split: also cut the factor sets that would carry more than an even share
-            (1 / ``precondition_frequency``) of an interval's refresh work, so that the stagger can spread
-            it evenly: a set is refreshed whole at one step, and one large set (48 blocks of 1024 in a
-            160M-parameter model) otherwise brings most of a step's jobs at once. Only what a refresh
-            covers changes, not the math: preconditioners on the device are refreshed in runs of blocks
-            (views of the whole group, which the step still computes as one batch); the other placements
-            split the shape groups. ``None``: on wherever the schedule is staggered on one process (async
-            mode by default); on several ranks only when asked. True needs ``stagger`` not False.
-        sync_refreshes: the first ``sync_refreshes`` versions of every factor set (the bootstrap
-            eigendecomposition, then the first refreshes after it) are waited for at their own step
-            (lag 0) under either rule, so that training does not run S intervals on the grafting
-            direction alone, nor on a basis taken from a handful of gradients: a late basis costs most
-            while the factors are young (SOAP's loss, measured in ``docs/results.md``). Later versions
-            follow the rule of ``deterministic``. 0: none.
+        mode: ``"sync"`` computes every refresh inside ``step()`` on the parameters' device (the native
+            baseline); ``"async"`` snapshots the factors into host buffers and refreshes off the step.
+        staleness: S >= 0, the refresh intervals a block's preconditioner may lag its newest snapshot;
+            ``step()`` waits (bounded) rather than exceed it. 0 in async mode follows the sync trajectory
+            to rounding (with the same schedule: ``stagger`` alike in both).
+        workers: C++ worker threads. ``None``: one per CPU of ``worker_cpus`` (at most 32), or, unpinned,
+            this rank's share of the CPUs less 2 for the training process and its data loader.
+        worker_cpus: ``"auto"`` pins the workers off the first physical cores of this rank's share (left
+            to the thread that launches GPU kernels, see ``asteria.cpus``); ``"any"``; or logical CPUs.
+        torch_threads: torch's intra-op threads while the workers run (restored by ``close()``).
+            ``"auto"``: with pinned workers, at most the cores left to training; ``"keep"``; or an int.
+        worker_nice: 0..19, the workers' CPU priority below the training thread's (Linux nice).
+        blas_threads: BLAS threads per job. Results do not depend on ``workers``, only on this.
+        deterministic: ``True``: versions come into use by schedule alone, ``lag_steps`` after their
+            snapshot (bitwise reproducible, the same version on every rank at the same step). ``False``:
+            each block uses its newest finished version (bounded by S); a set's turn that comes while its
+            previous version is on its way is deferred. ``None``: ``True`` on several ranks, with
+            ``lag_steps`` given or at S = 0, else ``False``.
+        lag_steps: deterministic rule only: steps from snapshot to first use, at most S x
+            ``precondition_frequency``. ``None``: one interval (within that bound). Host buffers per
+            block: ``lag_steps // precondition_frequency + 1``.
+        stagger: spread the factor sets' refreshes over each interval, balanced by O(n^3) cost, so that no
+            step carries every snapshot and job. ``None``: on in async mode except where every version is
+            used at its own step (S = 0 or ``lag_steps=0``); off in sync mode; on several ranks only where
+            all have the same factor sets (a block's replicas refresh it at the same step).
+        stagger_split: also cut factor sets bigger than an even share of an interval's work so that the
+            stagger can spread them (the math is unchanged). ``None``: on where the schedule is staggered
+            on one process. Needs ``stagger`` not False.
+        sync_refreshes: the first versions of every set (the bootstrap, then the first refreshes) are
+            waited for at their own step under either rule: a late basis costs most while the factors are
+            young. 0: none.
         timeout_s: the longest any wait (barrier, buffer) may take before a ``TimeoutError``.
-        max_consecutive_failures: refreshes of one block that may fail in a row (the last good
-            preconditioner stays in use meanwhile) before ``step()`` raises ``RefreshError``.
-        nonfinite_grad_policy: what to do with a block whose gradient holds NaN/Inf: ``"skip"`` leaves
-            its state and parameter untouched for that step and counts it; ``"raise"`` raises.
-        max_nonfinite_grad_steps: skipped steps per block, counted in a row, before ``step()`` raises.
-        in_flight: under the newest-finished rule, how many versions of a factor set may be on their way at
-            once (each holds a snapshot and a result buffer per block in pinned host memory). A set's refresh
-            that comes due beyond that is deferred to its next turn, so the work never queues behind itself;
-            more lets a newer version queue behind an older one and supersede it before it starts.
-        device_refresh: whether the refresh executor may compute on the parameters' device beside the
-            workers (``asteria.pipeline.device_lane``). ``None``: where the parameters and preconditioners are
-            on a GPU; there the start-up refreshes run on the device (where they are fastest), and under the
-            newest-finished rule the sets the workers cannot finish within an interval go to it too. ``False``:
-            the workers compute everything. ``True``: also for CPU parameters (a torch thread beside the
-            workers; for tests).
-        device_share: (0, 1], the share of an interval's wall time the device lane's work may fill when
-            the balancer plans it: lower keeps training steps shorter, at the cost of deferred refreshes
-            when the workers and that share together cannot keep up.
-        memory: tier placement and budgets.
-        process_group, local_world_size: distributed layout (defaults: WORLD and torchrun's
-            LOCAL_WORLD_SIZE when torch.distributed is initialized). A group smaller than the world must
-            run CPU tensors on Gloo (``dist.new_group(ranks, backend="gloo")``, or ``"cpu:gloo,cuda:nccl"``);
-            its node size (``local_world_size``: the group's ranks per node, not the host's processes)
+        max_consecutive_failures: failed refreshes of one block in a row (the last good version stays in
+            use) before ``step()`` raises ``RefreshError``.
+        nonfinite_grad_policy: for a block whose gradient holds NaN/Inf, ``"skip"`` its update and count
+            it, or ``"raise"``.
+        max_nonfinite_grad_steps: skipped steps of one block in a row before ``step()`` raises.
+        in_flight: newest-finished rule: versions of a set on their way at once (each holds pinned
+            snapshot and result buffers); a turn beyond that is deferred.
+        device_refresh: whether the refresh executor may also compute on the parameters' device
+            (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
+            workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
+        device_share: (0, 1], the share of an interval's wall time the device lane may fill.
+        memory: tier placement and budgets (``MemoryConfig``).
+        process_group, local_world_size: the distributed layout (defaults: WORLD and torchrun's
+            LOCAL_WORLD_SIZE). A group smaller than the world runs CPU tensors on Gloo; its node size
             defaults to how many of its ranks each host holds.
     """
 

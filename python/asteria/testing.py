@@ -13,7 +13,6 @@ a NaN, which the engine's quality gate rejects), ``"hang"`` (it blocks until ``o
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 from typing import Any
 

@@ -430,8 +430,8 @@ def resume_worker(rank: int, world: int, out: Path, runs: list[tuple[str, int, i
         result[(kind, staleness)] = {
             "in_flight": len(own["refresher"]["scheduled"]),
             "malformed": malformed,
-            "identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters())),
-            "dcp_identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), third.parameters())),
+            "identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters(), strict=True)),
+            "dcp_identical": all(torch.equal(a, b) for a, b in zip(net.parameters(), third.parameters(), strict=True)),
             "layout": own["distributed"],
         }
     out.mkdir(exist_ok=True)

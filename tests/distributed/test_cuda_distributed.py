@@ -4,10 +4,9 @@ stream; the results must not depend on that or on stream timing. Skipped without
 
 from __future__ import annotations
 
+import dist_workers as W
 import pytest
 import torch
-
-import dist_workers as W
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

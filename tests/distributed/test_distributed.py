@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import re
 
+import dist_workers as W
 import pytest
 import torch
 
-import dist_workers as W
 from asteria.distributed import assign_owners_by_set, block_cost
 from asteria.distributed.topology import moves_host_tensors
 

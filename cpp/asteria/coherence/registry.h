@@ -1,6 +1,8 @@
 // The CoherenceRegistry: per preconditioner block, which version is in use, which is the newest
 // snapshot and the newest finished, the staleness budget S, the activation schedule, and a bounded
-// wait for versions the schedule requires.
+// wait for versions the schedule requires. The timeline it enforces (each version's snapshot step,
+// activation step and staleness deadline) is defined in one place, python/asteria/pipeline/timeline.py;
+// the activation steps passed to note_snapshot() come from there.
 #pragma once
 
 #include <chrono>

@@ -1,7 +1,7 @@
 """The distributed refresher: block ownership, node-shared stores and the hierarchical exchange, on the
 deterministic activation schedule.
 
-Life of version k of a block (snapshotted at step t, due at step d = t + lag, by default t + S * f, or t
+Life of version k of a block (snapshotted at step t, due at step d = t + lag, by default t + f, or t
 for the first ``sync_refreshes``):
 1. Step t: the block's owner (one rank of its replica domain) snapshots the factors and submits the
    job to its C++ engine; no other rank computes it.
@@ -33,14 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asteria.config import RuntimeConfig, is_int
+from asteria import cpus
+from asteria.config import RuntimeConfig
+from asteria.distributed import resume
 from asteria.distributed.domains import Domain, Unit, build_domains
 from asteria.distributed.topology import Topology, replica_ranks
-from asteria import cpus
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.checks import check_arg, check_saved_request, check_saved_snapshot
-from asteria.pipeline.refresh import SAVED
 from asteria.pipeline.worker_refresh import WorkerRefresher
 
 STATUS_CODES = {"ok": 1, "failed": 2, "skipped": 3}
@@ -517,71 +516,11 @@ class DistributedRefresher(WorkerRefresher):
 
     def check_state(self, state: dict[str, Any]) -> None:
         super().check_state(state)
-        if "newest_versions" not in state:  # written before staggered multi-rank schedules
-            check_arg(is_int(state.get("newest_version")) and state["newest_version"] >= 0,
-                      f"{SAVED}['newest_version']", state.get("newest_version"),
-                      "must be an int >= 0 (or newest_versions, one per factor set)")
-        for name, entry in self._scheduled_entries(state, ("version", "due", "requests", "snapshots")):
-            entry = _with_set_indices(entry, len(self.sets), name)
-            requests, snapshots = entry["requests"], entry["snapshots"]
-            check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
-                      type(snapshots).__name__,
-                      f"must hold one entry per factor set requested ({sorted(requests, key=str)})")
-            check_arg(all(is_int(index) and 0 <= index < len(self.sets) for index in requests), f"{name}['requests']",
-                      sorted(requests, key=str), f"must be keyed by factor set indices in [0, {len(self.sets)})")
-            for index, request in requests.items():
-                check_saved_request(request, self.sets[index].batch, f"{name}['requests'][{index}]")
-                mine = self.snapshots[index]
-                if mine is None:  # this rank owns no block of the set
-                    check_arg(snapshots[index] is None, f"{name}['snapshots'][{index}]",
-                              type(snapshots[index]).__name__, "must be None: this rank owns no block of the set")
-                else:
-                    check_saved_snapshot(snapshots[index], tuple(mine.shape[1:]), f"{name}['snapshots'][{index}]")
+        resume.check_scheduled(self, state, self._scheduled_entries(state, ("version", "due", "requests",
+                                                                                  "snapshots")))
 
     def load_state(self, state: dict[str, Any]) -> None:
-        saved = state.get("distributed")
-        mine = self.identity()
-        if saved is None:
-            raise ValueError(f"Invalid state_dict: saved by a single-process run; this optimizer runs on rank "
-                             f"{mine['rank']} of {mine['world_size']} (load each rank's own state_dict)")
-        for key in ("world_size", "local_world_size", "rank", "owners"):
-            if saved[key] != mine[key]:
-                shown = ("block owners differ (another layout, or an Asteria version before each rank owned an "
-                         "equal share of every factor set)") if key == "owners" else f"{saved[key]} != {mine[key]}"
-                raise ValueError(f"Invalid state_dict: saved by rank {saved['rank']} of world size "
-                                 f"{saved['world_size']} (local world size {saved['local_world_size']}), loaded on "
-                                 f"rank {mine['rank']} of {mine['world_size']} (local world size "
-                                 f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
-                                 "each rank's own state_dict")
-        scheduled = [_with_set_indices(entry, len(self.sets)) for entry in state["scheduled"]]
-        self._newest_versions = list(state["newest_versions"]) if "newest_versions" in state else (
-            [state["newest_version"]] * len(self.sets))  # written before staggered multi-rank schedules
-        self._consecutive = [np.array(c, dtype=np.int64) for c in state["consecutive_failures"]]
-        for index, ids in enumerate(self.ids):
-            pending = [entry["version"] for entry in scheduled if index in entry["requests"]]
-            if ids:
-                self.engine.resume_at(ids, [self.sets[index].versions[b] for b in self.owned[index]])
-                self.engine.start_at(ids, min(pending) if pending else self._newest_versions[index] + 1)
-        for index, (fset, ids) in enumerate(zip(self.sets, self.ids)):
-            if fset.kind != "eigenbasis":
-                continue
-            for block_id, b in zip(ids, self.owned[index]):
-                if fset.versions[b] > 0:
-                    basis = fset.preconditioners[b].detach().to("cpu", torch.float32).contiguous()
-                    self.engine.set_basis(block_id, fset.versions[b], basis)
-        self._scheduled = []
-        for entry in scheduled:
-            version, due = entry["version"], entry["due"]
-            requests = {index: RootRequest.load(r) for index, r in entry["requests"].items()}
-            for index, request in requests.items():
-                snapshot = entry["snapshots"][index]
-                if not self.ids[index]:
-                    continue
-                self.engine.begin_snapshot(self.ids[index], version, self.config.timeout_s)
-                self.snapshots[index][version % self.depth].copy_(snapshot)
-                request.for_blocks(self.owned[index]).submit(self.engine, self.ids[index], version, due,
-                                                             self.sets[index].exponent)
-            self._scheduled.append((version, due, requests))
+        resume.restore(self, state)
 
     # ---- reporting and life cycle --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -625,18 +564,3 @@ class DistributedRefresher(WorkerRefresher):
             for registration in self._registrations.values():
                 registration.close()
             self._registrations.clear()
-
-
-def _with_set_indices(entry: dict[str, Any], sets: int, name: str = "a scheduled version") -> dict[str, Any]:
-    """A scheduled entry of ``state()`` (``name`` in errors) with its requests and snapshots keyed by set
-    index (checkpoints written before staggered multi-rank schedules list them for every set, in order)."""
-    if isinstance(entry["requests"], dict):
-        return entry
-    if not isinstance(entry["requests"], (list, tuple)) or not isinstance(entry["snapshots"], (list, tuple)):
-        raise ValueError(f"Invalid {name}: its requests and snapshots are {type(entry['requests']).__name__} and "
-                         f"{type(entry['snapshots']).__name__}: must be dicts keyed by factor set index (or lists, "
-                         "one per set)")
-    if len(entry["requests"]) != sets or len(entry["snapshots"]) != sets:
-        raise ValueError(f"Invalid {name}: it lists {len(entry['requests'])} requests and {len(entry['snapshots'])} "
-                         f"snapshots, one per factor set: this optimizer has {sets}")
-    return entry | {"requests": dict(enumerate(entry["requests"])), "snapshots": dict(enumerate(entry["snapshots"]))}

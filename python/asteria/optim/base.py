@@ -41,7 +41,6 @@ from asteria.pipeline.refresh import Refresher
 from asteria.pipeline.timeline import InstallDelays, Timeline, is_staggered, plan_schedule
 from asteria.pipeline.worker_refresh import ring_depth
 
-
 #: constructor arguments that hold for every group: a param group may not set them
 CONSTRUCTOR_ONLY = ("max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step",
                     "precondition_1d", "runtime")

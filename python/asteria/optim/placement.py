@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asteria.optim.groups import ShapeGroup
 from asteria.checks import check_arg
 from asteria.config import RuntimeConfig
+from asteria.optim.groups import ShapeGroup
 from asteria.pipeline.factors import FactorSet
 from asteria.pipeline.refresh import Refresher
 from asteria.pipeline.tiers import PreconditionerTier, coherent_memory

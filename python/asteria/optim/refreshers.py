@@ -3,10 +3,10 @@ or the distributed one."""
 
 from __future__ import annotations
 
+from asteria.checks import check_arg
 from asteria.config import RuntimeConfig
 from asteria.distributed.runtime import distributed_refresher
 from asteria.distributed.topology import topology
-from asteria.checks import check_arg
 from asteria.pipeline.async_refresh import AsyncRefresher, device_lane_wanted
 from asteria.pipeline.factors import FactorSet
 from asteria.pipeline.refresh import Refresher, SyncRefresher

@@ -9,13 +9,12 @@ import torch
 from torch import Tensor
 
 from asteria import functional as F
+from asteria.checks import check_arg, check_betas, check_common_hyperparameters, check_positive, check_unit, key_name
 from asteria.config import RuntimeConfig
 from asteria.optim.base import SecondOrderOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key, has_root_key, root_key
 from asteria.optim.steps import to_device
-from asteria.checks import (check_arg, check_betas, check_common_hyperparameters, check_positive,
-                                     check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
 GRAFTINGS = ("adam", "none")

@@ -8,13 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asteria.config import RuntimeConfig
 from asteria import functional as F
+from asteria.checks import check_arg, check_betas, check_common_hyperparameters, check_nonnegative, check_unit, key_name
+from asteria.config import RuntimeConfig
 from asteria.optim.eigen_base import EigenbasisOptimizer
 from asteria.optim.groups import ShapeGroup
 from asteria.optim.state_keys import factor_key
-from asteria.checks import (check_arg, check_betas, check_common_hyperparameters, check_nonnegative,
-                                     check_unit, key_name)
 from asteria.pipeline.factors import FactorSet
 
 EXP_AVG = "exp_avg"          # first moment, in the parameter's own coordinates

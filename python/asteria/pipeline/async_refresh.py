@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from asteria import _core
-from asteria.config import RuntimeConfig, is_int
 from asteria.checks import check_arg, check_saved_request, check_saved_snapshot
+from asteria.config import RuntimeConfig, is_int
 from asteria.pipeline import packing, streams
 from asteria.pipeline.backlog import BacklogMonitor
 from asteria.pipeline.balance import LaneBalancer

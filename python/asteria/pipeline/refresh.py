@@ -15,14 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from asteria.config import RuntimeConfig
-from asteria.errors import RefreshError
 from asteria import functional as F
 from asteria.checks import check_arg, check_counts
+from asteria.config import RuntimeConfig
+from asteria.errors import RefreshError
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh_math import refresh_set
 from asteria.pipeline.timeline import ActivationRule
-
 
 SAVED = "state_dict['refresher']"  # how a checkpoint's refresher state is named in errors
 

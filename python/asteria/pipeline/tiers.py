@@ -12,8 +12,9 @@ Placements (``MemoryConfig.placement``):
 - ``"device_view"``: in pinned host memory that the device reads directly, through device views of
   the host buffers (unified addressing). On coherent-memory machines (GH200, GB10) that is as fast as
   device memory; elsewhere (PCIe GPUs) it is correct but slower.
-- ``"auto"``: ``"device_view"`` on a coherent-memory device; else ``"device"`` unless a ``gpu_budget``
-  would be exceeded with it, then ``"host"``. CPU parameters always use ``"device"`` (it is host memory).
+- ``"auto"``: ``"host"`` with an ``nvme_dir`` (the pager serves host buffers); else ``"device_view"`` on a
+  coherent-memory device; else ``"device"`` unless a ``gpu_budget`` would be exceeded with it, then
+  ``"host"``. CPU parameters and sync mode always use ``"device"``.
 
 A host-resident preconditioner is overwritten only by an install, after the device's last read of
 it (copy or view) has completed, so no stream ever reads a half-written buffer.

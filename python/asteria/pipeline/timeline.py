@@ -15,7 +15,8 @@ time and its documentation points here.
   runs for the first ``sync_refreshes`` versions (waited for). Otherwise, under the deterministic rule a
   version is activated exactly ``lag`` steps after its snapshot; under the newest-finished rule at the first
   activation after its result is done, and at the latest when its block would otherwise fall more than S
-  versions behind its newest snapshot (``deadline``).
+  versions behind its newest snapshot (``deadline``). The activation of step t sees the snapshots of step t
+  (with a read lag it runs at the start of step t + 1).
 - **First read**: the step whose parameter update reads the versions activated for step t is
   t + ``read_lag``: 0 for Shampoo, 1 for SOAP and KL-Shampoo, whose direction is computed while
   accumulating, before the step's own refresh (``SecondOrderOptimizer.ACTIVATION_LAG``).
@@ -177,10 +178,11 @@ class Timeline:
         return self.rule.activation_step(self.snapshot_step(index, version), version)
 
     def deadline(self, index: int, version: int) -> int:
-        """The last step whose activation may still use an older version than ``version``: its due step,
-        except under the newest-finished rule for versions after the aligned ones, where it is the step of the
-        snapshot S versions later (the block would otherwise lag its newest snapshot by more than S; a
-        snapshot deferred by the executor moves it later)."""
+        """The step by whose activation ``version`` (or a newer one) is in use at the latest: its due step,
+        except under the newest-finished rule for the versions after the aligned ones, where it is the step
+        of the snapshot S versions later (the activation of a step comes after that step's snapshots, and a
+        block may lag its newest snapshot by S versions, not more). A snapshot deferred by the executor
+        moves it later."""
         if self.rule.deterministic or self.rule.at_own_step(version):
             return self.activation_step(index, version)
         return self.snapshot_step(index, version + self.rule.staleness)
@@ -202,7 +204,7 @@ class InstallDelays:
     """How many steps after native mode's each version is first used. Native mode uses a version
     snapshotted at step t from the activation of step t on (SOAP and KL-Shampoo read it from step t + 1),
     so a version's delay is the step whose activation (or, in native mode, whose refresh) installed it,
-    minus t: 0 in native mode, exactly ``lag_steps`` (default S intervals) under the deterministic rule,
+    minus t: 0 in native mode, exactly ``lag_steps`` (default one interval) under the deterministic rule,
     and under the newest-finished rule how late the workers' result came. Counted per block install, for
     the versions after the first ``excluded`` (the sync refreshes, used at their own step by design).
     Versions a block passes over are not counted. Never negative, as no version is installed before its

@@ -23,11 +23,18 @@ import asteria
 from asteria.config import PLACEMENTS
 from asteria.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
-from asteria.train.checkpoint import interrupted
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
+from asteria.train.checkpoint import interrupted
 from asteria.train.distributed import PARALLEL_MODES
-from asteria.train.loop import (ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, STOP_REQUESTED,
-                                RunConfig, train)
+from asteria.train.loop import (
+    ASYNC_ONLY_SETTINGS,
+    LR_SCHEDULES,
+    MATMUL_PRECISIONS,
+    OPTIMIZERS,
+    STOP_REQUESTED,
+    RunConfig,
+    train,
+)
 from asteria.train.model import PRESETS
 from asteria.train.peers import PEERS
 from asteria.train.report import write_report

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from asteria.distributed import DistributedRefresher, gather_runtime_stats
 from asteria.train.model import decoder_layers, next_token_loss
 
 PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
@@ -302,8 +303,6 @@ class DistributedRun:
 def optimizer_bytes(opt: Any, steps: int) -> dict[str, Any]:
     """The optimizer's own traffic: ``asteria.distributed.gather_runtime_stats`` summed over ranks (a
     collective for the distributed refresher, local otherwise), and the byte counters per step."""
-    from asteria.distributed import DistributedRefresher, gather_runtime_stats
-
     if not hasattr(opt, "runtime_stats"):
         source, stats = "none: AdamW keeps its state beside each parameter (shard); it exchanges nothing", [{}]
     elif not isinstance(getattr(opt, "_refresher", None), DistributedRefresher):

@@ -28,8 +28,14 @@ from asteria.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
-from asteria.train.distributed import (PARALLEL_MODES, SHARDED_MODES, DistributedRun, check_parallel,
-                                      local_optimizer_state_to_dtensors, resolve_layout)
+from asteria.train.distributed import (
+    PARALLEL_MODES,
+    SHARDED_MODES,
+    DistributedRun,
+    check_parallel,
+    local_optimizer_state_to_dtensors,
+    resolve_layout,
+)
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
 from asteria.train.peers import PEERS, make_peer

@@ -32,7 +32,6 @@ from asteria.train.gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 from asteria.train.report import is_number
 
-
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
