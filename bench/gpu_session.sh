@@ -9,7 +9,7 @@
 #   bench-large  the same at a GPU-bound batch (32 x 1024, TF32 matrix products; more options in $LARGE_ARGS);
 #   long     issue 7's comparison: $LONG_STEPS (300) steps of olmo-160m at 32 x 1024, AdamW vs the Asteria
 #            optimizers (more options in $LONG_ARGS, e.g. --no-deterministic);
-#   sweep    asteria sweep over S ($SWEEP_S) for each of $SWEEP_OPTIMIZERS (default: soap), Asteria mode, same
+#   sweep    tools/sweep.py over S ($SWEEP_S) for each of $SWEEP_OPTIMIZERS (default: soap), Asteria mode, same
 #            model and batch, 150 steps ($SWEEP_ARGS);
 #   scaling  bench/scaling.py: torchrun on 1 and 2 GPUs, DDP and FSDP2 (needs a 2-GPU machine);
 #   opt      bench/opt_step.py: one opt.step() alone, its device time per operator ($OPT_ARGS);
@@ -41,8 +41,8 @@ has long && $CLI bench $GPU_BOUND --steps ${LONG_STEPS:-300} --precondition-freq
   | tee "$OUT/long.txt"
 if has sweep; then
   for opt in ${SWEEP_OPTIMIZERS:-soap}; do
-    $CLI sweep $GPU_BOUND --optimizer $opt --mode async --steps 150 --eval-every 150 --staleness ${SWEEP_S:-0 1 3 5} \
-      ${SWEEP_ARGS:-} --out "$OUT/sweep-$opt" 2>&1 | quiet | tee "$OUT/sweep-$opt.txt"
+    python3 tools/sweep.py $GPU_BOUND --optimizer $opt --mode async --steps 150 --eval-every 150 \
+      --staleness ${SWEEP_S:-0 1 3 5} ${SWEEP_ARGS:-} --out "$OUT/sweep-$opt" 2>&1 | quiet | tee "$OUT/sweep-$opt.txt"
   done
 fi
 has profile && python3 bench/profile_step.py --model olmo-160m --batch-size 32 --seq-len 1024 \

@@ -8,7 +8,8 @@
 # Usage: OUT=DIR OPT=shampoo LAG=2 JOBS=3 DEADLINE_S=400 bash bench/loss_pairs.sh SEEDS...
 # NA=0 runs only the Asteria arm (for seeds whose native arm exists in $OUT).
 # At the end the seeds with both arms are pooled into $OUT/report (seeds.md): Asteria against native,
-# paired by seed. Seeds of several calls pool the same way: asteria seeds DIR/s*/d2 --baseline DIR/s*/na.
+# paired by seed. Seeds of several calls pool the same way: python3 tools/seeds.py gather DIR/s*/d2 --baseline
+# DIR/s*/na --out REPORT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -26,5 +27,5 @@ printf '%s\n' "$@" | xargs -P "${JOBS:-3}" -I{} bash -c 'one_seed {}'
 shopt -s nullglob
 asteria_arms=("$OUT"/s*/d"$LAG") native_arms=("$OUT"/s*/na)
 if (( ${#asteria_arms[@]} && ${#native_arms[@]} )); then
-  python3 -m asteria.train.cli seeds "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
+  python3 tools/seeds.py gather "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
 fi

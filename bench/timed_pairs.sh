@@ -8,7 +8,7 @@
 # unless it is the call's last use of the time (then the next call, with the same OUT, runs the Asteria arm).
 # Arms whose seeds.json exists are skipped, so a call can pick up where the last one stopped.
 # Usage: OUT=DIR BUDGET_S=560 bash bench/timed_pairs.sh SEEDS...
-# Pool: asteria seeds DIR/s*/nf --baseline DIR/s*/na --out DIR/report
+# Pool: python3 tools/seeds.py gather DIR/s*/nf --baseline DIR/s*/na --out DIR/report
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -36,5 +36,5 @@ done
 shopt -s nullglob
 asteria_arms=("$OUT"/s*/nf) native_arms=("$OUT"/s*/na)
 if (( ${#asteria_arms[@]} && ${#native_arms[@]} )); then
-  python3 -m asteria.train.cli seeds "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
+  python3 tools/seeds.py gather "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
 fi

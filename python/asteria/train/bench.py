@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from asteria.train.loop import DEFAULT_LR, RunConfig, make_optimizer, train
+from asteria.train.loop import make_optimizer, train
 from asteria.train.peers import PEERS
 from asteria.train.provenance import software
 from asteria.train.report import Run, load_run, plt, run_warmup, write_report
+from asteria.train.run_config import DEFAULT_LR, RunConfig
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")

@@ -1,8 +1,8 @@
 """The ``asteria`` command: ``train`` one run (checkpoints, ``--resume``; on several processes under
 torchrun: ``torchrun --nproc-per-node N -m asteria.train.cli train --parallel ddp|fsdp|hsdp ...``), ``demo``
-(AdamW vs Asteria Shampoo with a report), ``bench`` (every optimizer x mode side by side), ``sweep`` (one
-config over staleness bounds), ``seeds`` (Asteria against native over seeds, from bench results on disk)
-and ``report`` over finished runs."""
+(AdamW vs Asteria Shampoo with a report), ``bench`` (every optimizer x mode side by side) and ``report``
+over finished runs. Experiments built on these (staleness sweeps, comparisons over seeds) live in
+``tools/``, outside the package."""
 
 from __future__ import annotations
 
@@ -26,20 +26,11 @@ from asteria.train import checkpoint
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
 from asteria.train.checkpoint import interrupted
 from asteria.train.distributed import PARALLEL_MODES
-from asteria.train.loop import (
-    ASYNC_ONLY_SETTINGS,
-    LR_SCHEDULES,
-    MATMUL_PRECISIONS,
-    OPTIMIZERS,
-    STOP_REQUESTED,
-    RunConfig,
-    train,
-)
+from asteria.train.loop import STOP_REQUESTED, train
 from asteria.train.model import PRESETS
 from asteria.train.peers import PEERS
 from asteria.train.report import write_report
-from asteria.train.seeds import gather, run_seeds, setting_differences, write_summary
-from asteria.train.sweep import DEFAULT_STALENESS, run_sweep
+from asteria.train.run_config import ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, RunConfig
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str}
@@ -223,11 +214,6 @@ def _run_config(args: argparse.Namespace, **overrides) -> RunConfig:
     return RunConfig(**(values | overrides))
 
 
-def _one_seed_option(args: argparse.Namespace) -> None:
-    if args.seed is not None and args.seeds is not None:
-        raise ValueError(f"Invalid seed={args.seed!r} beside seeds={args.seeds!r}: give one of them")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asteria", description=__doc__.replace("``", ""))
     parser.add_argument("--version", action="version", version=f"asteria {asteria.__version__}")
@@ -256,29 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
                               "precondition_frequency N instead of --precondition-frequency (e.g. soap-async-f5); "
                               f"peers beside them: {PEER_CONFIGS} (ds-*: Meta's Distributed Shampoo from --peer-path; "
                               "hb-*: heavyball, where installed)")
-    bench_p.add_argument("--seeds", type=int, nargs="+", default=None,
-                         help="repeat the comparison for each of these seeds (in place of --seed) into OUT/seed<S>, "
-                              "and write OUT/seeds.md: every config's loss over the seeds and Asteria's loss "
-                              "against native's, paired by seed")
-    sweep_p = sub.add_parser("sweep", help="one Asteria config at several staleness bounds, with a report")
-    _add_run_arguments(sweep_p, skip=("staleness",))
-    sweep_p.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
-                         help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
-    sweep_p.add_argument("--out", type=out_dir, required=True)
-    sweep_p.add_argument("--seeds", type=int, nargs="+", default=None,
-                         help="train every S once per seed (in place of --seed) into OUT/S<k>/seed<n>: per-S means "
-                              "with their standard errors, and a verdict on the spread target")
-    sweep_p.add_argument("--reuse", action="store_true",
-                         help="keep the runs in OUT that finished every step with the same configuration instead of "
-                              "training them again (continues an interrupted sweep, or one given more seeds or S)")
-    seeds_p = sub.add_parser("seeds", help="Asteria's loss against native's over seeds, from bench results on disk")
-    seeds_p.add_argument("runs", type=Path, nargs="+",
-                         help="bench output folders or results.json files (searched recursively; several runs of "
-                              "one seed count as that seed once, at their mean)")
-    seeds_p.add_argument("--baseline", type=Path, nargs="+", default=None,
-                         help="bench results of other settings whose native configs every config of RUNS is "
-                              "compared with, paired by seed (the settings that differ are listed)")
-    seeds_p.add_argument("--out", type=out_dir, required=True, help="where seeds.md and seeds.json go")
     report_p = sub.add_parser("report", help="plots and a Markdown table over finished runs")
     report_p.add_argument("runs", type=Path, nargs="+")
     report_p.add_argument("--out", type=out_dir, default=Path("runs/report"))
@@ -316,36 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
-        elif args.command == "bench" and args.seeds is not None:
-            _one_seed_option(args)
-            run_seeds(_run_config(args), args.out, tuple(args.configs), list(args.seeds))
-            print((args.out / "seeds.md").read_text())
-            print(f"results: {args.out / 'seeds.json'}")
         elif args.command == "bench":
             results = run_bench(_run_config(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
-        elif args.command == "seeds":
-            per_seed, devices, codes, settings = gather(list(args.runs))
-            baseline = differences = baseline_codes = None
-            if args.baseline is not None:
-                baseline, more_devices, baseline_codes, baseline_settings = gather(list(args.baseline))
-                devices = list(dict.fromkeys(devices + more_devices))
-                differences = setting_differences(settings, baseline_settings)
-            write_summary(per_seed, devices, args.out, codes, baseline, differences, baseline_codes)
-            print((args.out / "seeds.md").read_text())
-            print(f"results: {args.out / 'seeds.json'}")
-        elif args.command == "sweep":
-            _one_seed_option(args)
-            result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
-                               seeds=None if args.seeds is None else list(args.seeds), reuse=args.reuse)
-            spread = result["spread_final_loss_s_le_5"]
-            for s, row in result["runs"].items():
-                print(f"S={s:>3}: final loss {row['final_loss']:.4f}")
-            spread_text = "n/a" if spread is None else f"{spread:.4f}"
-            verdict = f" ({result['spread_verdict']} against < {result['spread_target']})" if result.get(
-                "spread_verdict") else ""
-            print(f"spread over S <= 5: {spread_text}{verdict}; report: {args.out / 'sweep.md'}")
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, OSError) as error:

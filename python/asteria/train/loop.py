@@ -1,6 +1,6 @@
-"""One training run: model, data, optimizer, metrics (JSON lines and TensorBoard), progress bar,
-checkpoints and resume; on one process, or on several under torchrun (DDP, FSDP2 or HSDP: see
-``train/distributed.py``)."""
+"""One training run of a ``RunConfig`` (``run_config.py``): model, data, optimizer, metrics (JSON lines and
+TensorBoard), progress bar, checkpoints and resume; on one process, or on several under torchrun (DDP,
+FSDP2 or HSDP: see ``train/distributed.py``)."""
 
 from __future__ import annotations
 
@@ -12,24 +12,20 @@ import shutil
 import statistics
 import threading
 import time
-import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import asteria
-from asteria.config import MAX_FREQUENCY, MAX_STALENESS, is_int
-from asteria.hooks import PREFETCH_POINTS
+from asteria.config import is_int
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.data import PackedData, load_documents, load_tokenizer
 from asteria.train.distributed import (
-    PARALLEL_MODES,
     SHARDED_MODES,
     DistributedRun,
     check_parallel,
@@ -37,180 +33,29 @@ from asteria.train.distributed import (
     resolve_layout,
 )
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
-from asteria.train.model import PRESETS, build_model, decoder_layers, next_token_loss, parameter_count
+from asteria.train.model import build_model, decoder_layers, next_token_loss, parameter_count
 from asteria.train.peers import PEERS, make_peer
 from asteria.train.profiling import StepProfiler, check_profile_steps
 from asteria.train.provenance import software
 
-ASTERIA_OPTIMIZERS = ("shampoo", "soap", "kl-shampoo")
-OPTIMIZERS = ("adamw", *ASTERIA_OPTIMIZERS, *PEERS)
-DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3} | {
-    peer: 3e-3 for peer in PEERS}  # each peer the learning rate of the Asteria optimizer it stands beside
-# torch.set_float32_matmul_precision: "high" lets float32 matrix products (the optimizers' factor
-# updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
-MATMUL_PRECISIONS = ("highest", "high")
+# The run's settings live in run_config.py; they stay importable from here, beside ``train``, which takes them.
+from asteria.train.run_config import ASTERIA_OPTIMIZERS as ASTERIA_OPTIMIZERS
+from asteria.train.run_config import ASYNC_ONLY_SETTINGS as ASYNC_ONLY_SETTINGS
+from asteria.train.run_config import DEFAULT_LR as DEFAULT_LR
+from asteria.train.run_config import LEGACY_SETTINGS as LEGACY_SETTINGS
+from asteria.train.run_config import LR_SCHEDULES as LR_SCHEDULES
+from asteria.train.run_config import MATMUL_PRECISIONS as MATMUL_PRECISIONS
+from asteria.train.run_config import MIN_LR_RATIO as MIN_LR_RATIO
+from asteria.train.run_config import OPTIMIZERS as OPTIMIZERS
+from asteria.train.run_config import RESUME_MUST_MATCH as RESUME_MUST_MATCH
+from asteria.train.run_config import SECOND_ORDER_SETTINGS as SECOND_ORDER_SETTINGS
+from asteria.train.run_config import RunConfig, check_resumable
+from asteria.train.run_config import resolved_stagger_split as resolved_stagger_split
+
 #: set by the CLI's first Ctrl-C (one process): the loop stops after the step in progress and its checkpoint
 STOP_REQUESTED = threading.Event()
 RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
 TRACE_PREFIX = "trace-rank"  # and, with --profile-steps, its traces
-LR_SCHEDULES = ("cosine", "constant")
-MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
-# A checkpoint continues only the run it came from: these must be equal to resume.
-RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
-                     "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
-                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger", "lag_steps", "stagger_split")
-# Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
-# schedule's, which native mode reads too): a resume of a run without them does not compare them.
-ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
-SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split")
-# What a checkpoint written before a setting existed was trained with.
-LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
-                   "lag_steps": None, "late_activation": False, "stagger_split": False}
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """Everything that defines a run (the CLI has one option per field)."""
-
-    model: str = "tiny"
-    optimizer: str = "shampoo"
-    mode: str = "async"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 64
-    lr: float | None = None
-    lr_schedule: str = "cosine"
-    warmup_steps: int | None = None
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    staleness: int = 5
-    sync_refreshes: int = 2
-    stagger: bool | None = None
-    stagger_split: bool | None = None
-    precondition_frequency: int = 10
-    max_preconditioner_dim: int = 2048
-    workers: int | None = None
-    placement: str = "auto"
-    device: str = "cpu"
-    data: str | None = None
-    tokenizer: str | None = None
-    max_bytes: int = 2_000_000
-    val_fraction: float = 0.05
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    seed: int = 0
-    parallel: str = "ddp"
-    local_world_size: int | None = None
-    matmul_precision: str = "highest"
-    deterministic: bool | None = None
-    lag_steps: int | None = None
-    deterministic_kernels: bool = False
-    prefetch: str = "forward_end"
-    late_activation: bool | None = None
-    in_flight: int = 1
-    device_refresh: bool | None = None
-    device_share: float = 1.0
-    peer_path: str | None = None
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: {allowed}")
-
-        check(self.model in PRESETS, "model", f"must be one of {tuple(PRESETS)}")
-        check(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}")
-        check(self.mode in ("sync", "async"), "mode", "must be 'sync' or 'async'")
-        check(self.optimizer not in PEERS or self.checkpoint_every == 0, "checkpoint_every",
-              f"the peer {self.optimizer} is not checkpointed by this CLI: use 0")
-        check(self.placement in asteria.config.PLACEMENTS, "placement", f"must be one of {asteria.config.PLACEMENTS}")
-        for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "max_preconditioner_dim", "eval_every",
-                     "eval_batches"):
-            check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
-        for name in ("staleness", "sync_refreshes", "checkpoint_every", "keep_checkpoints", "seed"):
-            check(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an int >= 0")
-        check(isinstance(self.device_share, (int, float)) and not isinstance(self.device_share, bool)
-              and 0 < self.device_share <= 1, "device_share", "must be a number in (0, 1]")
-        check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
-        check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
-              "must be None (the library's choice), True or False")
-        check(self.seed < 2**32, "seed", "must be below 2**32 (the data order's generator is seeded from it)")
-        check(self.staleness <= MAX_STALENESS, "staleness", f"must be at most {MAX_STALENESS} (each block keeps S + 1 "
-              "snapshots in pinned host memory)")
-        check(self.precondition_frequency <= MAX_FREQUENCY, "precondition_frequency",
-              f"must be at most {MAX_FREQUENCY} steps")
-        check(self.stagger is None or isinstance(self.stagger, bool), "stagger", "must be None, True or False")
-        check((self.stagger_split is None or isinstance(self.stagger_split, bool))
-              and not (self.stagger_split and self.stagger is False),
-              "stagger_split", "must be None, True or False, and True only where the schedule is staggered (not "
-              "with --no-stagger)")
-        check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
-              "must be a finite number > 0")
-        check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
-        check(self.warmup_steps is None or (is_int(self.warmup_steps) and 0 <= self.warmup_steps < self.steps),
-              "warmup_steps", f"must be None or an int in [0, steps={self.steps})")
-        check(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
-              and math.isfinite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
-              "must be a finite number >= 0 (0: no clipping)")
-        check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be a number >= 0")
-        check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", "must be an int >= 1")
-        check(0.0 < self.val_fraction < 1.0, "val_fraction", "must be in (0, 1)")
-        check(is_int(self.max_bytes) and self.max_bytes >= 4096, "max_bytes", "must be an int >= 4096")
-        check(self.seq_len <= PRESETS.get(self.model, PRESETS["tiny"]).max_seq_len, "seq_len",
-              f"model {self.model!r} takes at most {PRESETS.get(self.model, PRESETS['tiny']).max_seq_len} tokens")
-        check(self.parallel in PARALLEL_MODES, "parallel", f"must be one of {PARALLEL_MODES}")
-        check(self.local_world_size is None or (is_int(self.local_world_size) and self.local_world_size >= 1),
-              "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
-              "LOCAL_WORLD_SIZE)")
-        check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
-        for name in ("data", "tokenizer"):  # "" would be the current folder
-            value = getattr(self, name)
-            check(value is None or (isinstance(value, str) and value.strip() != ""), name,
-                  "must be a file or folder path (or None: the default)")
-        check(self.deterministic is None or isinstance(self.deterministic, bool), "deterministic",
-              "must be None (the library's choice), True or False")
-        check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
-        check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
-              "must be an int >= 0")
-        if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
-            asteria.RuntimeConfig(staleness=self.staleness, deterministic=self.deterministic,
-                                  lag_steps=self.lag_steps).activation_lag(self.precondition_frequency)
-        check(self.prefetch in PREFETCH_POINTS, "prefetch", f"must be one of {PREFETCH_POINTS}")
-        check((self.late_activation is None or isinstance(self.late_activation, bool))
-              and not (self.late_activation and self.deterministic is not False), "late_activation",
-              "must be None (on where allowed), True or False, and True only with deterministic=False "
-              "(--no-deterministic: the deterministic rule fixes each step's versions in advance)")
-        check(self.matmul_precision in MATMUL_PRECISIONS, "matmul_precision", f"must be one of {MATMUL_PRECISIONS}")
-        check(self.device == "cpu" or torch.cuda.is_available(), "device", "CUDA is not available here")
-
-    @property
-    def label(self) -> str:
-        return self.optimizer if self.optimizer not in ASTERIA_OPTIMIZERS else f"{self.optimizer}-{self.mode}"
-
-    @property
-    def learning_rate(self) -> float:
-        """The peak learning rate."""
-        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
-
-    @property
-    def warmup(self) -> int:
-        """Linear warm-up steps: ``warmup_steps``, or 10% of the run (at most 200) by default."""
-        return self.warmup_steps if self.warmup_steps is not None else min(200, self.steps // 10)
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of ``step`` (1-based): a linear warm-up to the peak, then constant or a cosine
-        decay to ``MIN_LR_RATIO`` of it at the last step. A function of the step (and ``steps``) alone, so a
-        run resumed with the same ``steps`` continues the same schedule."""
-        peak, warmup = self.learning_rate, self.warmup
-        if step <= warmup:
-            return peak * step / (warmup + 1)
-        if self.lr_schedule == "constant":
-            return peak
-        progress = (step - warmup) / max(1, self.steps - warmup)
-        return peak * (MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> None:
@@ -249,51 +94,6 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency,
                 max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime)
-
-
-def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
-    """Whether a run's optimizer splits its shape groups for the stagger, from the run's settings (a
-    ``RunConfig`` as a dict) as ``make_optimizer`` and the runtime resolve them: ``stagger_split`` where the
-    schedule is staggered (async mode, or native with ``--stagger``); None there means on one process."""
-    split, stagger = config.get("stagger_split"), config.get("stagger")
-    if config.get("optimizer") not in ASTERIA_OPTIMIZERS or not (config.get("mode") == "async" or stagger is True):
-        return False
-    # Here the schedule is staggered unless --no-stagger (async mode's default).
-    return split if split is not None else processes == 1 and stagger is not False
-
-
-def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
-    """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
-    newer than the checkpoint counts as its default; ``stagger_split`` as it resolves), or when it has done
-    more steps than this run's ``steps``; warns when another ``steps`` moves the lr schedule."""
-    if cfg.steps < manifest.step:
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it has done {manifest.step} steps, beyond this "
-                              f"run's steps={cfg.steps}; resume with --steps >= {manifest.step} (a larger value "
-                              "extends the run)")
-    defaults = {f.name: f.default for f in fields(RunConfig)}
-    defaults |= LEGACY_SETTINGS
-    saved = {name: manifest.config.get(name, defaults[name]) for name in RESUME_MUST_MATCH}
-    this = {name: getattr(cfg, name) for name in RESUME_MUST_MATCH}
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    saved["stagger_split"] = resolved_stagger_split(saved, processes)
-    this["stagger_split"] = resolved_stagger_split(this, processes)
-    unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
-        SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
-    if cfg.mode == "sync" and saved["stagger"] is not True and this["stagger"] is not True:
-        unused += ("sync_refreshes",)  # it only aligns a staggered schedule (`train` refuses it here otherwise)
-    diffs = [f"{name}={saved[name]!r} (this run: {this[name]!r})" for name in RESUME_MUST_MATCH
-             if saved[name] != this[name] and name not in unused]
-    if diffs:
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: it was saved with " + ", ".join(diffs) +
-                              "; resume only with the settings it was saved with")
-    saved_steps = manifest.config.get("steps")
-    if is_int(saved_steps) and saved_steps != cfg.steps and manifest.step < cfg.steps:
-        before = replace(cfg, steps=max(saved_steps, manifest.step + 1)).lr_at(manifest.step + 1)
-        after = cfg.lr_at(manifest.step + 1)
-        if not math.isclose(before, after):
-            warnings.warn(f"Resuming a run of steps={saved_steps} with steps={cfg.steps}: its lr schedule follows the "
-                          f"new length from step {manifest.step + 1} (lr {before:.3g} there becomes {after:.3g})",
-                          stacklevel=2)
 
 
 def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -453,13 +253,24 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         raise
 
 
-def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None,
-               profile_steps: tuple[int, int] | None, made: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    from torch.utils.tensorboard import SummaryWriter
+@dataclass
+class _Parts:
+    """What a run trains with, made before its first step."""
 
-    lead = run is None or run.lead
-    world = run.layout.world_size if run is not None else 1
-    ckpt_root = out / "checkpoints"
+    device: torch.device
+    vocab_size: int
+    data: PackedData
+    model: torch.nn.Module
+    net: torch.nn.Module  # what the forward pass calls (DDP: the wrapper)
+    opt: torch.optim.Optimizer
+    hooks: Any  # asteria.attach's hooks (None for an optimizer without preconditioners)
+    parameters: int
+    layer_parameters: int
+
+
+def _setup(cfg: RunConfig, run: DistributedRun | None, world: int, made: list[torch.optim.Optimizer]) -> _Parts:
+    """Seeds torch, then loads the data and builds the model, its wrapper, the optimizer (into ``made`` at
+    once, so that it is closed if what follows fails) and the pipeline's hooks."""
     torch.manual_seed(cfg.seed)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     device = run.device if run is not None else torch.device(cfg.device)
@@ -474,7 +285,7 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     model = build_model(cfg.model, tokenizer.vocab_size, cfg.seq_len).to(device)
     parameters = parameter_count(model)
     layer_parameters = sum(p.numel() for p in decoder_layers(model).parameters())
-    net = run.wrap(model) if run is not None else model  # what the forward pass calls (DDP: the wrapper)
+    net = run.wrap(model) if run is not None else model
     # Workers default to this rank's share of the host (RuntimeConfig reads torchrun's LOCAL_RANK).
     opt = make_optimizer(cfg, model, local_world_size=run.layout.local_world_size if run is not None else None)
     made.append(opt)
@@ -482,6 +293,16 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     hooks = (asteria.attach(model, opt, prefetch=cfg.prefetch,
                             late_activation=cfg.late_activation if cfg.mode == "async" else False)
              if isinstance(opt, asteria.optim.base.SecondOrderOptimizer) else None)
+    return _Parts(device, tokenizer.vocab_size, data, model, net, opt, hooks, parameters, layer_parameters)
+
+
+def _resume(cfg: RunConfig, out: Path, resume: bool, run: DistributedRun | None,
+            parts: _Parts) -> tuple[dict[str, Any], str | None, list[dict[str, Any]]]:
+    """Where the run starts: the loop's state (step, data cursor, training wall clock) of the newest
+    checkpoint with ``resume`` (else step 0), that checkpoint's path and the metrics records up to its step,
+    which the lead rank writes back (the rest of the file, and the summary, are of steps to be run again)."""
+    lead = run is None or run.lead
+    ckpt_root = out / "checkpoints"
     loop = {"step": 0, "cursor": 0, "wall": 0.0}
     resumed_from = None
     if resume:
@@ -491,13 +312,101 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
             run.barrier()
         found = checkpoint.published(ckpt_root)
         if found:
-            loop = _restore(found[-1], cfg, model, opt, run)
+            loop = _restore(found[-1], cfg, parts.model, parts.opt, run)
             resumed_from = str(found[-1])
     records = _read_records(out / "metrics.jsonl", loop["step"]) if lead else []
     if lead:
         _atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         (out / "summary.json").unlink(missing_ok=True)  # the run is under way again: no summary until it ends
+    return loop, resumed_from, records
 
+
+def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int, position: int,
+                energy: EnergyMeter, timer: StepTimer, profiler: StepProfiler) -> dict[str, Any]:
+    """One step on the batch of sequences from ``position``: its loss (on several processes the mean over
+    ranks), learning rate, wall and CUDA-event time and energy (None where not measured)."""
+    t0 = time.perf_counter()
+    # The range ends after the step's synchronization, so each profiled step holds its GPU work.
+    with profiler.step(step):  # a no-op outside --profile-steps
+        joules = energy.joules()
+        batch = parts.data.batch(position, cfg.batch_size).to(parts.device, non_blocking=True)
+        timer.begin()
+        with torch.autocast(parts.device.type, dtype=torch.bfloat16, enabled=parts.device.type == "cuda"):
+            loss = next_token_loss(parts.net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
+        loss.backward()
+        checkpoint.fault_point("train-step", step)
+        if cfg.grad_clip > 0:
+            clip_gradients(parts.model, cfg.grad_clip)
+        lr = cfg.lr_at(step)
+        for group in parts.opt.param_groups:
+            group["lr"] = lr
+        parts.opt.step()
+        parts.opt.zero_grad(set_to_none=True)
+        gpu_seconds = timer.finish()
+        step_joules = None
+        if run is None:
+            loss_value = loss.item()  # synchronizes, so the step time below is the whole step
+        else:  # the mean over ranks and the energy of all ranks' GPUs (one all-reduce)
+            loss_value, step_joules = run.reduce_step(loss, None if joules is None else energy.joules() - joules)
+        step_time = time.perf_counter() - t0
+    if run is None and joules is not None:
+        step_joules = energy.joules() - joules
+    return {"loss": loss_value, "lr": lr, "step_time": step_time, "gpu_seconds": gpu_seconds, "joules": step_joules}
+
+
+def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int, wall: float,
+            measured: dict[str, Any]) -> dict[str, Any]:
+    """The step's metrics line: what ``_train_step`` measured, memory, staleness and, every ``eval_every``
+    steps and at the last, the validation loss."""
+    device = parts.device
+    record: dict[str, Any] = {"step": step, "loss": measured["loss"], "lr": measured["lr"],
+                              "step_time": measured["step_time"], "wall": wall, "rss_bytes": rss_bytes()}
+    if measured["gpu_seconds"] is not None:
+        record["gpu_step_time"] = measured["gpu_seconds"]
+        record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
+        record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    if measured["joules"] is not None:
+        record["energy_joules"] = measured["joules"]
+    if hasattr(parts.opt, "staleness"):
+        record["staleness"] = parts.opt.staleness()
+    if step % cfg.eval_every == 0 or step == cfg.steps:
+        record["val_loss"] = (evaluate(parts.model, parts.data, device, cfg.batch_size, cfg.eval_batches)
+                              if run is None else
+                              run.evaluate(parts.model, parts.data, cfg.batch_size, cfg.eval_batches))
+    return record
+
+
+def _log(record: dict[str, Any], log: IO[str] | None, writer: Any, bar: tqdm) -> None:
+    """The record into the metrics file and TensorBoard (the lead rank's ``log`` and ``writer``; None on the
+    others) and onto the progress bar."""
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        for key in ("loss", "val_loss", "lr", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
+            if key in record:
+                writer.add_scalar(key, record[key], record["step"])
+    bar.set_postfix(loss=f"{record['loss']:.3f}", step_ms=f"{1e3 * record['step_time']:.0f}",
+                    stale=record.get("staleness", "-"))
+
+
+def _checkpoint(root: Path, cfg: RunConfig, parts: _Parts, loop: dict[str, Any], run: DistributedRun | None,
+                log: IO[str] | None) -> None:
+    """A checkpoint of the step just done, its metrics on disk first (the lead rank's ``log``), so that a
+    resume finds every record up to it."""
+    if log is not None:
+        log.flush()
+        os.fsync(log.fileno())
+    _save(root, cfg, parts.model, parts.opt, loop, run)
+
+
+def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: DistributedRun | None,
+               profile_steps: tuple[int, int] | None, made: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    lead = run is None or run.lead
+    world = run.layout.world_size if run is not None else 1
+    parts = _setup(cfg, run, world, made)
+    device = parts.device
+    loop, resumed_from, records = _resume(cfg, out, resume, run, parts)
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
               if lead else None)
     energy, timer = EnergyMeter(device), StepTimer(device)
@@ -513,80 +422,41 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     try:
         with (out / "metrics.jsonl").open("a") if lead else contextlib.nullcontext() as log:
             for step in bar:
-                t0 = time.perf_counter()
-                # The range ends after the step's synchronization, so each profiled step holds its GPU work.
-                with profiler.step(step):  # a no-op outside --profile-steps
-                    joules = energy.joules()
-                    batch = data.batch(cursor + offset, cfg.batch_size).to(device, non_blocking=True)
-                    cursor += cfg.batch_size * world
-                    timer.begin()
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                        loss = next_token_loss(net(batch[:, :-1]), batch)  # = model.loss(batch), through the wrapper
-                    loss.backward()
-                    checkpoint.fault_point("train-step", step)
-                    if cfg.grad_clip > 0:
-                        clip_gradients(model, cfg.grad_clip)
-                    lr = cfg.lr_at(step)
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    gpu_seconds = timer.finish()
-                    step_joules = None
-                    if run is None:
-                        loss_value = loss.item()  # synchronizes, so the step time below is the whole step
-                    else:  # the mean over ranks and the energy of all ranks' GPUs (one all-reduce)
-                        loss_value, step_joules = run.reduce_step(loss, None if joules is None
-                                                                  else energy.joules() - joules)
-                    step_time = time.perf_counter() - t0
-                wall += step_time
-                if run is None and joules is not None:
-                    step_joules = energy.joules() - joules
-                record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
-                                          "step_time": step_time, "wall": wall, "rss_bytes": rss_bytes()}
-                if gpu_seconds is not None:
-                    record["gpu_step_time"] = gpu_seconds
-                    record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
-                    record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-                if step_joules is not None:
-                    record["energy_joules"] = step_joules
-                if hasattr(opt, "staleness"):
-                    record["staleness"] = opt.staleness()
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    record["val_loss"] = (evaluate(model, data, device, cfg.batch_size, cfg.eval_batches)
-                                          if run is None else
-                                          run.evaluate(model, data, cfg.batch_size, cfg.eval_batches))
-                if lead:
-                    log.write(json.dumps(record) + "\n")
-                    for key in ("loss", "val_loss", "lr", "step_time", "staleness", "energy_joules", "gpu_peak_bytes"):
-                        if key in record:
-                            writer.add_scalar(key, record[key], step)
-                bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_time:.0f}",
-                                stale=record.get("staleness", "-"))
+                measured = _train_step(cfg, parts, run, step, cursor + offset, energy, timer, profiler)
+                cursor += cfg.batch_size * world
+                wall += measured["step_time"]
+                record = _record(cfg, parts, run, step, wall, measured)
+                _log(record, log, writer, bar)
                 records.append(record)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    if lead:
-                        log.flush()
-                        os.fsync(log.fileno())
-                    _save(ckpt_root, cfg, model, opt, {"step": step, "cursor": cursor, "wall": wall}, run)
+                    _checkpoint(out / "checkpoints", cfg, parts, {"step": step, "cursor": cursor, "wall": wall},
+                                run, log)
                 if run is None and STOP_REQUESTED.is_set():
                     raise KeyboardInterrupt(f"stopped after step {step}")
     finally:
         profiler.close()  # the trace of a range the run did not reach the end of
         if writer is not None:
             writer.close()
-        if hooks is not None:
-            hooks.remove()
-    summary = _summary(cfg, device, records, opt, tokenizer.vocab_size, parameters, resumed_from)
+        if parts.hooks is not None:
+            parts.hooks.remove()
+    return _finish(cfg, out, parts, run, records, energy, resumed_from, first_step)
+
+
+def _finish(cfg: RunConfig, out: Path, parts: _Parts, run: DistributedRun | None, records: list[dict[str, Any]],
+            energy: EnergyMeter, resumed_from: str | None, first_step: int) -> dict[str, Any]:
+    """The run's summary, written by the lead rank into ``out/summary.json`` once the optimizer is closed."""
+    opt, hooks = parts.opt, parts.hooks
+    summary = _summary(cfg, parts.device, records, opt, parts.vocab_size, parts.parameters, resumed_from)
     summary["energy_device"] = energy.nvml_device  # the GPU whose counter was read (its PCI bus id)
     # What the run's hooks did (removed by now, so the optimizer's own flag is off again).
     summary["late_activation"] = hooks is not None and hooks.late_activation
     summary["software"] = software()
-    summary["distributed"] = (run.summary(model, opt, max(0, cfg.steps - first_step), parameters, layer_parameters)
+    summary["distributed"] = (run.summary(parts.model, opt, max(0, cfg.steps - first_step), parts.parameters,
+                                          parts.layer_parameters)
                               if run is not None else None)
     if hasattr(opt, "close"):
         opt.close()  # before the summary is written: a reader of summary.json finds the workers gone
-    if lead:
+    if run is None or run.lead:
         _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 

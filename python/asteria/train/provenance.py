@@ -1,6 +1,6 @@
 """Which software produced a run: Asteria's version and a fingerprint of its installed code, torch's and
 CUDA's versions. Runs of different code are different experiments even when their settings match, so
-``asteria seeds`` lists the fingerprints it pools."""
+``tools/seeds.py`` lists the fingerprints it pools."""
 
 from __future__ import annotations
 

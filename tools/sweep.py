@@ -1,4 +1,9 @@
-"""``asteria sweep``: one configuration trained at several staleness bounds S.
+"""One Asteria configuration trained at several staleness bounds S: how the final loss moves with S.
+An experiment tool, kept out of the package (the library never imports it)::
+
+    python tools/sweep.py --staleness 0 1 3 5 --out DIR [--seeds 1 2] [--reuse] [asteria train's options]
+
+(importable as ``sweep`` with ``tools/`` on ``sys.path``; ``main(argv)`` is the command).
 
 Writes ``DIR/S<k>/`` runs, ``DIR/sweep.json`` and ``DIR/sweep.md`` (final loss, validation loss,
 median step and waits per S, and the spread max - min of the final loss over S <= 5),
@@ -17,15 +22,20 @@ edges are further apart than it, else "undecided" (per-S intervals, not simultan
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from asteria.train.loop import RunConfig, train
+from seeds import check_one_seed_option, check_seeds, run_command, spread_stats
+
+from asteria.train.cli import _add_run_arguments, _run_config, out_dir
+from asteria.train.loop import train
 from asteria.train.report import load_run, plt, write_report
-from asteria.train.seeds import check_seeds, spread_stats
+from asteria.train.run_config import RunConfig
 
 DEFAULT_STALENESS = (0, 1, 2, 3, 5, 10)
 SPREAD_BOUND = 5  # the spread is taken over S <= 5, the range the paper's claim covers
@@ -201,3 +211,44 @@ def run_sweep(base: RunConfig, staleness: tuple[int, ...], out: Path, progress: 
     (out / "sweep.md").write_text("\n".join(lines))
     write_report(run_dirs, out)
     return result
+
+
+DESCRIPTION = ("One Asteria configuration trained at several staleness bounds S, with a report of the final "
+               "loss per S and its spread over S <= 5.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sweep.py", description=DESCRIPTION)
+    _add_run_arguments(parser, skip=("staleness",))
+    parser.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
+                        help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
+    parser.add_argument("--out", type=out_dir, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="train every S once per seed (in place of --seed) into OUT/S<k>/seed<n>: per-S means "
+                             "with their standard errors, and a verdict on the spread target")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs in OUT that finished every step with the same configuration instead of "
+                             "training them again (continues an interrupted sweep, or one given more seeds or S)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> None:
+        check_one_seed_option(args.seed, args.seeds)
+        result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
+                           seeds=None if args.seeds is None else list(args.seeds), reuse=args.reuse)
+        spread = result["spread_final_loss_s_le_5"]
+        for s, row in result["runs"].items():
+            print(f"S={s:>3}: final loss {row['final_loss']:.4f}")
+        spread_text = "n/a" if spread is None else f"{spread:.4f}"
+        verdict = f" ({result['spread_verdict']} against < {result['spread_target']})" if result.get(
+            "spread_verdict") else ""
+        print(f"spread over S <= 5: {spread_text}{verdict}; report: {args.out / 'sweep.md'}")
+
+    return run_command("sweep.py", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

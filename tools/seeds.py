@@ -1,36 +1,50 @@
-"""``asteria bench --seeds``: the same comparison repeated over seeds, and Asteria's loss against native's
-paired by seed.
+"""Asteria's loss against native's over seeds: ``asteria bench`` repeated per seed, or bench results
+already on disk gathered, and the configs compared paired by seed. An experiment tool, kept out of the
+package (the library never imports it)::
+
+    python tools/seeds.py run --seeds 1 2 3 --out DIR [--configs ...] [asteria bench's options]
+    python tools/seeds.py gather RUNS... [--baseline RUNS...] --out DIR
+
+(importable as ``seeds`` with ``tools/`` on ``sys.path``; ``main(argv)`` is the command).
 
 One 250-step run of a 160M model differs from a repeat with other rounding by several percent of loss,
-so "Asteria's loss is within 1% of native's" can only be judged over seeds: each seed's ``asteria
-bench`` lands in ``DIR/seed<S>/``, and ``DIR/seeds.json`` and ``DIR/seeds.md`` gather every config's
+so "Asteria's loss is within 1% of native's" can only be judged over seeds: ``run`` lands each seed's
+``asteria bench`` in ``DIR/seed<S>/``, and ``DIR/seeds.json`` and ``DIR/seeds.md`` gather every config's
 final and validation loss per seed, their mean and sample standard deviation, the energy per step
 relative to AdamW, and for every ``X-async`` run beside its ``X-sync`` run (``X-async-f<N>``, a run at
 another refresh frequency, beside ``X-sync-f<N>`` if there is one, else ``X-sync``) the relative difference
 (async / sync - 1) per seed with its mean, standard error, 95% interval, how many seeds had Asteria
 behind and whether the interval puts Asteria within 1% of native, and where in the run the gap opens
-(``asteria.train.gap``: the training-loss gap per tenth of the run, plotted into ``DIR/gap.png``).
+(``gap.py``: the training-loss gap per tenth of the run, plotted into ``DIR/gap.png``).
 
-``asteria seeds DIR...`` gathers the same from bench results already on disk (several calls or
-machines; several runs of one seed count as one seed at their mean): native runs of one seed differ
-by up to a few percent between runs too, so more runs per seed narrow the interval.
+``gather`` does the same from bench results already on disk (several calls or machines; several runs of
+one seed count as one seed at their mean): native runs of one seed differ by up to a few percent between
+runs too, so more runs per seed narrow the interval. With ``--baseline``, every config of RUNS is compared
+with the baseline runs' native config instead (the settings in which the two differ are listed).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import statistics
+import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from gap import RUN_DIR, format_gap, gap_over_run, plot_gap
+
 from asteria.config import is_int
-from asteria.train.bench import parse_config, run_bench
-from asteria.train.gap import RUN_DIR, format_gap, gap_over_run, plot_gap
-from asteria.train.loop import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
+from asteria.train.bench import CONFIGS, PEER_CONFIGS, parse_config, run_bench
+from asteria.train.checkpoint import interrupted
+from asteria.train.cli import _add_run_arguments, _run_config, out_dir
 from asteria.train.report import is_number
+from asteria.train.run_config import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -241,7 +255,7 @@ def _some(files: list[str], shown: int = 3) -> str:
 def gather(paths: list[Path]) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[str], dict[str, int],
                                       dict[str, Any]]:
     """Every ``asteria bench`` ``results.json`` at or below ``paths`` (several calls, machines or
-    ``--seeds`` runs; each file once however it is reached), as seed -> label -> rows, the devices they
+    ``run`` outputs; each file once however it is reached), as seed -> label -> rows, the devices they
     ran on, how many files each code fingerprint wrote ("unknown" for results older than it), and the
     settings the runs share (those that must agree for them to pool)."""
     files: list[Path] = []
@@ -412,3 +426,84 @@ def run_seeds(base: RunConfig, out: Path, configs: tuple[str, ...], seeds: list[
                 for seed, r in results.items()}
     codes = dict(Counter(_code_of(r) for r in results.values()))
     return write_summary(per_seed, list(dict.fromkeys(r["device"] for r in results.values())), out, codes)
+
+
+def check_one_seed_option(seed: int | None, seeds: list[int] | None) -> None:
+    """``--seed`` and ``--seeds`` both set one run's seed: refuses the two together."""
+    if seed is not None and seeds is not None:
+        raise ValueError(f"Invalid seed={seed!r} beside seeds={seeds!r}: give one of them")
+
+
+def run_command(prog: str, body: Callable[[], None]) -> int:
+    """Runs ``body`` with the asteria command's exit statuses: 0, 2 with the message for bad input
+    (``ValueError``, ``OSError``) and 130 for Ctrl-C. One process only: these tools launch no torchrun."""
+    try:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world != "1":
+            raise ValueError(f"Invalid WORLD_SIZE={world}: {prog} runs on one process, not under torchrun")
+        body()
+    except (ValueError, OSError) as error:
+        if isinstance(error, (TimeoutError, ConnectionError)):  # a stalled run or a lost peer, not bad input
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    except BaseException as error:  # Ctrl-C, also inside a DCP save (which wraps it in a CheckpointException)
+        if not interrupted(error):
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+DESCRIPTION = ("Asteria's loss against native's over seeds, paired by seed: asteria bench run once per seed "
+               "(run), or bench results on disk gathered (gather).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seeds.py", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="asteria bench once per seed, then the comparison over the seeds")
+    _add_run_arguments(run_p, skip=("optimizer", "mode"))
+    run_p.add_argument("--out", type=out_dir, required=True)
+    run_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                       help=f"subset of {CONFIGS}, as for asteria bench (-f<N>: at precondition_frequency N; "
+                            f"peers: {PEER_CONFIGS})")
+    run_p.add_argument("--seeds", type=int, nargs="+", required=True,
+                       help="repeat the comparison for each of these seeds (in place of --seed) into OUT/seed<S>, "
+                            "and write OUT/seeds.md: every config's loss over the seeds and Asteria's loss "
+                            "against native's, paired by seed")
+    gather_p = sub.add_parser("gather", help="Asteria's loss against native's over seeds, from bench results on "
+                                             "disk")
+    gather_p.add_argument("runs", type=Path, nargs="+",
+                          help="bench output folders or results.json files (searched recursively; several runs of "
+                               "one seed count as that seed once, at their mean)")
+    gather_p.add_argument("--baseline", type=Path, nargs="+", default=None,
+                          help="bench results of other settings whose native configs every config of RUNS is "
+                               "compared with, paired by seed (the settings that differ are listed)")
+    gather_p.add_argument("--out", type=out_dir, required=True, help="where seeds.md and seeds.json go")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> None:
+        if args.command == "run":
+            check_one_seed_option(args.seed, args.seeds)
+            run_seeds(_run_config(args), args.out, tuple(args.configs), list(args.seeds))
+        else:
+            per_seed, devices, codes, settings = gather(list(args.runs))
+            baseline = differences = baseline_codes = None
+            if args.baseline is not None:
+                baseline, more_devices, baseline_codes, baseline_settings = gather(list(args.baseline))
+                devices = list(dict.fromkeys(devices + more_devices))
+                differences = setting_differences(settings, baseline_settings)
+            write_summary(per_seed, devices, args.out, codes, baseline, differences, baseline_codes)
+        print((args.out / "seeds.md").read_text())
+        print(f"results: {args.out / 'seeds.json'}")
+
+    return run_command("seeds.py", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

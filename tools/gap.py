@@ -1,6 +1,6 @@
 """Where in a run Asteria's loss gap to native opens: the training-loss ratio of each paired seed in
-windows of steps, with its mean and standard error over the seeds (``asteria seeds`` and ``asteria
-bench --seeds`` print it under the final-loss comparison and plot it into ``gap.png``).
+windows of steps, with its mean and standard error over the seeds (``tools/seeds.py`` prints it under
+the final-loss comparison and plots it into ``gap.png``). A helper of ``seeds.py``, with no command of its own.
 
 The final validation loss of one 250-step run scatters by about 2% between the two arms of a seed, but
 the same runs' training losses in the middle of the run separate much more clearly: a delay in the
