@@ -39,7 +39,7 @@ class LaggedRefresher(SyncRefresher):
 
     def __init__(self, sets: Any, config: Any, interval: int, lag: int, correct: bool, aligned: int) -> None:
         super().__init__(sets, config, interval)
-        self.lag, self.correct, self.aligned = lag, correct, aligned
+        self.delay, self.correct, self.aligned = lag, correct, aligned
         self.pending: list[tuple[int, int, int, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def _refresh(self, step: int, items: list) -> None:
@@ -59,7 +59,7 @@ class LaggedRefresher(SyncRefresher):
                 values, vectors = torch.linalg.eigh(matrix)
             except RuntimeError:  # no convergence in float32: native retries in float64
                 values, vectors = torch.linalg.eigh(matrix.double())
-            self.pending.append((step + self.lag, index, version, request, values, vectors, finite, zero))
+            self.pending.append((step + self.delay, index, version, request, values, vectors, finite, zero))
             self._newest_versions[index] = version
 
     @staticmethod

@@ -37,8 +37,8 @@ class MemoryConfig:
     ``"host"`` (pinned host memory, staged each step through a small device ring of at most two
     groups per shape), ``"device_view"`` (pinned host memory read in place by the device: for
     coherent-memory machines) or ``"auto"`` (``"host"`` with an ``nvme_dir``, else ``"device_view"`` on a
-    coherent-memory device, else ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``). Host placements need
-    ``mode="async"``: the native ``"sync"`` mode is the all-device baseline. ``group_bytes`` bounds
+    coherent-memory device, else ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``).
+    Host placements need ``mode="async"``: the native ``"sync"`` mode is the all-device baseline. ``group_bytes`` bounds
     the preconditioner bytes of one batched shape group (default: 32 MiB under the host placements,
     unbounded on the device), which bounds the staging ring. The optimizer checks the budgets against
     the bytes each tier needs before the first step and raises, listing them, when one cannot be met.
