@@ -66,7 +66,7 @@ if [ $with_test = 1 ]; then  # the test and fuzz extras
   if pip install -q atheris >/dev/null 2>&1; then stage_done; else stage_done "ok, atheris unavailable: fuzzing uses hypothesis"; fi
 fi
 
-stage "building asteria (C++, about a minute on 2 cores)"
+stage "building asteria (C++, about a minute on 2 cores when fresh)"
 pip install -q --no-build-isolation --no-deps .
 stage_done "done"
 echo "setup: ready in $((SECONDS - started)) s; python: $PY"
