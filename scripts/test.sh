@@ -3,7 +3,8 @@
 # plain build and under AddressSanitizer+UBSan and ThreadSanitizer, then the Python suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
+ASTERIA_PYTHON_QUIET=1 source scripts/python_env.sh  # PY: the interpreter that setup.sh installed into
 
 jobs=$(nproc)
 for variant in plain address thread; do
@@ -22,7 +23,7 @@ done
 
 bash scripts/fuzz.sh 30  # the NVMe page-header parser under libFuzzer (or the gcc driver), 30 s
 echo "== Fuzzing the checkpoint manifest parser (20 s)"
-python3 fuzz/checkpoint_manifest_fuzz.py --seconds 20
+"$PY" fuzz/checkpoint_manifest_fuzz.py --seconds 20
 
 echo "== Python tests"
-python3 -m pytest -q tests
+"$PY" -m pytest -q tests

@@ -10,7 +10,7 @@
 # Usage: bash scripts/wheels.sh [PACKAGE==VERSION ...]   (default: transformers and its own needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/python_env.sh  # PY: the interpreter (pip download needs pip, which .venv has)
 DEST=.whl
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
            manylinux1_x86_64)
