@@ -38,16 +38,16 @@ if "$PY" -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split(
   echo "setup: torch $("$PY" -c 'import torch; print(torch.__version__)') ... already installed"
 elif command -v nvidia-smi >/dev/null 2>&1 || [ -e /dev/nvidia0 ]; then
   stage "torch 2.13.0 (GPU build, a few GB)"
-  pip install -q torch==2.13.0
+  pip install -qq torch==2.13.0
   stage_done
 else
   stage "torch 2.13.0 (cpu)"
-  if pip install -q --timeout 15 --retries 1 --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" \
+  if pip install -qq --timeout 15 --retries 1 --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" \
        torch==2.13.0 >/dev/null 2>&1; then
     stage_done
   else
     printf 'CPU index unreachable, PyPI build (with CUDA, a few GB) ... '
-    pip install -q torch==2.13.0
+    pip install -qq torch==2.13.0
     stage_done
   fi
 fi
@@ -56,17 +56,17 @@ fi
 # without isolation: an isolated build environment would download torch again).
 # tests/test_setup_scripts.py checks that these lists match pyproject.toml.
 stage "numpy, transformers, tqdm, matplotlib, tensorboard, nanobind, scikit-build-core"
-pip install -q numpy "transformers>=4.48" tqdm matplotlib tensorboard "nanobind>=2.4" "scikit-build-core>=0.10"
+pip install -qq numpy "transformers>=4.48" tqdm matplotlib tensorboard "nanobind>=2.4" "scikit-build-core>=0.10"
 stage_done
 
 if [ $with_test = 1 ]; then  # the test and fuzz extras
   stage "pytest, hypothesis, atheris"
-  pip install -q "pytest>=8" hypothesis
+  pip install -qq "pytest>=8" hypothesis
   # The fuzz target prefers atheris (libFuzzer); without a wheel for this Python it falls back to hypothesis.
-  if pip install -q atheris >/dev/null 2>&1; then stage_done; else stage_done "ok, atheris unavailable: fuzzing uses hypothesis"; fi
+  if pip install -qq atheris >/dev/null 2>&1; then stage_done; else stage_done "ok, atheris unavailable: fuzzing uses hypothesis"; fi
 fi
 
 stage "building asteria (C++, about a minute on 2 cores when fresh)"
-pip install -q --no-build-isolation --no-deps .
+pip install -qq --no-build-isolation --no-deps .
 stage_done "done"
 echo "setup: ready in $((SECONDS - started)) s; python: $PY"

@@ -138,6 +138,30 @@ def test_extending_a_run_warns_that_its_lr_schedule_follows_the_new_length(tmp_p
     assert steps_of(out) == list(range(1, 10))
 
 
+def test_the_command_shows_a_warning_as_one_clean_line(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
+    done = subprocess.run([sys.executable, "-m", "asteria.train.cli", "train", "--steps", "6", "--resume",
+                           "--out", str(out), *RUN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "lr schedule follows" in line]
+    assert len(lines) == 1 and lines[0].startswith("asteria: UserWarning: Resuming a run of steps=4 with steps=6")
+    assert "warnings.warn" not in done.stderr and "check=lambda" not in done.stderr
+
+
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, capsys):
+    for command in ("train", "demo"):
+        out = tmp_path / command / "new" / "out"
+        for data in (tmp_path / "missing.txt", Path("/bin/ls")):
+            assert main([command, "--data", str(data), "--steps", "2", "--out", str(out), *BASE]) == 2
+            assert "Invalid data=" in capsys.readouterr().err
+            assert not (tmp_path / command).exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["train", "--data", str(tmp_path / "missing.txt"), "--out", str(kept), *BASE]) == 2
+    assert kept.is_dir()  # a folder the user made stays
+
+
 def test_a_summary_does_not_outlive_its_run(tmp_path):
     """A resumed run that dies leaves no summary of the run before it (``asteria report`` would mix them)."""
     out = tmp_path / "run"

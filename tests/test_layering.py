@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import asteria
 
 ROOT = Path(asteria.__file__).parent
@@ -178,7 +176,6 @@ def _import_alone(modules: dict[str, Path], path: Path) -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(300)
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     assert _import_alone(MODULES, ROOT.parent) == {}
 

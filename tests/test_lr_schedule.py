@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def test_warmup_then_cosine_to_a_tenth():
     assert cfg.lr_at(60) == pytest.approx(MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5)  # half way: the midpoint
     assert cfg.lr_at(110) == pytest.approx(MIN_LR_RATIO)
     lrs = [cfg.lr_at(s) for s in range(1, 111)]
-    assert max(lrs) <= 1.0 and all(a > b for a, b in zip(lrs[10:], lrs[11:], strict=True))
+    assert max(lrs) <= 1.0 and all(a > b for a, b in itertools.pairwise(lrs[10:]))
 
 
 def test_constant_schedule_and_default_warmup():

@@ -288,7 +288,7 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
 
 
 def test_scheduled_versions_of_older_checkpoints_list_every_set():
-    from asteria.distributed.refresher import _with_set_indices
+    from asteria.distributed.resume import _with_set_indices
 
     legacy = {"version": 3, "due": 9, "requests": [(1.0, 0.1, 0.0), (1.0, 0.2, 0.0)], "snapshots": ["a", None]}
     entry = _with_set_indices(legacy, 2)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -250,9 +251,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _new_folders(out: Path | None) -> list[Path]:
+    """``out`` and those of its parents that do not exist yet, deepest first."""
+    if out is None:
+        return []
+    new = []
+    for path in (out.absolute(), *out.absolute().parents):
+        if path.exists():
+            break
+        new.append(path)
+    return new
+
+
+def _remove_if_empty(new: list[Path]) -> None:
+    """Removes the folders a refused command created and left empty (subfolders first), so that a refusal
+    leaves nothing behind; a folder holding any file stays."""
+    if not new or not new[0].is_dir():
+        return
+    for root, _, _ in sorted(os.walk(new[0]), key=lambda entry: -len(entry[0])):
+        with contextlib.suppress(OSError):
+            Path(root).rmdir()
+    for path in new[1:]:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def _one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> str:
+    """A warning as the command shows it: one line, without the source line that raised it."""
+    return f"asteria: {category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _one_line
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    new = _new_folders(getattr(args, "out", None)) if rank == "0" else []
     try:
         if args.command != "train" and world != "1":
             raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
@@ -290,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = f" (rank {rank})" if world != "1" else ""
         print(f"asteria: error{where}: {error}", file=sys.stderr)
+        _remove_if_empty(new)
         return 2
     except BaseException as error:  # Ctrl-C, also inside a DCP save (which wraps it in a CheckpointException)
         if not interrupted(error):

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asteria.distributed import DistributedRefresher, gather_runtime_stats
+from asteria.distributed.refresher import DistributedRefresher
+from asteria.distributed.runtime import gather_runtime_stats
 from asteria.train.model import decoder_layers, next_token_loss
 
 PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
