@@ -72,7 +72,8 @@ def test_staggered_sets_refresh_every_interval_and_never_later_than_unstaggered(
         # The aligned versions (the bootstrap and those used at their own step) are the unstaggered ones.
         assert steps[:aligned] == plain_steps[:aligned]
         # Every later version comes no later than the unstaggered one, one interval apart.
-        assert all(s <= p for s, p in zip(steps, plain_steps, strict=True))
+        assert len(steps) >= len(plain_steps)  # an earlier phase may fit one more refresh before the horizon
+        assert all(s <= p for s, p in zip(steps[:len(plain_steps)], plain_steps, strict=True))
         assert all(b - a == interval for a, b in itertools.pairwise(steps[aligned:]))
         assert steps[aligned] > steps[aligned - 1]
         # Versions count the refreshes so far, whatever the phase, and each knows its snapshot's step.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -17,10 +19,15 @@ def reference_root(matrix: np.ndarray, exponent: float, eps: float) -> np.ndarra
 
 
 def reference_blocks(shape: tuple[int, ...], max_dim: int) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
-    """Merged view of a parameter and its blocks, written independently of asteria.optim.blocking."""
+    """Merged view of a parameter and its blocks, written independently of asteria.optim.blocking: adjacent
+    dimensions merge while their product fits ``max_dim``, except that a tensor of order >= 2 whose entries
+    all fit keeps its first dimension apart (a Kronecker factorization, not one full-matrix factor)."""
+    dims = [size for size in shape if size > 1]
     merged: list[int] = []
-    for size in shape:
-        if size > 1:
+    if len(dims) > 1 and math.prod(dims) <= max_dim:
+        merged = [dims[0], math.prod(dims[1:])]
+    else:
+        for size in dims:
             if merged and merged[-1] * size <= max_dim:
                 merged[-1] *= size
             else:
@@ -29,6 +36,20 @@ def reference_blocks(shape: tuple[int, ...], max_dim: int) -> tuple[tuple[int, .
     for size in merged:
         regions = [r + (slice(a, min(a + max_dim, size)),) for r in regions for a in range(0, size, max_dim)]
     return tuple(merged), regions
+
+
+@pytest.mark.parametrize("shape, max_dim, merged", [
+    ((64, 3, 3, 3), 2048, (64, 27)),  # a convolution kernel: out channels x receptive field
+    ((64, 32), 2048, (64, 32)),  # a small matrix stays a matrix
+    ((3, 3, 64, 64), 2048, (576, 64)),
+    ((4, 1, 8), 6, (4, 8)),
+    ((1, 1, 5), 6, (5,)),
+    ((2, 3, 5), 6, (6, 5)),
+])
+def test_merged_views(shape, max_dim, merged):
+    from asteria.optim.blocking import merge_dims
+
+    assert merge_dims(shape, max_dim) == merged == reference_blocks(shape, max_dim)[0]
 
 
 def mode_unfold(x: np.ndarray, mode: int) -> np.ndarray:
@@ -118,7 +139,7 @@ def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol:
         assert err < rtol, f"relative error {err:.2e} >= {rtol:.0e} for a parameter of shape {tuple(e.shape)}"
 
 
-@pytest.mark.parametrize("max_dim", [16, 6, 2048])  # order 2 + order 1; split blocks; merged to order 1
+@pytest.mark.parametrize("max_dim", [16, 6, 2048])  # order 2 + order 1; split blocks; every entry in one block
 def test_sync_matches_float64_reference(max_dim):
     def run(scale: float) -> list[torch.Tensor]:
         return run_asteria(14, asteria.RuntimeConfig(mode="sync"), max_dim=max_dim, scale=scale)

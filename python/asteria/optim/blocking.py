@@ -15,16 +15,27 @@ import torch
 
 
 def merge_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
-    """Drops size-1 dimensions and merges adjacent ones while their product stays <= ``max_dim``."""
+    """Drops size-1 dimensions and merges adjacent ones while their product stays <= ``max_dim``, but never
+    into one dimension when there were several: a tensor of order >= 2 keeps a Kronecker factorization
+    (its first dimension, then the rest merged). Merged whole, a small matrix would get one full-matrix
+    factor over all its entries, which a few hundred gradients leave rank-deficient, so that the inverse
+    root under a tiny epsilon amplifies noise (a 64 x 32 weight as one 2048-long dimension trained to a loss
+    many times AdamW's) and whose refresh costs O(numel^3)."""
+    dims = [size for size in shape if size != 1]
+    merged = _merge_adjacent(dims, max_dim)
+    if len(merged) == 1 and len(dims) > 1:
+        merged = [dims[0], *_merge_adjacent(dims[1:], max_dim)]
+    return tuple(merged)
+
+
+def _merge_adjacent(dims: list[int], max_dim: int) -> list[int]:
     merged: list[int] = []
-    for size in shape:
-        if size == 1:
-            continue
+    for size in dims:
         if merged and merged[-1] * size <= max_dim:
             merged[-1] *= size
         else:
             merged.append(size)
-    return tuple(merged)
+    return merged
 
 
 def split_dim(size: int, max_dim: int) -> list[slice]:

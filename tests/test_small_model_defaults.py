@@ -1,0 +1,36 @@
+"""The defaults serve a small model (``bench/small_mlp.py``: the README's Quick start, a 32 -> 64 -> 1 MLP at
+lr 3e-3 for 200 steps): each optimizer ends within 2x AdamW's loss."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+
+import pytest
+from conftest import bench_script
+
+SEEDS = (0, 1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return bench_script("small_mlp")
+
+
+@pytest.fixture(scope="module")
+def adamw(mlp):
+    return {target: statistics.fmean(mlp.final_loss("adamw", seed, target_scale=target) for seed in SEEDS)
+            for target in mlp.TARGETS}
+
+
+# Shampoo on ``fresh`` guards the merging rule: a 64 x 32 weight merged whole into one 2048-long dimension
+# ended 132x AdamW's loss there (its one full-matrix factor rank-deficient under eps = 1e-12); kept as 64 x 32,
+# 1.2x. Known limits, in docs/results.md: on ``raw`` Shampoo ends about 2.3x and SOAP about 4x AdamW's loss,
+# on ``fresh`` SOAP about 60x and KL-Shampoo 2.5x (the weights must travel far at lr 3e-3).
+@pytest.mark.parametrize("name, target", [("shampoo", "unit"), ("soap", "unit"), ("kl-shampoo", "unit"),
+                                          ("kl-shampoo", "raw"), ("shampoo", "fresh")])
+def test_each_optimizer_at_its_defaults_ends_within_twice_adamws_loss(mlp, adamw, name, target):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a backlog warning on a busy CI machine changes nothing here
+        loss = statistics.fmean(mlp.final_loss(name, seed, target_scale=target) for seed in SEEDS)
+    assert loss < 2 * adamw[target], (loss, adamw[target])
