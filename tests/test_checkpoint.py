@@ -164,6 +164,9 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(finished, tmp_path, c
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"Invalid checkpoint={str(newest)!r}" in err and "__0_0.distcp fails its SHA-256 check" in err
+    intact = checkpoint.published(copy / "checkpoints")[-2]
+    assert f"the newest intact checkpoint is {str(intact)!r}: move {newest.name} out of" in err
+    assert checkpoint.newest_intact(checkpoint.published(copy / "checkpoints")) == intact
     data.write_bytes(bytes(raw[:100]))
     assert main(argv) == 2
     assert "__0_0.distcp has 100 bytes" in capsys.readouterr().err
@@ -173,6 +176,10 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(finished, tmp_path, c
     (newest / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no manifest.json"):
         checkpoint.verify(newest)
+    # Moved aside as the message says, the run resumes from the intact one and trains the rest again.
+    newest.rename(tmp_path / "aside")
+    assert main(argv) == 0
+    assert losses(copy) == losses(finished)
 
 
 def test_checkpoint_records_rank_world_size_and_config(finished):

@@ -14,17 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 from seeds import main as seeds_main  # noqa: E402
 from sweep import main as sweep_main  # noqa: E402
-
-PLAIN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
-BASE = [*PLAIN, "--precondition-frequency", "3", "--workers", "1"]
-TINY = [*BASE, "--staleness", "1"]
-
+from test_cli import BASE, TINY, records  # noqa: E402  (the same tiny runs as the command's own tests)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def records(run) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_sweep_over_staleness(tmp_path, capsys):

@@ -44,23 +44,6 @@ def check_scheduled(refresher: DistributedRefresher, state: dict[str, Any],
             else:
                 check_saved_snapshot(snapshots[index], tuple(mine.shape[1:]), f"{name}['snapshots'][{index}]")
 
-    for name, entry in entries:
-        entry = _with_set_indices(entry, len(refresher.sets), name)
-        requests, snapshots = entry["requests"], entry["snapshots"]
-        check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
-                  type(snapshots).__name__,
-                  f"must hold one entry per factor set requested ({sorted(requests, key=str)})")
-        check_arg(all(is_int(index) and 0 <= index < len(refresher.sets) for index in requests), f"{name}['requests']",
-                  sorted(requests, key=str), f"must be keyed by factor set indices in [0, {len(refresher.sets)})")
-        for index, request in requests.items():
-            check_saved_request(request, refresher.sets[index].batch, f"{name}['requests'][{index}]")
-            mine = refresher.snapshots[index]
-            if mine is None:  # this rank owns no block of the set
-                check_arg(snapshots[index] is None, f"{name}['snapshots'][{index}]",
-                          type(snapshots[index]).__name__, "must be None: this rank owns no block of the set")
-            else:
-                check_saved_snapshot(snapshots[index], tuple(mine.shape[1:]), f"{name}['snapshots'][{index}]")
-
 
 def restore(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
     """Loads this rank's saved part (checked by ``check_scheduled``) into ``refresher``: the layout must be

@@ -52,6 +52,10 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A published checkpoint whose files do not match its manifest (or that has none): damaged on disk."""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
@@ -321,26 +325,37 @@ def verify(path: Path) -> Manifest:
     if not path.is_dir():
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: not a directory")
     if not manifest_path.is_file():
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: no {MANIFEST} (not a complete checkpoint)")
+        raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: no {MANIFEST} (not a complete checkpoint)")
     try:
         manifest = parse_manifest(manifest_path.read_bytes())
     except CheckpointError as error:
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: {error}") from None
+        raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: {error}") from None
     present = {p.name for p in path.iterdir() if p.name != MANIFEST}
     if present != set(manifest.files):
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: files {sorted(present)} do not match the "
-                              f"manifest's {sorted(manifest.files)}")
+        raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: files {sorted(present)} do not match the "
+                                     f"manifest's {sorted(manifest.files)}")
     for name, entry in manifest.files.items():
         file = path / name
         size = file.stat().st_size
         if size != entry.size:
-            raise CheckpointError(f"Invalid checkpoint={str(path)!r}: {name} has {size} bytes, the manifest says "
-                                  f"{entry.size} (truncated or corrupt)")
+            raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: {name} has {size} bytes, the manifest "
+                                         f"says {entry.size} (truncated or corrupt)")
         if _sha256(file) != entry.sha256:
-            raise CheckpointError(f"Invalid checkpoint={str(path)!r}: {name} fails its SHA-256 check (corrupt)")
+            raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: {name} fails its SHA-256 check (corrupt)")
     if _STEP_DIR.match(path.name) and int(path.name[5:]) != manifest.step:
-        raise CheckpointError(f"Invalid checkpoint={str(path)!r}: manifest says step {manifest.step}")
+        raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: manifest says step {manifest.step}")
     return manifest
+
+
+def newest_intact(paths: list[Path]) -> Path | None:
+    """The newest of ``paths`` (oldest first, as ``published`` lists them) that passes ``verify``."""
+    for path in reversed(paths):
+        try:
+            verify(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
 
 
 @dataclass

@@ -312,7 +312,15 @@ def _resume(cfg: RunConfig, out: Path, resume: bool, run: DistributedRun | None,
             run.barrier()
         found = checkpoint.published(ckpt_root)
         if found:
-            loop = _restore(found[-1], cfg, parts.model, parts.opt, run)
+            try:
+                loop = _restore(found[-1], cfg, parts.model, parts.opt, run)
+            except checkpoint.CorruptCheckpointError as error:  # fail, but say what would resume
+                intact = checkpoint.newest_intact(found[:-1])
+                if intact is None:
+                    raise
+                raise checkpoint.CorruptCheckpointError(
+                    f"{error}; the newest intact checkpoint is {str(intact)!r}: move {found[-1].name} out of "
+                    f"{str(ckpt_root)!r} to resume from it (steps after it are trained again)") from None
             resumed_from = str(found[-1])
     records = _read_records(out / "metrics.jsonl", loop["step"]) if lead else []
     if lead:
