@@ -7,12 +7,14 @@ import errno
 import os
 import resource
 import signal
+import time
 
 import pytest
 import torch
 from conftest import regression_data, resume_is_exact, small_mlp, train
 
 import asteria
+from asteria.errors import StateLostError
 
 SIZES = (8, 32, 32, 32, 4)
 GROUP_BYTES = 8 * 8 * 4 * 2 * 4  # four (8, 8) blocks per shape group: many sets of one shape
@@ -119,6 +121,14 @@ def test_full_disk_raises_and_the_previous_version_stays(tmp_path):
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
             signal.signal(signal.SIGXFSZ, old_handler)
+        # With space back, the set whose write failed has no newest version on disk: every later step fails
+        # at once, naming it and how to recover (never an internal error, never a wait for timeout_s).
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(StateLostError, match=r"lost their newest version \(writing it failed: .*load the "
+                                                     r"last state_dict\(\) into a new optimizer"):
+                train(model, opt, 1, data=data)
+            assert time.monotonic() - started < 5.0
         # The last good versions are still readable: a checkpoint holds them, finite.
         state = opt.state_dict()
         roots = [t for g in state["groups"] for k, t in g.items() if k.startswith("root")]

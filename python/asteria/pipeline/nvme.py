@@ -46,7 +46,7 @@ class PagedSets:
         self.shape_of: dict[int, tuple[int, ...]] = {}
         self.pagers: dict[tuple[int, ...], Any] = {}
         self.buffers: dict[tuple[int, ...], Tensor] = {}
-        self.scratch: dict[tuple[int, ...], list[list[Any]]] = {}  # shape -> [[tensor, (ticket,) | None]]
+        self.scratch: dict[tuple[int, ...], list[list[Any]]] = {}  # shape -> [[tensor, (ticket, set, key) | None]]
         self._turn: dict[tuple[int, ...], int] = {}
         self._versions: dict[int, int] = {}
         self._lost: dict[int, str] = {}  # key -> why its newest version is unreadable (``acquire``)
@@ -95,8 +95,8 @@ class PagedSets:
         self._turn[shape] = turn + 1
         slot = slots[turn % len(slots)]
         if slot[1] is not None:  # its previous write must have left the buffer
-            self.pagers[shape].wait(slot[1][0], self.timeout_s)
-            slot[1] = None
+            pending, slot[1] = slot[1], None  # waited for once, whatever it gives: a failed ticket is gone
+            self._wait_write(shape, *pending)
         if current:
             self.read_into(fset, slot[0])
         return slot[0]
@@ -112,9 +112,19 @@ class PagedSets:
         ticket = self.pagers[shape].write(key, self._versions[key], content)
         for slot in self.scratch.get(shape, []):
             if slot[0] is content:
-                slot[1] = (ticket,)
+                slot[1] = (ticket, fset, key)
                 return
-        self.pagers[shape].wait(ticket, self.timeout_s)  # not a scratch buffer: the caller may reuse it
+        self._wait_write(shape, ticket, fset, key)  # not a scratch buffer: the caller may reuse it
+
+    def _wait_write(self, shape: tuple[int, ...], ticket: int, fset: FactorSet, key: int) -> None:
+        """Waits for a write; one that failed (a full disk, a file removed) leaves the set without its newest
+        version on disk (the pager keeps the previous one), so the set is marked lost and the error raised."""
+        try:
+            self.pagers[shape].wait(ticket, self.timeout_s)
+        except OSError as error:
+            if not isinstance(error, TimeoutError):
+                self._lose(fset, key, f"writing it failed: {type(error).__name__}: {error}")
+            raise
 
     def read_into(self, fset: FactorSet, out: Tensor) -> Tensor:
         """Reads the newest version of ``fset`` into the host tensor ``out`` (synchronous)."""
