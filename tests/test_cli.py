@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from asteria.train.cli import main
+from asteria.train.report import load_run
+from asteria.train.report_plots import plot_loss, plot_step_times
 
 PLAIN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
 BASE = [*PLAIN, "--precondition-frequency", "3", "--workers", "1"]
@@ -40,6 +42,25 @@ def test_demo_writes_runs_and_report(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| adamw |" in report and "| shampoo-async |" in report
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "step_time.png").stat().st_size > 1000
+    # The story: a verdict first, what each run was, steps to AdamW's loss, and the start-up read as such.
+    figures = json.loads((tmp_path / "report.json").read_text())
+    assert report.splitlines()[2] == f"**Verdict:** {figures['verdict'][0]}"
+    assert figures["verdict"][0].startswith("shampoo-async ") and "AdamW's final loss" in figures["verdict"][0]
+    assert "| adamw | adamw | - | tiny (0.59M parameters) | - | - | - |" in report
+    assert "| shampoo-async | shampoo | async | tiny (0.59M parameters) | 1 | 3 | 2 |" in report  # S, f, sync refreshes
+    header = next(line for line in report.splitlines() if line.startswith("| run | steps |")).split(" | ")
+    for name, row in figures["runs"].items():
+        cells = next(line for line in report.splitlines() if line.startswith(f"| {name} | 12 |")).split(" | ")
+        assert cells[header.index("steps to AdamW's loss")] == str(row["steps_to_target"] or "n/a")
+    assert figures["runs"]["adamw"]["steps_to_target"] is not None  # AdamW's own step count to its final loss
+    assert "shampoo-async waits for its first 2 refreshes of every factor set at steps 3 and 6" in report
+    runs = [load_run(tmp_path / label) for label in ("adamw", "shampoo-async")]
+    assert plot_loss(runs, ["adamw", "shampoo-async"], tmp_path / "loss.png", 10) == [
+        "training loss vs step (10-step mean)", "validation loss vs step", "training loss vs wall clock"]  # no energy
+    startups = [figures["runs"][label]["startup"] for label in ("adamw", "shampoo-async")]
+    assert startups == [None, {"steps": 9, "refresh_steps": [3, 6]}]
+    assert "start-up of shampoo-async (steps 1-9)" in plot_step_times(runs, ["adamw", "shampoo-async"],
+                                                                      tmp_path / "step_time.png", startups)
 
 
 def test_train_follows_the_lr_schedule_and_clips_gradients(tmp_path):
@@ -135,8 +156,56 @@ def test_report_of_a_diverged_adamw_run_takes_no_target_from_it(tmp_path):
     assert figures["device"] == "cpu, GPU X"  # runs of several devices: every one named
     table = (tmp_path / "out" / "report.md").read_text()
     assert "Target loss: n/a (AdamW's run diverged: its final loss is not finite; give --target-loss)" in table
+    assert figures["verdict"] == ["AdamW's run diverged (its final loss is not finite), so there is no loss to reach: "
+                                  "give --target-loss."]
     assert main(["report", *runs, "--out", str(tmp_path / "out2"), "--target-loss", "2.5"]) == 0
     assert json.loads((tmp_path / "out2" / "report.json").read_text())["runs"]["soap-async"]["steps_to_target"] == 2
+
+
+def test_report_verdict_says_what_the_figures_hold(tmp_path):
+    """Steps to AdamW's final loss and what the median step makes of them in wall clock; a run that never gets
+    there, a report without AdamW and one with a target are said as such."""
+    adamw = fake_run(tmp_path / "adamw", "adamw", [5.0, 4.0, 3.0, 2.0], final_loss=3.5, median_step_seconds=0.1)
+    fast = fake_run(tmp_path / "fast", "shampoo-async", [5.0, 2.5, 1.0, 1.0], final_loss=2.375,
+                    median_step_seconds=0.3)
+    slow = fake_run(tmp_path / "slow", "soap-async", [5.0, 4.5, 4.0, 3.9], final_loss=4.35, median_step_seconds=0.2)
+    assert main(["report", adamw, fast, slow, "--out", str(tmp_path / "all")]) == 0
+    figures = json.loads((tmp_path / "all" / "report.json").read_text())
+    assert [figures["runs"][name]["steps_to_target"] for name in figures["runs"]] == [4, 3, None]
+    assert figures["verdict"] == [
+        "shampoo-async reached AdamW's final loss (3.5000) at step 3 of 4, AdamW at step 4: 25% fewer steps. Its "
+        "median step took 3.00x AdamW's on this CPU, so at median step times it needed 2.25x AdamW's time to get "
+        "there: slower in wall clock (measured: 0.3 s vs 0.4 s, which also counts start-up and uneven steps; see "
+        "steady max/median).",
+        "soap-async did not reach AdamW's final loss (3.5000) in its 4 steps (its final loss: 4.3500). Its median "
+        "step took 2.00x AdamW's on this CPU."]
+    report = (tmp_path / "all" / "report.md").read_text()
+    assert "**Verdict:**\n\n- shampoo-async reached" in report and "\n- soap-async did not reach" in report
+    assert "| soap-async | 4 | 4.3500 | n/a | n/a | n/a |" in report  # steps and time to AdamW's loss
+    assert "| soap-async | n/a | n/a | n/a | n/a | n/a | n/a |" in report  # a summary without config: no settings
+    assert main(["report", fast, slow, "--out", str(tmp_path / "none")]) == 0
+    assert json.loads((tmp_path / "none" / "report.json").read_text())["verdict"] == [
+        "No AdamW run among these runs and no --target-loss, so there is no loss to reach; the table gives each "
+        "run's own figures."]
+    assert main(["report", fast, slow, "--out", str(tmp_path / "target"), "--target-loss", "3"]) == 0
+    assert json.loads((tmp_path / "target" / "report.json").read_text())["verdict"] == [
+        "shampoo-async reached the target loss 3.0000 at step 3 of 4.",
+        "soap-async did not reach the target loss 3.0000 in its 4 steps (its final loss: 4.3500)."]
+    assert "| steps to target | time to target (s) |" in (tmp_path / "target" / "report.md").read_text()
+
+
+def test_report_figures_draw_only_the_panels_with_data(tmp_path):
+    """No energy readings (a CPU): no energy panel; no eval records: no validation panel."""
+    plain = load_run(fake_run(tmp_path / "plain", "adamw", [5.0, 4.0, 3.0]))
+    assert plot_loss([plain], ["adamw"], tmp_path / "plain.png", 10, 3.5, "target loss") == [
+        "training loss vs step (10-step mean)", "training loss vs wall clock"]
+    measured = load_run(fake_run(tmp_path / "measured", "soap-async", [5.0, 4.0, 3.0]))
+    measured.records = [r | {"energy_joules": 2.0} | ({"val_loss": 3.2} if r["step"] == 2 else {})
+                        for r in measured.records]
+    assert plot_loss([plain, measured], ["adamw", "soap-async"], tmp_path / "measured.png", 10) == [
+        "training loss vs step (10-step mean)", "validation loss vs step", "training loss vs wall clock",
+        "training loss vs GPU energy"]
+    assert (tmp_path / "measured.png").stat().st_size > 1000
 
 
 def test_report_names_runs_of_different_vocabularies(tmp_path):
