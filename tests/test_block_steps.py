@@ -301,7 +301,8 @@ def test_a_checkpoint_loads_only_under_its_refresh_schedule():
     with OPTIMIZERS["shampoo"](model.parameters(), asteria.RuntimeConfig(mode="sync")) as opt:
         train_layers(model, [opt], range(4))
         state = opt.state_dict()
-    assert state["schedule"] == {"start": 3, "interval": 3, "aligned": 2, "phases": [0, 0, 0]}  # weights (2 modes), biases
+    # the sets: the weights' two modes and the biases
+    assert state["schedule"] == {"start": 3, "interval": 3, "aligned": 2, "phases": [0, 0, 0]}
     other = asteria.Shampoo(two_layers().parameters(), lr=0.02, eps=1e-2, precondition_frequency=4,
                             start_preconditioning_step=3, runtime=asteria.RuntimeConfig(mode="sync"))
     with other, pytest.raises(ValueError, match=r"Invalid state_dict: saved under the refresh schedule .* \(interval "

@@ -55,7 +55,7 @@ def test_sweep_over_seeds_judges_the_spread_of_the_means(tmp_path, capsys):
     assert result["spread_final_loss_s_le_5"] == pytest.approx(abs(m0 - m2))
     # Paired by seed: each run's deviation from its seed's mean over S <= 5; with two S these are
     # +-(L0 - L2) / 2 per seed, so the interval's half-width is t(1 df) x SE of those.
-    deviations = [(a - b) / 2 for a, b in zip(f0, f2)]
+    deviations = [(a - b) / 2 for a, b in zip(f0, f2, strict=True)]
     assert deviations[0] != deviations[1] and all(deviations)  # S moves each seed's loss, by different amounts
     half = 12.706 * abs(deviations[0] - deviations[1]) / 2
     offset = sum(deviations) / 2
@@ -159,7 +159,7 @@ def test_bench_over_seeds_pairs_asteria_with_native(tmp_path, capsys):
     assert summary["software"] == per_seed[3]["software"]
     native = [per_seed[s]["runs"]["shampoo-sync"]["final_val_loss"] for s in (3, 5)]
     asteria = [per_seed[s]["runs"]["shampoo-async"]["final_val_loss"] for s in (3, 5)]
-    deltas = [a / n - 1 for a, n in zip(asteria, native)]
+    deltas = [a / n - 1 for a, n in zip(asteria, native, strict=True)]
     pair = gathered["pairs"]["shampoo-async"]["final_val_loss"]
     assert pair["per_seed"] == {"3": pytest.approx(deltas[0]), "5": pytest.approx(deltas[1])}
     assert pair["stats"]["mean"] == pytest.approx(sum(deltas) / 2)
@@ -172,7 +172,8 @@ def test_bench_over_seeds_pairs_asteria_with_native(tmp_path, capsys):
     assert gap["windows"] == [[s, s] for s in range(1, 8)] and gap["left_out"] == {}
     for seed in (3, 5):
         ours, theirs = (records(tmp_path / f"seed{seed}" / label) for label in ("shampoo-async", "shampoo-sync"))
-        assert gap["per_seed"][str(seed)] == pytest.approx([a["loss"] / n["loss"] - 1 for a, n in zip(ours, theirs)])
+        expected = [a["loss"] / n["loss"] - 1 for a, n in zip(ours, theirs, strict=True)]
+        assert gap["per_seed"][str(seed)] == pytest.approx(expected)
     table = capsys.readouterr().out
     assert "shampoo-async vs shampoo-sync" in table and "seeds with Asteria behind" in table
     assert "Training-loss gap over the run" in table and (tmp_path / "gap.png").stat().st_size > 1000

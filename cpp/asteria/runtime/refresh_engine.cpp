@@ -449,6 +449,12 @@ void RefreshEngine::close() {
     closed_ = true;
   }
   registry_.close();  // a step waiting for a version ends now, not after its timeout
+  // So do waits for a ring buffer: a worker's for a result buffer that a step which failed mid-install still
+  // holds, a step's for a snapshot buffer (shutdown() below joins the workers).
+  for (auto& b : blocks_) {
+    b->snapshots.close();
+    b->results.close();
+  }
   {
     // Hung and delayed jobs (fault injection) end now, so that shutdown() below can join them.
     std::lock_guard lock(fault_mutex_);

@@ -47,6 +47,10 @@ std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanosec
   if (waited != nullptr) *waited = false;
   // Re-checked after every wake-up: the version may be retired while its writer waits.
   for (check_writable_version(version); !writable(version); check_writable_version(version)) {
+    if (closed_) {
+      throw CancelledError(where("begin_write") + "version " + std::to_string(version) +
+                           ": the ring was closed while it waited for buffer " + std::to_string(version % depth_));
+    }
     if (timed_out) {
       throw TimeoutError(where("begin_write") + "version " + std::to_string(version) + " waited " +
                          format_seconds(std::chrono::duration<double>(Clock::now() - started).count()) +
@@ -59,6 +63,14 @@ std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanosec
   target.version = version;
   target.state = SlotState::kWriting;
   return buffer(version);
+}
+
+void VersionedRing::close() {
+  {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+  }
+  changed_.notify_all();
 }
 
 void VersionedRing::publish(std::int64_t version) {

@@ -57,6 +57,9 @@ class VersionedRing {
 
   // Allows every version <= v to be overwritten once unpinned.
   void retire_through(std::int64_t version);
+  // Ends every wait in begin_write, at once and from then on, with CancelledError: the owner is closing
+  // and the buffer waited for may never be freed (a step that failed mid-install holds it). Idempotent.
+  void close();
   // Declares that version v (not yet written, nor retired) will never be written: the version after it in
   // its buffer may then claim the buffer once v's own predecessor there would have let v claim it, so the
   // buffer still goes to versions in order. Throws InvalidArgument for a version written or retired.
@@ -98,6 +101,7 @@ class VersionedRing {
   std::condition_variable changed_;            // guarded by mutex_
   std::vector<Slot> slots_;                    // guarded by mutex_
   std::int64_t latest_published_ = 0;          // guarded by mutex_
+  bool closed_ = false;                        // guarded by mutex_
   std::int64_t retired_through_ = 0;           // guarded by mutex_
   std::set<std::int64_t> skipped_;             // guarded by mutex_; skipped versions above retired_through_
 };

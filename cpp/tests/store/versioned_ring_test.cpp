@@ -149,6 +149,29 @@ TEST(VersionedRingTest, BeginWriteWaitsForTheReaderAndTheRetirement) {
   EXPECT_EQ(memory.data[0], 2);
 }
 
+TEST(VersionedRingTest, CloseEndsAWaitingWriterAtOnce) {
+  Buffers memory(1, 8);
+  VersionedRing ring(memory.base(), memory.bytes(), memory.bytes(), 1, "block 4 results");
+  fill(ring.begin_write(1, nanoseconds(0)), memory.elements, 1);
+  ring.publish(1);
+  ring.acquire(1);  // held for good: a step that failed mid-install never releases it
+  std::latch writer_started(1);
+  auto writer = std::async(std::launch::async, [&] {
+    writer_started.count_down();
+    ring.begin_write(2, kLongWait);
+  });
+  writer_started.wait();
+  ring.close();  // before or after the writer blocks: either way its wait ends now, not after kLongWait
+  try {
+    writer.get();
+    FAIL() << "begin_write returned after close()";
+  } catch (const CancelledError& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "closed while it waited for buffer 0", e.what());
+  }
+  EXPECT_THROW(ring.begin_write(2, kLongWait), CancelledError);  // and from then on
+  ring.close();  // idempotent
+}
+
 TEST(VersionedRingTest, BeginWriteTimesOutNamingWhatHoldsTheBuffer) {
   Buffers memory(2, 8);
   VersionedRing ring(memory.base(), memory.bytes(), memory.bytes(), 2, "block 3 results");
