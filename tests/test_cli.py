@@ -428,7 +428,7 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
 
 
 def test_stagger_reaches_the_optimizer():
-    from asteria.train.cli import _run_config, build_parser
+    from asteria.train.cli import build_parser, run_config_from_args
     from asteria.train.loop import make_optimizer
     from asteria.train.model import build_model
 
@@ -436,7 +436,7 @@ def test_stagger_reaches_the_optimizer():
     for flags, mode, staggered in ((["--stagger"], "sync", True), (["--no-stagger"], "async", False),
                                    ([], "async", True), ([], "sync", False)):
         args = build_parser().parse_args(["train", "--out", "OUT", "--optimizer", "soap", "--mode", mode, *flags])
-        opt = make_optimizer(_run_config(args), model)
+        opt = make_optimizer(run_config_from_args(args), model)
         try:
             assert any(phase != 0 for phase in opt.schedule.phases) == staggered, (flags, mode)
         finally:

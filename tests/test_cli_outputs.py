@@ -223,12 +223,12 @@ def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tm
 def test_options_a_run_reads_are_accepted(argv):
     from dataclasses import fields
 
-    from asteria.train.cli import _run_config, build_parser, check_unused_options
+    from asteria.train.cli import build_parser, check_unused_options, run_config_from_args
     from asteria.train.loop import RunConfig
 
     args = build_parser().parse_args(["train", "--out", "OUT", *argv])
     given = {f.name for f in fields(RunConfig) if getattr(args, f.name) is not None}
-    check_unused_options(_run_config(args), given)
+    check_unused_options(run_config_from_args(args), given)
 
 
 def test_out_must_be_a_folder(tmp_path, capsys):

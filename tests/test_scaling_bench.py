@@ -49,7 +49,7 @@ def test_child_commands_environment_and_default_process_counts(scaling):
             argv = scaling.train_command(args, config, procs, parallel, Path("X/run"))
             train_args = cli.build_parser().parse_args(argv[argv.index("train"):])
             given = {name for name, value in vars(train_args).items() if value is not None}
-            cli.check_unused_options(cli._run_config(train_args), given, procs == 1)
+            cli.check_unused_options(cli.run_config_from_args(train_args), given, procs == 1)
     args.stagger_split = False
     assert "--no-stagger-split" in scaling.train_command(args, "soap-async", 2, "ddp", Path("X/soap/ddp-p2"))
     env = scaling.child_env("cuda")

@@ -42,7 +42,7 @@ from gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 from asteria.config import is_int
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, parse_config, run_bench
 from asteria.train.checkpoint import interrupted
-from asteria.train.cli import _add_run_arguments, _run_config, out_dir
+from asteria.train.cli import add_run_arguments, out_dir, run_config_from_args
 from asteria.train.report import is_number
 from asteria.train.run_config import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seeds.py", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="asteria bench once per seed, then the comparison over the seeds")
-    _add_run_arguments(run_p, skip=("optimizer", "mode"))
+    add_run_arguments(run_p, skip=("optimizer", "mode"))
     run_p.add_argument("--out", type=out_dir, required=True)
     run_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                        help=f"subset of {CONFIGS}, as for asteria bench (-f<N>: at precondition_frequency N; "
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         if args.command == "run":
             check_one_seed_option(args.seed, args.seeds)
-            run_seeds(_run_config(args), args.out, tuple(args.configs), list(args.seeds))
+            run_seeds(run_config_from_args(args), args.out, tuple(args.configs), list(args.seeds))
         else:
             per_seed, devices, codes, settings = gather(list(args.runs))
             baseline = differences = baseline_codes = None

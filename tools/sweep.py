@@ -32,7 +32,7 @@ from typing import Any
 
 from seeds import check_one_seed_option, check_seeds, run_command, spread_stats
 
-from asteria.train.cli import _add_run_arguments, _run_config, out_dir
+from asteria.train.cli import add_run_arguments, out_dir, run_config_from_args
 from asteria.train.loop import train
 from asteria.train.report import load_run, plt, write_report
 from asteria.train.run_config import RunConfig
@@ -219,7 +219,7 @@ DESCRIPTION = ("One Asteria configuration trained at several staleness bounds S,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sweep.py", description=DESCRIPTION)
-    _add_run_arguments(parser, skip=("staleness",))
+    add_run_arguments(parser, skip=("staleness",))
     parser.add_argument("--staleness", dest="staleness_values", type=int, nargs="+", default=list(DEFAULT_STALENESS),
                         help=f"bounds S to run [default: {' '.join(map(str, DEFAULT_STALENESS))}]")
     parser.add_argument("--out", type=out_dir, required=True)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         check_one_seed_option(args.seed, args.seeds)
-        result = run_sweep(_run_config(args), tuple(args.staleness_values), args.out,
+        result = run_sweep(run_config_from_args(args), tuple(args.staleness_values), args.out,
                            seeds=None if args.seeds is None else list(args.seeds), reuse=args.reuse)
         spread = result["spread_final_loss_s_le_5"]
         for s, row in result["runs"].items():

@@ -190,8 +190,8 @@ CHOICES = {"optimizer": OPTIMIZERS, "model": tuple(PRESETS), "mode": ("sync", "a
            "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda")}
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One option per RunConfig field; RunConfig validates the values."""
+def add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One option per RunConfig field; RunConfig validates the values (also for the scripts in tools/)."""
     for f in fields(RunConfig):
         if f.name in skip:
             continue
@@ -209,7 +209,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=help_text)
 
 
-def _run_config(args: argparse.Namespace, **overrides) -> RunConfig:
+def run_config_from_args(args: argparse.Namespace, **overrides) -> RunConfig:
+    """The RunConfig of parsed ``add_run_arguments`` options (the device: a GPU where there is one)."""
     values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if getattr(args, f.name, None) is not None}
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     return RunConfig(**(values | overrides))
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"asteria {asteria.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train one model with one optimizer")
-    _add_run_arguments(train_p)
+    add_run_arguments(train_p)
     train_p.add_argument("--out", type=out_dir, required=True, help="run directory")
     train_p.add_argument("--resume", action="store_true",
                          help="continue from the newest complete checkpoint in --out (a fresh start if --out "
@@ -233,10 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write a torch.profiler trace of these steps per rank, OUT/trace-rank<R>.json.gz "
                               "(a diagnostic that slows them; read it with bench/trace_steps.py)")
     demo_p = sub.add_parser("demo", help="AdamW vs Asteria Shampoo (async), with a report")
-    _add_run_arguments(demo_p, skip=("optimizer", "mode"))
+    add_run_arguments(demo_p, skip=("optimizer", "mode"))
     demo_p.add_argument("--out", type=out_dir, default=Path("runs/demo"))
     bench_p = sub.add_parser("bench", help="every optimizer x mode side by side: results.json, plots, a table")
-    _add_run_arguments(bench_p, skip=("optimizer", "mode"))
+    add_run_arguments(bench_p, skip=("optimizer", "mode"))
     bench_p.add_argument("--out", type=out_dir, required=True)
     bench_p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                          help=f"subset of {CONFIGS}; a second-order config followed by -f<N> runs at "
@@ -299,7 +300,7 @@ def _main(argv: list[str] | None) -> int:
             raise ValueError(f"Invalid command={args.command!r} under torchrun (WORLD_SIZE={world}): only 'train' "
                              "runs on several processes (bench/scaling.py launches torchrun itself)")
         if args.command == "train":
-            cfg = _run_config(args)
+            cfg = run_config_from_args(args)
             given = {f.name for f in fields(RunConfig) if getattr(args, f.name, None) is not None}
             check_unused_options(cfg, given, world == "1")
             with stop_after_the_step(world == "1"):
@@ -314,14 +315,14 @@ def _main(argv: list[str] | None) -> int:
         elif args.command == "demo":
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
-                cfg = _run_config(args, optimizer=optimizer, mode=mode)
+                cfg = run_config_from_args(args, optimizer=optimizer, mode=mode)
                 summary = train(cfg, args.out / cfg.label, overwrite=True)
                 print(f"{summary['label']:>14}: final loss {summary['final_loss']:.4f}, "
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
         elif args.command == "bench":
-            results = run_bench(_run_config(args), args.out, tuple(args.configs))
+            results = run_bench(run_config_from_args(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
         else:
