@@ -25,7 +25,7 @@ OPTIMIZERS = {
 
 
 def factor_bytes(opt) -> int:
-    return sum(fset.factors.numel() * 4 for fset, _ in opt._home_sets)
+    return sum(fset.factors.numel() * 4 for fset, _ in opt._placement.home_sets)
 
 
 def test_the_pack_keeps_every_entry_of_a_symmetric_block():

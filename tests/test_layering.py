@@ -145,10 +145,10 @@ for name in modules:
             os.close(read)
             try:
                 for package, folder in packages.items():
-                    if emptied in (package, "every package"):
-                        stub = types.ModuleType(package)
-                        stub.__path__ = [folder]
-                        sys.modules[package] = stub
+                    if emptied in (package, "every package"):  # the package as if its __init__ were empty
+                        bare = types.ModuleType(package)
+                        bare.__path__ = [folder]  # its submodules still import from its folder
+                        sys.modules[package] = bare
                 importlib.import_module(name)
                 os._exit(0)
             except BaseException:

@@ -223,7 +223,7 @@ def test_a_lost_newest_version_fails_every_later_step_by_name(tmp_path):
     with opt:
         train(model, opt, 7, data=data)  # versions 1 and 2 of every set written; 2 is live
         paged = opt._placement.tier.paged
-        fset = next(f for f, _ in opt._home_sets if f in paged)
+        fset = next(f for f, _ in opt._placement.home_sets if f in paged)
         key = paged.key[id(fset)]
         path = next(p for p in page_files(tmp_path) if f"{key:016x}" in os.path.basename(p))
         with open(path, "r+b") as f:  # one payload bit of the slot (A or B) that holds the newest version

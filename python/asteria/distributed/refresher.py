@@ -159,7 +159,7 @@ class DistributedRefresher(WorkerRefresher):
                                f"{sorted(versions)} at step {step}")
         version = versions.pop()
         requests = {index: request for index, _, request in sorted(items, key=lambda item: item[0])}
-        due = self.activation_step(step, version)
+        due = self.rule.activation_step(step, version)
         self._scheduled.append((version, due, requests))
         for index, request in requests.items():
             fset = self.sets[index]

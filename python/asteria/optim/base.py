@@ -146,8 +146,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             else:  # run by run, each run's modes together: the order the split groups would have
                 self._set_groups += [(fset.slice(a, b), group) for a, b in runs[index] for fset in group_sets[-1]]
         self._placement.hold(self._groups, group_sets)
-        #: the groups' own sets, whose tensors the tiers hold (the same as ``_set_groups`` unless sliced)
-        self._home_sets = self._placement.home_sets
         #: per group, the indices of its factor sets in ``_set_groups``
         self._sets_of = {id(group): [i for i, (_, g) in enumerate(self._set_groups) if g is group]
                          for group in self._groups}
@@ -218,10 +216,11 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         statistics as they stand between its updates and from the bases of the step before (``None``
         leaves the parameters as they are this step); the others return None and give it in ``_direction``."""
 
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor | None:
-        """For ``ACTIVATION_LAG = 0``: the (B, *shape) direction to step against, before the learning rate,
-        from the preconditioners of this step's activation; ``None`` leaves the parameters as they are."""
-        raise NotImplementedError(f"{type(self).__name__}._direction (ACTIVATION_LAG = 0 needs one)")
+    def _direction(self, group: ShapeGroup, step: int, accumulated: Tensor | None) -> Tensor | None:
+        """The (B, *shape) direction to step against, before the learning rate (``None`` leaves the parameters
+        as they are): by default ``accumulated``, what ``_accumulate`` returned. An optimizer with
+        ``ACTIVATION_LAG = 0`` overrides it to read the preconditioners of this step's activation."""
+        return accumulated
 
     def _forget_derived(self) -> None:
         """Drops what a subclass derived from the blocks' step counts and versions in use (they were loaded
@@ -404,7 +403,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             if not self.ACTIVATION_LAG:
                 self._activate(step)
             for group, (_, keep), direction in zip(self._groups, batches, directions, strict=True):
-                self._apply(group, keep, direction if self.ACTIVATION_LAG else self._direction(group, step))
+                self._apply(group, keep, self._direction(group, step, direction))
                 placement.done(group)  # at once: the NVMe tier's few buffers serve the groups in turn
         finally:
             for group in self._groups:  # after a raise: what is still held (a no-op for the groups done)

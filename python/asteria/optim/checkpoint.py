@@ -57,7 +57,7 @@ def bound(opt: SecondOrderOptimizer) -> dict[str, int | None]:
     """The staleness bound and the deterministic rule's lag (None: not that rule) under which a checkpoint's
     refreshes in flight were scheduled."""
     deterministic = opt.runtime.mode == "async" and opt.runtime.deterministic
-    return {"staleness": opt.runtime.staleness, "lag_steps": opt._refresher.lag if deterministic else None}
+    return {"staleness": opt.runtime.staleness, "lag_steps": opt._refresher.rule.lag if deterministic else None}
 
 
 def take(opt: SecondOrderOptimizer) -> dict[str, Any]:

@@ -125,7 +125,7 @@ class Shampoo(SecondOrderOptimizer):
         F.masked_ema_(group.state[MOMENTUM], grads, beta1, keep)
         F.masked_ema_square_(group.state[GRAFTING_SECOND_MOMENT], grads, hyper["grafting_beta2"], keep)
 
-    def _direction(self, group: ShapeGroup, step: int) -> Tensor:
+    def _direction(self, group: ShapeGroup, step: int, accumulated: None) -> Tensor:
         hyper = self.param_groups[group.group_index]
         beta1, beta2 = hyper["betas"][0], hyper["grafting_beta2"]
         # Each block's bias corrections count its own steps (a block without a gradient yet has zero moments).

@@ -120,7 +120,7 @@ class AsyncRefresher(WorkerRefresher):
                     self._deferred += fset.batch
                     self.engine.skip(self.ids[index], version)
                     continue
-            due = self.activation_step(step, version)
+            due = self.rule.activation_step(step, version)
             lane = self._choose_lane(index, version)
             if lane == DEVICE:
                 inline = version <= self.config.sync_refreshes
@@ -174,7 +174,7 @@ class AsyncRefresher(WorkerRefresher):
             self.engine.set_basis(block_id, newest, bases[block].contiguous())
 
     def check_backlog(self, step: int) -> None:
-        if self.lag == 0 and self.config.deterministic:
+        if self.rule.lag == 0 and self.config.deterministic:
             return  # at S = 0 (or lag_steps = 0) every activation waits for its refresh by design
         if min(self._newest_versions) <= self.config.sync_refreshes:
             return  # each set's first versions are waited for at their own step by design

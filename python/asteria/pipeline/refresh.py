@@ -70,15 +70,6 @@ class Refresher(ABC):
     def before_factor_update(self) -> None:
         """Called before the factors are modified in place (a snapshot may still be reading them)."""
 
-    @property
-    def lag(self) -> int:
-        """Steps from a snapshot to its activation under the deterministic rule (0 in native mode)."""
-        return self.rule.lag
-
-    def activation_step(self, step: int, version: int) -> int:
-        """The step whose activation ``version`` of a set, snapshotted at ``step``, is due at."""
-        return self.rule.activation_step(step, version)
-
     def poll(self, step: int) -> None:
         """Moves finished transfers along without waiting (``step``: the last completed step)."""
 

@@ -113,7 +113,7 @@ class WorkerRefresher(Refresher):
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
         super().__init__(sets, config, interval)  # (lag_steps is checked there, before any thread starts)
-        self.depth = ring_depth(config, interval, self.lag)
+        self.depth = ring_depth(config, interval, self.rule.lag)
         # Installs queued on a side stream, which the current stream waits for before it reads them.
         self._install_events: list[tuple[streams.SideStream, torch.cuda.Event | None]] = []
 
