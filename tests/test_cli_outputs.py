@@ -186,6 +186,10 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--optimizer", "adamw", "--workers", "2"], "Invalid --workers 2 with --optimizer adamw"),
     (["--optimizer", "adamw", "--prefetch", "step"], "Invalid --prefetch step with --optimizer adamw"),
     (["--optimizer", "adamw", "--max-preconditioner-dim", "64"], "Invalid --max-preconditioner-dim 64 with"),
+    (["--optimizer", "adamw", "--start-preconditioning-step", "1"], "Invalid --start-preconditioning-step 1 with"),
+    (["--optimizer", "kl-shampoo", "--start-preconditioning-step", "1"],
+     "Invalid start_preconditioning_step=1: must be None (the optimizer's own) or an int >= 1, and None for "
+     "kl-shampoo"),
     (["--keep-checkpoints", "3"], "Invalid --keep-checkpoints 3 without --checkpoint-every: it bounds"),
     (["--mode", "sync", "--stagger-split"], "Invalid --stagger-split with --mode sync without --stagger: it sets"),
     (["--optimizer", "adamw", "--no-stagger"], "Invalid --no-stagger with --optimizer adamw"),

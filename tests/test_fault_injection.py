@@ -29,7 +29,7 @@ def make(name: str, **runtime):
     if name == "shampoo":
         opt = asteria.Shampoo(params, eps=1e-6, **common)
     elif name == "soap":
-        opt = asteria.SOAP(params, **common)
+        opt = asteria.SOAP(params, start_preconditioning_step=1, **common)  # a bootstrap, as KL-Shampoo's
     else:
         opt = asteria.KLShampoo(params, **common)
     return model, opt

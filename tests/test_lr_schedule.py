@@ -12,7 +12,7 @@ import torch
 
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError, Manifest
-from asteria.train.loop import MIN_LR_RATIO, RunConfig, check_resumable, clip_gradients
+from asteria.train.loop import MIN_LR_RATIO, RunConfig, check_resumable, clip_gradients, make_optimizer
 
 
 def test_warmup_then_cosine_to_a_tenth():
@@ -40,6 +40,8 @@ def test_constant_schedule_and_default_warmup():
     ({"warmup_steps": -1}, "Invalid warmup_steps=-1"),
     ({"grad_clip": float("nan")}, "Invalid grad_clip=nan"),
     ({"grad_clip": -0.5}, "Invalid grad_clip=-0.5"),
+    ({"start_preconditioning_step": 0}, "Invalid start_preconditioning_step=0"),
+    ({"optimizer": "kl-shampoo", "start_preconditioning_step": 5}, "Invalid start_preconditioning_step=5.*kl-shampoo"),
 ])
 def test_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -99,3 +101,27 @@ def test_a_checkpoint_from_before_the_split_resumes_with_whole_groups(mode, opti
     else:
         check_resumable(manifest, cfg, Path("old"))
     check_resumable(manifest, dataclasses.replace(cfg, stagger_split=False), Path("old"))
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "shampoo", "kl-shampoo"])
+def test_a_checkpoint_from_before_the_start_setting_resumes_at_its_start(optimizer):
+    """A manifest without start_preconditioning_step: SOAP then took its first basis at step 1 (its default is
+    now f), so that its resume needs --start-preconditioning-step 1; the others start where they did."""
+    cfg = RunConfig(optimizer=optimizer)
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)
+             if f.name != "start_preconditioning_step"}
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    if optimizer == "soap":
+        with pytest.raises(CheckpointError, match=r"start_preconditioning_step=1 \(this run: 10\)"):
+            check_resumable(manifest, cfg, Path("old"))
+        cfg = dataclasses.replace(cfg, start_preconditioning_step=1)
+    check_resumable(manifest, cfg, Path("old"))
+    written = Manifest(checkpoint.FORMAT, 10, 1, {}, saved | {"start_preconditioning_step": None})
+    check_resumable(written, RunConfig(optimizer=optimizer), Path("new"))
+
+
+@pytest.mark.parametrize("start, expected", [(None, 10), (1, 1)])
+def test_the_start_setting_reaches_the_optimizer(start, expected):
+    with make_optimizer(RunConfig(optimizer="soap", mode="sync", start_preconditioning_step=start),
+                        torch.nn.Linear(4, 4)) as opt:
+        assert opt.start_preconditioning_step == expected

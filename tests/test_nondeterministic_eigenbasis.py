@@ -23,7 +23,8 @@ def make(cls, model, staleness=3, workers=1, sync_refreshes=1):
     runtime = asteria.RuntimeConfig(mode="async", staleness=staleness, workers=workers, deterministic=False,
                                     stagger=False, sync_refreshes=sync_refreshes, timeout_s=60.0,
                                     in_flight=staleness + 1, device_refresh=False)
-    return cls(model.parameters(), lr=0.01, precondition_frequency=2, runtime=runtime)
+    start = {"start_preconditioning_step": 1} if cls is asteria.SOAP else {}  # a bootstrap at step 1, as KL-Shampoo's
+    return cls(model.parameters(), lr=0.01, precondition_frequency=2, runtime=runtime, **start)
 
 
 def one_step(model, opt, x, y):

@@ -447,8 +447,11 @@ def cuda_run(kind: str, device: torch.device, side_delay: int = 0,
     """Trains on the full batches on ``device`` (lag 1, staggered); ``side_delay`` cycles of GPU sleep are
     queued on the side streams after every step, so that snapshots and installs finish late."""
     net = model().to(device)
-    # Whole groups on one process too (the default splits there only), so that it ends where the ranks end.
-    runtime = {"stagger_split": False} | ({} if local_world_size is None else {"local_world_size": local_world_size})
+    # Whole groups on one process too (the default splits there only), and every refresh on the CPU workers (one
+    # process would decompose its start-up refreshes on the GPU's lane, which the ranks' refresher has not), so
+    # that it ends where the ranks end.
+    runtime = {"stagger_split": False, "device_refresh": False} | (
+        {} if local_world_size is None else {"local_world_size": local_world_size})
     batches = [(x.to(device), y.to(device)) for x, y in data(CUDA_STEPS)]
     with optimizer(kind, net.parameters(), 1, lag_steps=1, stagger=True, **runtime) as opt:
         def delay(step: int) -> None:

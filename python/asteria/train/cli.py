@@ -34,13 +34,15 @@ from asteria.train.report import write_report
 from asteria.train.run_config import ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, RunConfig
 
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
-                  "warmup_steps": int, "lag_steps": int, "peer_path": str}
+                  "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh"}
 HELP = {
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
                      "each block's newest finished refresh",
+    "start_preconditioning_step": "the step of the first preconditioner, Shampoo's root or SOAP's basis (default: "
+                                  "the optimizer's own, the precondition frequency; kl-shampoo takes none)",
     "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "
                  "the frequency; default: one interval), waiting for it if need be",
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
@@ -116,7 +118,8 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
 ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share")
-SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch")
+SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
+                     "start_preconditioning_step")
 
 
 def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = True) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,16 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger", "lag_steps", "stagger_split")
+                     "stagger", "lag_steps", "stagger_split", "start_preconditioning_step")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split")
+                         "stagger_split", "start_preconditioning_step")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
-                   "lag_steps": None, "late_activation": False, "stagger_split": False}
+                   "lag_steps": None, "late_activation": False, "stagger_split": False,
+                   "start_preconditioning_step": None}
 
 
 @dataclass(kw_only=True)
@@ -67,6 +68,7 @@ class RunConfig:
     stagger: bool | None = None
     stagger_split: bool | None = None
     precondition_frequency: int = 10
+    start_preconditioning_step: int | None = None
     max_preconditioner_dim: int = 2048
     workers: int | None = None
     placement: str = "auto"
@@ -150,6 +152,12 @@ class RunConfig:
         check(self.deterministic is None or isinstance(self.deterministic, bool), "deterministic",
               "must be None (the library's choice), True or False")
         check(isinstance(self.deterministic_kernels, bool), "deterministic_kernels", "must be True or False")
+        check(self.start_preconditioning_step is None or (is_int(self.start_preconditioning_step)
+                                                          and self.start_preconditioning_step >= 1
+                                                          and self.optimizer in ("shampoo", "soap", "adamw")),
+              "start_preconditioning_step", "must be None (the optimizer's own) or an int >= 1, and None for "
+              "kl-shampoo (its first basis comes from the first gradient) and the peers (they start at the "
+              "precondition frequency)")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
               "must be an int >= 0")
         if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
@@ -201,6 +209,18 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
     return split if split is not None else processes == 1 and stagger is not False
 
 
+def first_preconditioning_step(config: dict[str, Any], legacy: bool = False) -> int:
+    """The step of a run's first preconditioner as its optimizer resolves ``start_preconditioning_step``
+    (None: the precondition frequency, KL-Shampoo's 1); ``legacy``: a checkpoint written before the setting
+    existed, when SOAP started at 1."""
+    value = config.get("start_preconditioning_step")
+    if value is not None:
+        return value
+    if config.get("optimizer") == "kl-shampoo" or (legacy and config.get("optimizer") == "soap"):
+        return 1
+    return config.get("precondition_frequency", 10)
+
+
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
     """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
     newer than the checkpoint counts as its default; ``stagger_split`` as it resolves), or when it has done
@@ -214,6 +234,9 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     saved = {name: manifest.config.get(name, defaults[name]) for name in RESUME_MUST_MATCH}
     this = {name: getattr(cfg, name) for name in RESUME_MUST_MATCH}
     processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    saved["start_preconditioning_step"] = first_preconditioning_step(
+        manifest.config, legacy="start_preconditioning_step" not in manifest.config)
+    this["start_preconditioning_step"] = first_preconditioning_step(asdict(cfg))
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
     unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
