@@ -178,6 +178,26 @@ def test_the_balancer_keeps_everything_on_the_workers_until_it_has_measured():
     assert balancer.replan()[1]  # the prior says the workers need 100 s for a 256 block
 
 
+def test_the_balancers_step_time_leaves_out_the_start_up_refresh_steps():
+    """The interval's time is the median of its last steps: a start-up refresh step (2.5 s here, waited for)
+    does not stretch it, and a lasting change of pace takes over within an interval."""
+    balancer = LaneBalancer(balancer_sets([64]), interval=10, workers=1, device_share=1.0, cpu_prior={64: 1.0})
+    now = 100.0
+    balancer.observe_step(1, now)
+    for step, seconds in enumerate([0.1] * 5 + [2.5] + [0.1] * 4, start=2):
+        now += seconds
+        balancer.observe_step(step, now)
+    assert balancer.step_seconds == pytest.approx(0.1)
+    balancer.observe_step(11, now + 0.1)  # the same step activated twice: not a step time
+    balancer.observe_step(11, now + 0.2)
+    assert balancer.step_seconds == pytest.approx(0.1)
+    now += 0.1
+    for step in range(12, 22):
+        now += 0.3
+        balancer.observe_step(step, now)
+    assert balancer.step_seconds == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(name):
     """The plan flips every set from one side to the other between their versions: an eigenbasis set that

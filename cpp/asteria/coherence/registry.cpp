@@ -136,7 +136,15 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
     stats_.wait_seconds += blocked_seconds;
     stats_.max_wait_seconds = std::max(stats_.max_wait_seconds, blocked_seconds);
   };
+  const auto cancelled = [&](std::size_t id, std::int64_t version) {
+    return CancelledError("[CoherenceRegistry::activate] the engine was closed while step " + std::to_string(step) +
+                          " waited for block " + std::to_string(id) + " version " + std::to_string(version));
+  };
   try {
+    if (closed_) {
+      throw CancelledError("[CoherenceRegistry::activate] the engine is closed: step " + std::to_string(step) +
+                           " activates nothing");
+    }
     throw_if_failing();
     for (std::size_t id = 0; id < n; ++id) {
       for (;;) {
@@ -156,14 +164,14 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
               static_cast<std::int64_t>(id), wanted.awaited,
               timeout_message(step, id, wanted.awaited, seconds_since(started), blocks_[id].status, config_));
         }
-        if (closed_) {
-          throw CancelledError("[CoherenceRegistry::activate] the engine was closed while step " + std::to_string(step) +
-                               " waited for block " + std::to_string(id) + " version " +
-                               std::to_string(wanted.awaited));
-        }
+        if (closed_) throw cancelled(id, wanted.awaited);
         const auto wait_started = Clock::now();
         finished_.wait_until(lock, deadline);
         blocked_seconds += seconds_since(wait_started);
+        // Closing ends a wait even where the version it waited for ended meanwhile: close() also ends the jobs
+        // still running (as failures), and a step that then went on with the version before would complete on
+        // a closed engine.
+        if (closed_) throw cancelled(id, wanted.awaited);
         throw_if_failing();
       }
     }

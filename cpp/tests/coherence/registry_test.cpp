@@ -140,6 +140,35 @@ TEST(CoherenceRegistryTest, CloseEndsAWaitingActivateAtOnce) {
   EXPECT_LT(registry.stats().wait_seconds, std::chrono::duration<double>(kLongWait).count());
 }
 
+TEST(CoherenceRegistryTest, CloseEndsAWaitEvenWhereItsVersionEndsMeanwhile) {
+  // close() also ends the jobs still running, as failures: the step waiting for one must not go on with the
+  // version before it on a closed engine, whichever of the two it wakes to.
+  CoherenceRegistry registry(deterministic(1));
+  const std::int64_t running = registry.add_block();
+  registry.note_snapshot(running, 1, 5);
+  auto closer = std::async(std::launch::async, [&] {
+    await_blocked_activate(registry, 1);
+    registry.close();
+    registry.note_finished(running, 1, false);
+  });
+  EXPECT_THROW(activate(registry, 5, kLongWait), CancelledError);
+  closer.get();
+}
+
+TEST(CoherenceRegistryTest, AClosedRegistryActivatesNothingEvenWithNothingToWaitFor) {
+  CoherenceRegistry registry(deterministic(1));
+  const std::int64_t ready = registry.add_block();
+  registry.note_snapshot(ready, 1, 5);
+  registry.note_finished(ready, 1, true);
+  registry.close();
+  try {
+    activate(registry, 5, kLongWait);
+    FAIL() << "a closed registry activated a version";
+  } catch (const CancelledError& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "the engine is closed: step 5 activates nothing", e.what());
+  }
+}
+
 TEST(CoherenceRegistryTest, ActivateTimesOutNamingTheBlockAndVersionAndChangesNothing) {
   CoherenceRegistry registry(deterministic(1));
   const std::int64_t ready = registry.add_block();

@@ -1,7 +1,7 @@
 """Which factor sets the device lane refreshes and which the C++ workers do, from what each side has been
 measured to take.
 
-Per interval of ``interval`` steps (T seconds of training, measured), the workers can give
+Per interval of ``interval`` steps (T seconds of training: the median step of the last interval), the workers can give
 ``workers * T * WORKER_UTILIZATION`` CPU-seconds and the device lane ``T * device_share`` seconds. A set
 costs its blocks' refresh time on each side: the workers' mean seconds per block of its size (the engine
 times every job; before any, a prior from one timed root of a small block, scaled by n^3), and the lane's
@@ -18,14 +18,14 @@ versions.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 from asteria.pipeline.factors import FactorSet
 
 #: the share of the workers' time the plan fills: their queue needs slack for the stagger's uneven steps
 WORKER_UTILIZATION = 0.85
-#: how far a new step time moves the measured mean (an exponential moving average)
-STEP_TIME_WEIGHT = 0.1
 
 
 class LaneBalancer:
@@ -42,19 +42,22 @@ class LaneBalancer:
         self.cpu_prior = cpu_prior  # n -> per-core seconds of one block before any measurement
         self.cpu_seconds: dict[int, float] = {}  # n -> measured per-core seconds of one block
         self.device_seconds: dict[int, float] = {}  # n -> measured device seconds of one block
+        #: the median of the last ``interval`` step times: a mean would carry the start-up refreshes' seconds-long
+        #: steps (waited for by design) into the first plans as capacity the interval does not have
         self.step_seconds: float | None = None
+        self._recent: deque[float] = deque(maxlen=max(interval, 3))
         self._last_step: tuple[int, float] | None = None
         self.plan: list[bool] = [False] * len(sets)  # per set: on the device lane
         self.plans = 0
         self.load = (0.0, 0.0)  # the last plan's share of each side's capacity (workers, device)
 
-    def observe_step(self, step: int) -> None:
-        """Notes that ``step`` is being activated now (the wall clock between steps is the step time)."""
-        now = time.monotonic()
+    def observe_step(self, step: int, now: float | None = None) -> None:
+        """Notes that ``step`` is being activated at ``now`` (default: the monotonic clock's now; the wall clock
+        between steps is the step time)."""
+        now = time.monotonic() if now is None else now
         if self._last_step is not None and step == self._last_step[0] + 1:
-            seconds = now - self._last_step[1]
-            self.step_seconds = seconds if self.step_seconds is None else (
-                (1 - STEP_TIME_WEIGHT) * self.step_seconds + STEP_TIME_WEIGHT * seconds)
+            self._recent.append(now - self._last_step[1])
+            self.step_seconds = statistics.median(self._recent)
         if self._last_step is None or step > self._last_step[0]:
             self._last_step = (step, now)
 
