@@ -3,7 +3,11 @@ samples), batches of 64 drawn at random, each optimizer at its defaults with lr 
 that the defaults serve a model far smaller than the ones they were tuned on: every Asteria optimizer should
 end within 2x AdamW's loss. ``--targets`` picks setups (see ``TARGETS``).
 
-Run:  python3 bench/small_mlp.py [--seeds 0 1 2 3] [--steps 200] [--targets raw unit fresh]
+Run:  python3 bench/small_mlp.py [--seeds 0 1 2 3] [--steps 200] [--targets raw unit fresh] [--scales 0.43 ...]
+                                 [--peer-path .peers]
+(``--scales``: more targets, ``raw``'s scaled by each factor; ``--peer-path``: Meta's Distributed Shampoo's
+Shampoo and SOAP beside them, from that checkout, with the hyperparameters of the Asteria optimizer each
+stands beside)
 Prints each optimizer's final loss (mean of the last 10 steps) per seed and its ratio to AdamW's."""
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-#: target setups: the Quick start's (``raw``), its target scaled to unit variance (``unit``), and a ReLU MLP
-#: fed fresh samples with noise (``fresh``: where a small matrix merged whole into one dimension, the rule
-#: before Kronecker structure was kept, left Shampoo's single full-matrix factor rank-deficient)
+#: target setups: y = x @ w with w ~ N(0, 1) (``raw``), the Quick start's, scaled to unit variance (``unit``),
+#: and a ReLU MLP fed fresh samples with noise (``fresh``: where a small matrix merged whole into one dimension,
+#: the rule before Kronecker structure was kept, left Shampoo's single full-matrix factor rank-deficient)
 TARGETS = {"raw": 1.0, "unit": 32**-0.5, "fresh": 1.0}
 
 
@@ -41,7 +45,8 @@ def final_loss(name: str, seed: int, steps: int = 200, batch: int = 64, target_s
     torch.manual_seed(seed)
     hidden = torch.nn.ReLU() if target_scale == "fresh" else torch.nn.Tanh()
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), hidden, torch.nn.Linear(64, 1))
-    opt = OPTIMIZERS[name](model.named_parameters() if name != "adamw" else model.parameters())
+    named = name in ("shampoo", "soap", "kl-shampoo")  # Asteria's take names (for their messages)
+    opt = OPTIMIZERS[name](model.named_parameters() if named else model.parameters())
     losses = []
     try:
         for _ in range(steps):
@@ -67,8 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=list(TARGETS))
+    parser.add_argument("--scales", type=float, nargs="*", default=[],
+                        help="more targets: raw's, scaled by each of these factors (> 0)")
+    parser.add_argument("--peer-path", default=None,
+                        help="a checkout of facebookresearch/optimizers: its Shampoo and SOAP run too")
     args = parser.parse_args(argv)
-    for target in args.targets:
+    if args.peer_path is not None:
+        from asteria.train.peers import make_peer  # the bench's peers, at asteria.Shampoo's and asteria.SOAP's settings
+
+        for peer, weight_decay in (("ds-shampoo", 0.0), ("ds-soap", 0.01)):
+            OPTIMIZERS[peer] = lambda params, peer=peer, wd=weight_decay: make_peer(
+                peer, params, LR, wd, 10, 2048, args.peer_path)
+    targets = list(args.targets)
+    for scale in args.scales:
+        if not scale > 0:
+            parser.error(f"Invalid --scales value {scale}: must be a number > 0")
+        TARGETS[f"x{scale:g}"] = scale
+        targets.append(f"x{scale:g}")
+    for target in targets:
         print(f"target {target}:")
         results = {}
         for name in OPTIMIZERS:
