@@ -34,3 +34,16 @@ def test_each_optimizer_at_its_defaults_ends_within_twice_adamws_loss(mlp, adamw
         warnings.simplefilter("ignore")  # a backlog warning on a busy CI machine changes nothing here
         loss = statistics.fmean(mlp.final_loss(name, seed, target_scale=target) for seed in SEEDS)
     assert loss < 2 * adamw[target], (loss, adamw[target])
+
+
+def test_the_bench_takes_more_scales_and_refuses_a_bad_one(mlp, capsys):
+    assert mlp.main(["--targets", "unit", "--scales", "0.5", "--seeds", "0", "--steps", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "target x0.5:" in out and out.count("x AdamW's") == 8  # four optimizers, two targets
+    with pytest.raises(SystemExit):
+        mlp.main(["--scales", "-1"])
+    assert "Invalid --scales value -1.0: must be a number > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Invalid peer_path='/nowhere'"):
+        mlp.main(["--targets", "unit", "--seeds", "0", "--steps", "2", "--peer-path", "/nowhere"])
+    for added, table in (("ds-shampoo", mlp.OPTIMIZERS), ("ds-soap", mlp.OPTIMIZERS), ("x0.5", mlp.TARGETS)):
+        table.pop(added)  # the module is shared by this file's tests
