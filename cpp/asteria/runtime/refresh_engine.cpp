@@ -345,7 +345,7 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
 }
 
 std::vector<coherence::Activation> RefreshEngine::activate(std::int64_t step, std::chrono::nanoseconds timeout) {
-  if (closed()) throw CancelledError("[RefreshEngine::activate] the engine is closed");
+  // A closed engine's registry refuses (CancelledError), also a wait that close() ends.
   std::vector<coherence::Activation> changes = registry_.activate(step, timeout);
   std::lock_guard lock(mutex_);
   for (const auto& change : changes) {
