@@ -41,6 +41,8 @@ def test_constructor_arguments(optimizer, kwargs, match):
 @pytest.mark.parametrize("optimizer, kwargs, match", [
     (asteria.Shampoo, {"start_preconditioning_step": True}, "Invalid start_preconditioning_step=True"),
     (asteria.Shampoo, {"grafting_beta2": 1.0}, "Invalid grafting_beta2=1.0"),
+    (asteria.Shampoo, {"relative_eps": -1e-5}, "Invalid relative_eps=-1e-05: must be a finite number >= 0"),
+    (asteria.Shampoo, {"relative_eps": float("nan")}, "Invalid relative_eps=nan"),
     (asteria.SOAP, {"shampoo_beta": -0.5}, "Invalid shampoo_beta=-0.5"),
     (asteria.SOAP, {"refresh_skip_tol": float("nan")}, "Invalid refresh_skip_tol=nan"),
     (asteria.KLShampoo, {"init_factor": True}, "Invalid init_factor=True"),

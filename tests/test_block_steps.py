@@ -16,9 +16,10 @@ import asteria
 from asteria.optim.kl_shampoo import inv_sqrt_key
 from asteria.optim.soap import EXP_AVG_SQ
 
-OPTIMIZERS = {
+OPTIMIZERS = {  # Shampoo's biases with their own factors too: blocks of two shapes whose counts differ
     "shampoo": lambda params, runtime: asteria.Shampoo(params, lr=0.02, eps=1e-2, precondition_frequency=3,
-                                                       start_preconditioning_step=3, runtime=runtime),
+                                                       start_preconditioning_step=3, precondition_1d=True,
+                                                       runtime=runtime),
     # SOAP's first basis the step after the first gradient, as KL-Shampoo's: the schedule these tests count
     "soap": lambda params, runtime: asteria.SOAP(params, lr=0.01, precondition_frequency=3,
                                                  start_preconditioning_step=1, runtime=runtime),
@@ -129,8 +130,9 @@ class LateShampooReference:
     refreshed on the optimizer's schedule, each debiased by its own count, once the parameter has had a
     gradient (until then it has none, so its first steps take Adam's direction, as a fresh one's do)."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start):
+    def __init__(self, params, lr, betas, eps, relative_eps, weight_decay, frequency, start):
         self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, weight_decay
+        self.relative_eps = relative_eps
         self.frequency, self.start, self.t = frequency, start, 0
         self.state = [dict(t=0, factors=[np.zeros((d, d)) for d in p.shape], roots=None,
                            m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in params]
@@ -150,7 +152,7 @@ class LateShampooReference:
                 s["v"] = b2 * s["v"] + (1 - b2) * g * g
             t = s["t"]
             if refresh:  # a zero factor's root (before the first gradient) is not used: the grafting direction
-                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps)
+                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps, self.relative_eps)
                               for f in s["factors"]] if t else None
             if p.grad is None:
                 continue
@@ -180,7 +182,8 @@ def run_late_shampoo(make_optimizer) -> list[torch.Tensor]:
 def test_shampoo_with_a_late_parameter_matches_a_per_parameter_reference(mode):
     def make(params):
         return asteria.Shampoo(params, precondition_frequency=3, start_preconditioning_step=2,
-                               max_preconditioner_dim=32, runtime=asteria.RuntimeConfig(**RUNTIMES[mode]),
+                               max_preconditioner_dim=32, precondition_1d=True,
+                               runtime=asteria.RuntimeConfig(**RUNTIMES[mode]),
                                **SHAMPOO_HYPER)
 
     def reference(params):
@@ -310,7 +313,8 @@ def test_a_checkpoint_loads_only_under_its_refresh_schedule():
     # the sets: the weights' two modes and the biases
     assert state["schedule"] == {"start": 3, "interval": 3, "aligned": 2, "phases": [0, 0, 0]}
     other = asteria.Shampoo(two_layers().parameters(), lr=0.02, eps=1e-2, precondition_frequency=4,
-                            start_preconditioning_step=3, runtime=asteria.RuntimeConfig(mode="sync"))
+                            start_preconditioning_step=3, precondition_1d=True,
+                            runtime=asteria.RuntimeConfig(mode="sync"))
     with other, pytest.raises(ValueError, match=r"Invalid state_dict: saved under the refresh schedule .* \(interval "
                                                 r"differ: start_preconditioning_step, precondition_frequency"):
         other.load_state_dict(state)

@@ -29,6 +29,32 @@ def test_inverse_root_matches_the_eigendecomposition_formula(dtype, tol):
     assert info["lambda_min"] == pytest.approx(scale * values.min(), rel=1e-4)
 
 
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-10), (np.float32, 1e-3)])
+def test_relative_eps_adds_a_ridge_proportional_to_the_largest_eigenvalue(dtype, tol):
+    """The same formula through the C++ engine's numerics and torch's (``functional.inverse_root``): the ridge
+    is eps + relative_eps * lambda_max of the scaled, shifted spectrum, on a rank-deficient matrix whose
+    null space it decides."""
+    import torch
+
+    from asteria import functional as F
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((12, 3))
+    a = (x @ x.T).astype(dtype)  # rank 3
+    values, vectors = np.linalg.eigh(a.astype(np.float64))
+    scale, eps, relative = 2.0, 1e-9, 1e-3
+    shifted = scale * values + max(0.0, -scale * values.min())
+    expected = vectors @ np.diag((shifted + eps + relative * shifted.max()) ** -0.25) @ vectors.T
+    root, _ = _core.inverse_root(a, -0.25, eps, scale, relative_eps=relative)
+    assert np.abs(root - expected).max() / np.abs(expected).max() < tol
+    torch_root, usable = F.inverse_root(torch.from_numpy(a)[None], -0.25, eps, scale, relative_eps=relative)
+    assert bool(usable.all())
+    assert np.abs(torch_root[0].numpy() - expected).max() / np.abs(expected).max() < tol
+    plain, _ = _core.inverse_root(a, -0.25, eps, scale)  # relative_eps=0: eps alone, far larger roots
+    assert np.abs(plain).max() > 10 * np.abs(expected).max()
+    with pytest.raises(ValueError, match=r"Invalid relative_eps=-0.1: must be a finite number >= 0"):
+        _core.inverse_root(a, -0.25, eps, scale, relative_eps=-0.1)
+
+
 def test_eigenbasis_and_qr_refresh_match_their_formulas():
     a = spd(10, 2)
     q, values, _ = _core.eigenbasis(a)

@@ -42,6 +42,9 @@ def test_constant_schedule_and_default_warmup():
     ({"grad_clip": -0.5}, "Invalid grad_clip=-0.5"),
     ({"start_preconditioning_step": 0}, "Invalid start_preconditioning_step=0"),
     ({"optimizer": "kl-shampoo", "start_preconditioning_step": 5}, "Invalid start_preconditioning_step=5.*kl-shampoo"),
+    ({"optimizer": "kl-shampoo", "precondition_1d": True}, "Invalid precondition_1d=True.*None for kl-shampoo"),
+    ({"optimizer": "ds-shampoo", "precondition_1d": False}, "Invalid precondition_1d=False"),
+    ({"precondition_1d": 1}, "Invalid precondition_1d=1"),
 ])
 def test_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -118,6 +121,33 @@ def test_a_checkpoint_from_before_the_start_setting_resumes_at_its_start(optimiz
     check_resumable(manifest, cfg, Path("old"))
     written = Manifest(checkpoint.FORMAT, 10, 1, {}, saved | {"start_preconditioning_step": None})
     check_resumable(written, RunConfig(optimizer=optimizer), Path("new"))
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "shampoo", "kl-shampoo"])
+def test_a_checkpoint_from_before_the_1d_setting_resumes_with_the_factors_it_holds(optimizer):
+    """A manifest without precondition_1d: Shampoo then gave 1-D parameters factors (its default is now
+    off), so that its resume needs --precondition-1d; SOAP's and KL-Shampoo's did not change."""
+    cfg = RunConfig(optimizer=optimizer)
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "precondition_1d"}
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    if optimizer == "shampoo":
+        with pytest.raises(CheckpointError, match=r"precondition_1d=True \(this run: False\)"):
+            check_resumable(manifest, cfg, Path("old"))
+        cfg = dataclasses.replace(cfg, precondition_1d=True)
+    check_resumable(manifest, cfg, Path("old"))
+    written = Manifest(checkpoint.FORMAT, 10, 1, {}, saved | {"precondition_1d": None})
+    check_resumable(written, RunConfig(optimizer=optimizer), Path("new"))
+    if optimizer != "kl-shampoo":  # an explicit False is the default
+        check_resumable(written, RunConfig(optimizer=optimizer, precondition_1d=False), Path("new"))
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "shampoo"])
+@pytest.mark.parametrize("value", [None, True, False])
+def test_the_1d_setting_reaches_the_optimizer(optimizer, value):
+    with make_optimizer(RunConfig(optimizer=optimizer, mode="sync", precondition_1d=value),
+                        torch.nn.Linear(4, 4)) as opt:
+        assert opt.precondition_1d is bool(value)
+        assert len(opt._set_groups) == (3 if value else 2)  # the weight's two modes, and the bias's one
 
 
 @pytest.mark.parametrize("start, expected", [(None, 10), (1, 1)])

@@ -469,3 +469,63 @@ def test_a_parameter_whose_memory_format_changed_is_named():
     conv(torch.randn(2, 3, 5, 5)).sum().backward()
     with pytest.raises(ValueError, match="Invalid parameter weight: it is not contiguous .* before building"):
         opt.step()
+
+
+def test_a_shampoo_checkpoint_from_before_relative_eps_resumes_with_the_rule_it_was_written_by():
+    """Param groups saved without ``relative_eps`` were computed with eps alone: loaded into a Shampoo built
+    with another value, the run goes on with relative_eps=0, bit for bit as the uninterrupted run; a
+    checkpoint that has the key keeps its own value."""
+    data = regression_data()
+    model = small_mlp()
+    opt = asteria.Shampoo(model.parameters(), precondition_frequency=2, relative_eps=0.0,
+                          runtime=asteria.RuntimeConfig(mode="sync"))
+    train(model, opt, 6, data=data)
+    saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 5, data=data)
+    old = copy.deepcopy(saved)
+    for group in old["param_groups"]:
+        del group["relative_eps"]
+    resumed_model = small_mlp()
+    resumed = asteria.Shampoo(resumed_model.parameters(), precondition_frequency=2, relative_eps=1e-3,
+                              runtime=asteria.RuntimeConfig(mode="sync"))
+    resumed_run(resumed_model, resumed, params, lambda o: o.load_state_dict(old), 5, data)
+    assert resumed.param_groups[0]["relative_eps"] == 0.0
+    assert same_parameters(model, resumed_model)
+    own = copy.deepcopy(saved)
+    own["param_groups"][0]["relative_eps"] = 2e-3
+    kept = asteria.Shampoo(small_mlp().parameters(), precondition_frequency=2, relative_eps=0.5,
+                           runtime=asteria.RuntimeConfig(mode="sync"))
+    kept.load_state_dict(own)
+    assert kept.param_groups[0]["relative_eps"] == 2e-3
+
+
+def test_a_checkpoint_with_1d_factors_resumes_only_where_they_are_kept():
+    """``precondition_1d`` decides which factor sets exist: a checkpoint is refused, naming the setting, by a
+    Shampoo built the other way, also one written before the setting was saved (1-D factors then); built
+    the saved way, the resume is bit for bit."""
+    data = regression_data()
+
+    def make_shampoo(precondition_1d: bool) -> tuple[torch.nn.Module, asteria.Shampoo]:
+        model = small_mlp()
+        return model, asteria.Shampoo(model.parameters(), precondition_frequency=2, precondition_1d=precondition_1d,
+                                      runtime=asteria.RuntimeConfig(mode="sync"))
+
+    model, opt = make_shampoo(True)
+    train(model, opt, 6, data=data)
+    saved, params = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 5, data=data)
+    assert saved["precondition_1d"] is True
+    older = {k: v for k, v in saved.items() if k != "precondition_1d"}
+    for state in (saved, older):
+        _, default = make_shampoo(False)
+        with pytest.raises(ValueError, match=r"Invalid state_dict: saved with precondition_1d=True, this "
+                                             r"asteria.Shampoo has precondition_1d=False .* build the optimizer with "
+                                             r"precondition_1d=True to resume"):
+            default.load_state_dict(state)
+        assert default._step == 0
+    resumed_model, resumed = make_shampoo(True)
+    resumed_run(resumed_model, resumed, params, lambda o: o.load_state_dict(older), 5, data)
+    assert same_parameters(model, resumed_model)
+    _, without = make_shampoo(False)
+    with pytest.raises(ValueError, match=r"saved with precondition_1d=False, .* has precondition_1d=True"):
+        make_shampoo(True)[1].load_state_dict(without.state_dict())

@@ -519,7 +519,8 @@ def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
     cut: the 24 weights' two sets and the 24 biases' set into four runs each."""
     sizes = (16,) * 25 + (4,)
     with asteria.Shampoo(small_mlp(sizes=sizes).parameters(), lr=0.01, precondition_frequency=10,
-                         max_preconditioner_dim=16, runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
+                         max_preconditioner_dim=16, precondition_1d=True,
+                         runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
         assert opt.stagger_split is split and opt.runtime_stats()["stagger_split"] is split
         assert len(opt._groups) == 4 and len(opt._set_groups) == (15 if split else 6)
 
@@ -572,7 +573,7 @@ def test_fault_injection_finds_the_blocks_of_sliced_sets():
     model = small_mlp(sizes=sizes)
     runtime = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, stagger_split=True)
     with asteria.Shampoo(list(model.named_parameters()), lr=0.01, precondition_frequency=10,
-                         max_preconditioner_dim=16, runtime=runtime) as opt:
+                         max_preconditioner_dim=16, precondition_1d=True, runtime=runtime) as opt:
         blocks = testing.engine_blocks(opt, "20.weight")
         assert sorted(b.mode for b in blocks) == [0, 1]
         assert all(b.factor.startswith("block 10 of ") and ", blocks 6-11" in b.factor for b in blocks)

@@ -12,9 +12,12 @@ from conftest import NOISE_FACTOR, ReferenceOptimizer, relative_errors, relative
 import asteria
 
 
-def reference_root(matrix: np.ndarray, exponent: float, eps: float) -> np.ndarray:
+def reference_root(matrix: np.ndarray, exponent: float, eps: float, relative_eps: float = 0.0) -> np.ndarray:
+    """(matrix + ridge)^exponent, the spectrum first shifted up to zero where round-off left it negative; the
+    ridge is eps plus relative_eps times the largest eigenvalue."""
     eigenvalues, vectors = np.linalg.eigh(matrix)
-    eigenvalues = eigenvalues + eps + max(0.0, -eigenvalues.min())
+    shifted = eigenvalues + max(0.0, -eigenvalues.min())
+    eigenvalues = shifted + eps + relative_eps * shifted.max()
     return (vectors * eigenvalues**exponent) @ vectors.T
 
 
@@ -74,18 +77,21 @@ def grafted_direction(s: dict, b1: float, b2: float, t: int, grafting_eps: float
 
 
 class ReferenceShampoo(ReferenceOptimizer):
-    """Shampoo with Adam grafting in float64 numpy, one block at a time."""
+    """Shampoo with Adam grafting in float64 numpy, one block at a time; a 1-D block has no factor (Adam's
+    direction) unless ``precondition_1d``."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start, max_dim, grafting_eps=1e-8):
+    def __init__(self, params, lr, betas, eps, relative_eps, weight_decay, frequency, start, max_dim,
+                 grafting_eps=1e-8, precondition_1d=False):
         super().__init__(params, lr, betas, eps, weight_decay)
-        self.frequency, self.start, self.grafting_eps = frequency, start, grafting_eps
+        self.relative_eps, self.frequency, self.start, self.grafting_eps = relative_eps, frequency, start, grafting_eps
         self.blocks = []
         for p in self.params:
             merged, regions = reference_blocks(tuple(p.shape), max_dim)
             for region in regions:
                 dims = [r.stop - r.start for r in region]
+                factored = dims if len(dims) >= 2 or precondition_1d else []
                 self.blocks.append(dict(param=p, merged=merged, region=region,
-                                        factors=[np.zeros((d, d)) for d in dims], roots=None,
+                                        factors=[np.zeros((d, d)) for d in factored], roots=None,
                                         m=np.zeros(dims), v=np.zeros(dims)))
 
     def step(self):
@@ -104,7 +110,8 @@ class ReferenceShampoo(ReferenceOptimizer):
             s["m"] = b1 * s["m"] + (1 - b1) * g
             s["v"] = b2 * s["v"] + (1 - b2) * g * g
             if refresh and order:
-                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps) for f in s["factors"]]
+                s["roots"] = [reference_root(f / (1 - b2**t), -1.0 / (2 * order), self.eps, self.relative_eps)
+                              for f in s["factors"]]
             direction = grafted_direction(s, b1, b2, t, self.grafting_eps)
             updates.append((s, w * (1 - self.lr * self.wd) - self.lr * direction))
         for s, w in updates:
@@ -112,24 +119,24 @@ class ReferenceShampoo(ReferenceOptimizer):
                 s["param"].view(s["merged"])[s["region"]] = torch.from_numpy(w).to(s["param"].dtype)
 
 
-HYPER = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+HYPER = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-6, relative_eps=1e-3, weight_decay=0.01)
 
 
-def run_reference(steps: int, max_dim: int = 16) -> list[torch.Tensor]:
+def run_reference(steps: int, max_dim: int = 16, **hyper) -> list[torch.Tensor]:
     model = small_mlp()
-    ref = ReferenceShampoo(list(model.parameters()), frequency=3, start=2, max_dim=max_dim, **HYPER)
+    ref = ReferenceShampoo(list(model.parameters()), frequency=3, start=2, max_dim=max_dim, **(HYPER | hyper))
     train(model, ref, steps)
     return [p.detach().clone() for p in model.parameters()]
 
 
 def run_asteria(steps: int, runtime: asteria.RuntimeConfig, max_dim: int = 16,
-                scale: float = 1.0) -> list[torch.Tensor]:
+                scale: float = 1.0, **hyper) -> list[torch.Tensor]:
     model = small_mlp()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(scale)
     with asteria.Shampoo(model.parameters(), precondition_frequency=3, start_preconditioning_step=2,
-                         max_preconditioner_dim=max_dim, runtime=runtime, **HYPER) as opt:
+                         max_preconditioner_dim=max_dim, runtime=runtime, **(HYPER | hyper)) as opt:
         train(model, opt, steps)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -139,22 +146,44 @@ def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol:
         assert err < rtol, f"relative error {err:.2e} >= {rtol:.0e} for a parameter of shape {tuple(e.shape)}"
 
 
-@pytest.mark.parametrize("max_dim", [16, 6, 2048])  # order 2 + order 1; split blocks; every entry in one block
-def test_sync_matches_float64_reference(max_dim):
+@pytest.mark.parametrize("max_dim, precondition_1d", [
+    (16, False), (16, True),  # order 2 + order 1 (the biases: Adam's direction, or a full-matrix factor)
+    (6, True),  # split blocks
+    (2048, False)])  # every entry in one block
+def test_sync_matches_float64_reference(max_dim, precondition_1d):
     def run(scale: float) -> list[torch.Tensor]:
-        return run_asteria(14, asteria.RuntimeConfig(mode="sync"), max_dim=max_dim, scale=scale)
+        return run_asteria(14, asteria.RuntimeConfig(mode="sync"), max_dim=max_dim, scale=scale,
+                           precondition_1d=precondition_1d)
 
     # The biases' rank-deficient factors amplify float32 rounding by (eps = 1e-6)^(-1/2) along their null
     # space, by an amount torch's CPU kernels decide: the tolerance is at least this run's own rounding noise.
     tolerance = max(2e-4, NOISE_FACTOR * relative_rounding_noise(run))
-    assert_close(run(1.0), run_reference(14, max_dim=max_dim), rtol=tolerance)
+    assert_close(run(1.0), run_reference(14, max_dim=max_dim, precondition_1d=precondition_1d), rtol=tolerance)
 
 
-def test_async_staleness_zero_matches_reference_and_sync():
-    sync = run_asteria(14, asteria.RuntimeConfig(mode="sync"))
-    async_ = run_asteria(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False))
-    assert_close(async_, run_reference(14), rtol=2e-4)
+@pytest.mark.parametrize("precondition_1d", [False, True])
+def test_async_staleness_zero_matches_reference_and_sync(precondition_1d):
+    sync = run_asteria(14, asteria.RuntimeConfig(mode="sync"), precondition_1d=precondition_1d)
+    async_ = run_asteria(14, asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False),
+                         precondition_1d=precondition_1d)
+    assert_close(async_, run_reference(14, precondition_1d=precondition_1d), rtol=2e-4)
     assert_close(async_, sync, rtol=3e-4)  # two fp32 eigensolvers (torch's and LAPACK's)
+
+
+def test_relative_eps_zero_matches_its_reference_and_the_comparison_tells_them_apart():
+    """relative_eps=0 (eps alone, Distributed Shampoo's rule) against its own reference, through the C++
+    engine; and the reference at relative_eps=1e-3 is far from it, so the tests above see the ridge."""
+    runtime = asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False)
+    plain = run_asteria(14, runtime, relative_eps=0.0)
+    assert_close(plain, run_reference(14, relative_eps=0.0), rtol=2e-4)
+    assert max(relative_errors(plain, run_reference(14))) > 1e-2
+
+
+def test_the_comparisons_tell_a_preconditioned_bias_from_adams():
+    """The reference with 1-D factors is far from the run without them: the parametrized tests above see
+    ``precondition_1d``."""
+    sync = run_asteria(14, asteria.RuntimeConfig(mode="sync"))
+    assert max(relative_errors(sync, run_reference(14, precondition_1d=True))) > 1e-2
 
 
 def test_reference_differs_from_adam_only_run():

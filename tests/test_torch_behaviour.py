@@ -102,8 +102,8 @@ def test_memory_report_counts_state_per_tier_and_kind():
                          runtime=asteria.RuntimeConfig(staleness=2, workers=1)) as opt:
         report = opt.memory_report()
         deterministic = opt.runtime.deterministic
-    # (16, 8) and (4, 16) weights keep two factors each; biases (16,) and (4,) keep one.
-    factor_floats = 16 * 16 + 8 * 8 + 4 * 4 + 16 * 16 + 16 * 16 + 4 * 4
+    # (16, 8) and (4, 16) weights keep two factors each; the biases none (precondition_1d=False: Adam's step).
+    factor_floats = 16 * 16 + 8 * 8 + 4 * 4 + 16 * 16
     assert report["device"]["factor"] == 4 * factor_floats
     # CPU parameters: the roots in use live in host memory, the tier that host_budget and the NVMe tier govern.
     assert report["host"]["root"] == 4 * factor_floats and "root" not in report["device"]
@@ -111,7 +111,7 @@ def test_memory_report_counts_state_per_tier_and_kind():
     # One version in flight per set (the newest-finished rule, the default here): a packed snapshot (the lower
     # triangle) and a result per block.
     assert not deterministic
-    packed = sum(n * (n + 1) // 2 for n in (16, 8, 4, 16, 16, 4))
+    packed = sum(n * (n + 1) // 2 for n in (16, 8, 4, 16))
     assert report["host"]["refresh_buffers"] == 4 * (packed + factor_floats)
 
 

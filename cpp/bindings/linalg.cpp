@@ -64,7 +64,7 @@ nb::ndarray<nb::numpy, T> owned_array(T* data, std::size_t rows, std::optional<s
 }
 
 template <typename T>
-nb::tuple inverse_root_py(Matrix<T> a, double exponent, double eps, double scale) {
+nb::tuple inverse_root_py(Matrix<T> a, double exponent, double eps, double scale, double relative_eps) {
   const int n = square_dim(a.shape(0), a.shape(1), "a");
   const std::size_t nn = static_cast<std::size_t>(n);
   T* out = new T[nn * nn];
@@ -74,7 +74,7 @@ nb::tuple inverse_root_py(Matrix<T> a, double exponent, double eps, double scale
     nb::gil_scoped_release release;
     require_symmetric(a.data(), n, "a");
     const int ld = std::max(1, n);  // LAPACK's rule, also for n = 0
-    report = linalg::inverse_root(n, a.data(), ld, out, ld, linalg::RootSpec{exponent, eps, scale});
+    report = linalg::inverse_root(n, a.data(), ld, out, ld, linalg::RootSpec{exponent, eps, scale, relative_eps});
   }
   nb::dict info;
   info["used_float64"] = report.used_float64;
@@ -140,12 +140,15 @@ nb::tuple qr_refresh_py(Matrix<T> a, Matrix<T> q_prev, double scale, double skip
 // float64) fell through to the float32 overload and copied float64 matrices to float32 silently.
 void init_linalg(nb::module_& m) {
   constexpr const char* doc =
-      "inverse_root(a, exponent, eps, scale=1.0) -> (root, info): (scale*A)^exponent of a symmetric matrix with "
-      "eps added to the eigenvalues (shifted up first when the smallest is negative); float32 with a float64 "
+      "inverse_root(a, exponent, eps, scale=1.0, relative_eps=0.0) -> (root, info): (scale*A)^exponent of a "
+      "symmetric matrix with eps + relative_eps * (the largest eigenvalue) added to the eigenvalues (shifted up "
+      "first when the smallest is negative); float32 with a float64 "
       "retry; raises NumericalError on non-finite input or output and ValueError on an `a` that is not "
       "symmetric (beyond 1e-4 of its largest entry). Releases the GIL.";
-  m.def("inverse_root", &inverse_root_py<float>, "a"_a.noconvert(), "exponent"_a, "eps"_a, "scale"_a = 1.0, doc);
-  m.def("inverse_root", &inverse_root_py<double>, "a"_a.noconvert(), "exponent"_a, "eps"_a, "scale"_a = 1.0, doc);
+  m.def("inverse_root", &inverse_root_py<float>, "a"_a.noconvert(), "exponent"_a, "eps"_a, "scale"_a = 1.0,
+        "relative_eps"_a = 0.0, doc);
+  m.def("inverse_root", &inverse_root_py<double>, "a"_a.noconvert(), "exponent"_a, "eps"_a, "scale"_a = 1.0,
+        "relative_eps"_a = 0.0, doc);
 
   constexpr const char* eigenbasis_doc =
       "eigenbasis(a, scale=1.0) -> (q, values, info): eigenvectors of scale*A as the columns of q, sorted by "

@@ -194,15 +194,19 @@ void init_runtime(nb::module_& m) {
       .def(
           "submit",
           [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version,
-             std::int64_t activation_step, double exponent, double eps, double scale, double skip_tol) {
-            e.submit(blocks, version, activation_step, linalg::RootSpec{exponent, eps, scale}, skip_tol);
+             std::int64_t activation_step, double exponent, double eps, double scale, double skip_tol,
+             double relative_eps) {
+            e.submit(blocks, version, activation_step, linalg::RootSpec{exponent, eps, scale, relative_eps},
+                     skip_tol);
           },
           "blocks"_a, "version"_a, "activation_step"_a, "exponent"_a, "eps"_a, "scale"_a = 1.0, "skip_tol"_a = 0.0,
+          "relative_eps"_a = 0.0,
           nb::call_guard<nb::gil_scoped_release>(),
           "Publishes the filled snapshots and queues one refresh job per block, due at `activation_step`. "
-          "Eigenbasis blocks use `scale` and `skip_tol` only; their versions must be submitted in increasing "
-          "order with non-decreasing activation steps, since each job warm-starts from the newest good basis "
-          "before it (the first, with none, is a full eigendecomposition).")
+          "Root blocks add eps + relative_eps * (the largest eigenvalue) to every eigenvalue. Eigenbasis blocks "
+          "use `scale` and `skip_tol` only; their versions must be submitted in increasing order with "
+          "non-decreasing activation steps, since each job warm-starts from the newest good basis before it (the "
+          "first, with none, is a full eigendecomposition).")
       .def(
           "set_basis",
           [](RefreshEngine& e, std::int64_t block, std::int64_t version,

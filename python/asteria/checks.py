@@ -58,15 +58,15 @@ def check_counts(value: Any, name: str, length: int, what: str, minimum: int = 0
 
 
 def check_saved_request(saved: Any, batch: int, name: str) -> None:
-    """A ``RootRequest.saved()``: (scale, eps, skip_tol), or (scale, eps) as older checkpoints hold it, the
-    scale one number or one per block of the set."""
-    ok = isinstance(saved, (list, tuple)) and len(saved) in (2, 3) and all(is_real(v) for v in saved[1:])
+    """A ``RootRequest.saved()``: (scale, eps, skip_tol, relative_eps), or a prefix of at least (scale, eps) as
+    older checkpoints hold it, the scale one number or one per block of the set."""
+    ok = isinstance(saved, (list, tuple)) and len(saved) in (2, 3, 4) and all(is_real(v) for v in saved[1:])
     if ok:
         scale = saved[0]
         ok = is_real(scale) or (isinstance(scale, (list, tuple)) and len(scale) == batch
                                 and all(is_real(v) for v in scale))
-    check_arg(ok, name, saved, f"must be (scale, eps, skip_tol): finite numbers, the scale one or {batch} of them "
-              "(one per block); skip_tol may be left out")
+    check_arg(ok, name, saved, f"must be (scale, eps, skip_tol, relative_eps): finite numbers, the scale one or "
+              f"{batch} of them (one per block); the last two may be left out")
 
 
 def check_dense(tensor: Any, name: str) -> None:

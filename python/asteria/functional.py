@@ -155,10 +155,14 @@ def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float | Tenso
     return (momentum / per_block(bias1, momentum)) / denominator
 
 
-def regularize_eigenvalues(eigenvalues: Tensor, eps: float) -> Tensor:
-    """lambda + eps, after shifting a spectrum whose smallest value is negative up to zero."""
-    shift = (-eigenvalues.amin(dim=-1, keepdim=True)).clamp_min(0.0)
-    return eigenvalues + shift + eps
+def regularize_eigenvalues(eigenvalues: Tensor, eps: float, relative_eps: float = 0.0) -> Tensor:
+    """mu + eps + relative_eps * max(mu), mu = lambda shifted up to zero where its smallest value is negative
+    (round-off on a semi-definite matrix). The relative term bounds the condition number whatever the
+    factor's scale."""
+    shifted = eigenvalues + (-eigenvalues.amin(dim=-1, keepdim=True)).clamp_min(0.0)
+    if relative_eps == 0.0:
+        return shifted + eps
+    return shifted + (eps + relative_eps * shifted.amax(dim=-1, keepdim=True))
 
 
 def product(a: Tensor, b: Tensor, widen: bool = False) -> Tensor:
@@ -170,8 +174,9 @@ def product(a: Tensor, b: Tensor, widen: bool = False) -> Tensor:
 
 
 def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float,
-                 widen: bool = False) -> tuple[Tensor, Tensor]:
-    """(scale * F + regularization)^exponent of a batch of symmetric matrices by eigendecomposition.
+                 widen: bool = False, relative_eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(scale * F + regularization)^exponent of a batch of symmetric matrices by eigendecomposition
+    (``regularize_eigenvalues``).
 
     Works in float32 and retries in float64 when ``torch.linalg.eigh`` fails. Returns the roots and
     a (B,) bool of which are usable (finite input and finite output); unusable rows hold identity.
@@ -184,7 +189,7 @@ def inverse_root(factor: Tensor, exponent: float, eps: float, scale: float,
         eigenvalues, vectors = torch.linalg.eigh(matrix)
     except RuntimeError:  # torch.linalg.LinAlgError: no convergence in float32
         eigenvalues, vectors = torch.linalg.eigh(matrix.double())
-    powers = regularize_eigenvalues(eigenvalues, eps).pow(exponent)
+    powers = regularize_eigenvalues(eigenvalues, eps, relative_eps).pow(exponent)
     roots = product(vectors * powers.unsqueeze(-2), vectors.mT, widen).to(factor.dtype)
     usable = usable_input & finite_rows(roots)
     return torch.where(batch_view(usable, roots), roots, eye), usable

@@ -484,8 +484,12 @@ def training_worker(rank: int, world: int, out: Path, ddp_runs: list, sharded_ru
     subgroup_worker(rank, world, out / "subgroups", *subgroup_run)
 
 
+def errors(out: Path) -> str:
+    """The tracebacks the ranks wrote (for an assertion's message), or a line saying there are none."""
+    return "\n".join(p.read_text() for p in sorted(out.glob("rank*.error"))) or "no rank wrote an error"
+
+
 def load(out: Path, world: int = WORLD) -> list[Any]:
-    errors = sorted(out.glob("rank*.error"))
-    if errors:
-        raise AssertionError("\n".join(p.read_text() for p in errors))
+    if any(out.glob("rank*.error")):
+        raise AssertionError(errors(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -249,7 +249,7 @@ def test_a_subgroup_of_an_unnamed_backend_runs_on_its_gloo(tmp_path):
     """A default group initialised without a backend name: torch reports its groups' backend as 'undefined'
     and runs their CPU tensors on Gloo, which is all the optimizer needs."""
     codes = W.launch(W.unnamed_backend_worker, tmp_path, world=3, timeout=60)
-    assert codes == [0, 0, 0]
+    assert codes == [0, 0, 0], W.errors(tmp_path)
     results = W.load(tmp_path, world=3)
     reference = W.single_process("shampoo", 1, 6)
     for rank in (0, 1):
@@ -281,7 +281,7 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
             request, snapshot = result[key]["malformed"]  # a spoiled entry of it was refused by name first
             assert re.search(r"Invalid state_dict\['refresher'\]\['scheduled'\]\[0\]\['requests'\]\[\d+\]="
-                             r"\(1.0,\): must be \(scale, eps, skip_tol\)", request), request
+                             r"\(1.0,\): must be \(scale, eps, skip_tol, relative_eps\)", request), request
             assert re.search(r"\['scheduled'\]\[0\]\['snapshots'\]\[\d+\]='torch.float32 \(\d+, \d+, 1\)': "
                              r"must be torch.float32", snapshot), snapshot
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD

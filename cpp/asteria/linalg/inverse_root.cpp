@@ -102,15 +102,16 @@ bool compute_root(int n, const RootSpec& spec, Workspace<T>& ws, RootReport& rep
   report.lambda_max = spec.scale * static_cast<double>(w[n - 1]);
   if (!all_within(w, static_cast<std::size_t>(n))) return false;
   // The transform runs in double so that eps survives next to float32 eigenvalues, and adds the
-  // offset before eps so that the smallest eigenvalue becomes exactly eps, not 0 after round-off.
+  // offset before eps so that the smallest eigenvalue becomes exactly the ridge, not 0 after round-off.
   const double offset = std::max(0.0, -report.lambda_min);
+  const double ridge = spec.eps + spec.relative_eps * (report.lambda_max + offset);
   const double half_exponent = spec.exponent / 2;
 
   // root = Q diag(lambda'^p) Q^T = B B^T with B = Q diag(lambda'^(p/2)): syrk forms only the lower
   // triangle of B B^T, n^3 flops where a gemm with Q^T would take 2 n^3.
   const std::size_t nn = static_cast<std::size_t>(n);
   for (std::size_t j = 0; j < nn; ++j) {
-    const double regularized = (spec.scale * static_cast<double>(w[j]) + offset) + spec.eps;
+    const double regularized = (spec.scale * static_cast<double>(w[j]) + offset) + ridge;
     const T d = static_cast<T>(std::pow(regularized, half_exponent));
     T* column = q + j * nn;
     for (std::size_t i = 0; i < nn; ++i) column[i] *= d;
@@ -147,7 +148,8 @@ void store_symmetric(int n, const From* lower, To* out, int ldo) {
 
 std::string non_finite_result(int n, const RootSpec& spec, const RootReport& report) {
   return "non-finite result (n=" + std::to_string(n) + ", exponent=" + format_number(spec.exponent) +
-         ", eps=" + format_number(spec.eps) + ", lambda in [" + format_number(report.lambda_min) + ", " +
+         ", eps=" + format_number(spec.eps) + ", relative_eps=" + format_number(spec.relative_eps) +
+         ", lambda in [" + format_number(report.lambda_min) + ", " +
          format_number(report.lambda_max) + "])";
 }
 
@@ -156,6 +158,8 @@ std::string non_finite_result(int n, const RootSpec& spec, const RootReport& rep
 void validate(const RootSpec& spec) {
   require_finite_number(std::isfinite(spec.exponent) && spec.exponent < 0, "exponent", spec.exponent, "< 0");
   require_finite_number(std::isfinite(spec.eps) && spec.eps > 0, "eps", spec.eps, "> 0");
+  require_finite_number(std::isfinite(spec.relative_eps) && spec.relative_eps >= 0, "relative_eps", spec.relative_eps,
+                        ">= 0");
   require_finite_number(std::isfinite(spec.scale) && spec.scale > 0, "scale", spec.scale, "> 0");
 }
 

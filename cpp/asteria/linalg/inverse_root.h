@@ -7,15 +7,20 @@
 namespace asteria::linalg {
 
 // What to compute: (scale * A + shift * I)^exponent, with the eigenvalues regularized as
-//   lambda_i' = scale * lambda_i + eps + max(0, -scale * lambda_min)
-// i.e. eps is added to every eigenvalue, and a spectrum whose smallest eigenvalue is negative
-// (round-off on a semi-definite matrix) is first shifted up so that the smallest becomes eps.
-// `exponent` < 0 (e.g. -1/4 for a two-sided Shampoo factor), `eps` > 0, `scale` > 0 (a bias
-// correction 1 / (1 - beta2^t)).
+//   mu_i = scale * lambda_i + max(0, -scale * lambda_min)
+//   lambda_i' = mu_i + eps + relative_eps * mu_max
+// i.e. a spectrum whose smallest eigenvalue is negative (round-off on a semi-definite matrix) is
+// first shifted up to zero, then every eigenvalue gets eps plus relative_eps times the largest.
+// The relative term bounds the root's condition number by (1 + 1/relative_eps)^|exponent| whatever
+// the factor's scale: a factor of few, small gradients (a small model, early steps) keeps near-zero
+// eigenvalues whose directions an absolute eps alone would amplify by eps^exponent.
+// `exponent` < 0 (e.g. -1/4 for a two-sided Shampoo factor), `eps` > 0, `relative_eps` >= 0,
+// `scale` > 0 (a bias correction 1 / (1 - beta2^t)).
 struct RootSpec {
   double exponent = -0.25;
   double eps = 1e-12;
   double scale = 1.0;
+  double relative_eps = 0.0;
 };
 
 // Validates a RootSpec; throws InvalidArgument naming the field and value.

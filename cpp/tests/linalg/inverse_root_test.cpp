@@ -69,10 +69,12 @@ Matrix reference_root(int n, const Matrix& a, const RootSpec& spec) {
   Matrix v;
   jacobi_eigen(n, a, w, v);
   const double lambda_min = spec.scale * *std::min_element(w.begin(), w.end());
+  const double lambda_max = spec.scale * *std::max_element(w.begin(), w.end());
   const double offset = std::max(0.0, -lambda_min);
+  const double ridge = spec.eps + spec.relative_eps * (lambda_max + offset);
   Matrix root(a.size(), 0.0);
   for (int k = 0; k < n; ++k) {
-    const double d = std::pow((spec.scale * w[k] + offset) + spec.eps, spec.exponent);
+    const double d = std::pow((spec.scale * w[k] + offset) + ridge, spec.exponent);
     for (int j = 0; j < n; ++j) {
       for (int i = 0; i < n; ++i) at(root, n, i, j) += at(v, n, i, k) * d * at(v, n, j, k);
     }
@@ -262,6 +264,29 @@ TEST(InverseRoot, NegativeSpectrumIsShiftedSoItsMinimumBecomesEps) {
   EXPECT_NEAR(*std::max_element(w.begin(), w.end()), 10.0, 1e-3);
 }
 
+TEST(InverseRoot, RelativeEpsBoundsTheConditionNumberWhateverTheScale) {
+  const int n = 40, rank = 10;
+  const Matrix a = gram(n, rank, 0.0, 13);  // rank-deficient: 30 zero eigenvalues
+  const double relative_eps = 1e-4;
+  for (const double scale : {1e-6, 1.0, 1e4}) {
+    const RootSpec spec{.exponent = -0.25, .eps = 1e-12, .scale = scale, .relative_eps = relative_eps};
+    RootReport report;
+    const Matrix root = float_root(n, a, spec, &report);
+    // float32's eigenvalue noise (about 2e-7 of the largest) next to a ridge of 1e-4 of it: the same
+    // relative error, about 3e-4, at every scale.
+    EXPECT_LT(relative_error(root, reference_root(n, to_double(to_float(a)), spec)), 1e-3) << "scale " << scale;
+
+    // The root's eigenvalues lie in [(mu_max (1 + r))^p, (r mu_max)^p], so its condition number is at
+    // most (1 + 1/r)^(-p) = about 10 here, whatever the scale; eps alone would leave about 1e3.
+    std::vector<double> w;
+    Matrix v;
+    jacobi_eigen(n, root, w, v);
+    const double largest = *std::max_element(w.begin(), w.end()), smallest = *std::min_element(w.begin(), w.end());
+    EXPECT_NEAR(largest, std::pow(relative_eps * report.lambda_max + 1e-12, -0.25), 1e-3 * largest);
+    EXPECT_LE(largest / smallest, std::pow(1 + 1 / relative_eps, 0.25) * (1 + 1e-4));
+  }
+}
+
 TEST(InverseRoot, RespectsLeadingDimensions) {
   const int n = 9, lda = 12, ldo = 11;
   const Matrix a = gram(n, 2 * n, 0.5, 23);
@@ -384,6 +409,9 @@ TEST(RootSpecValidation, NamesTheFieldAndValue) {
   expect_invalid({.eps = inf}, "Invalid eps=inf: must be a finite number > 0");
   expect_invalid({.scale = -1.0}, "Invalid scale=-1: must be a finite number > 0");
   expect_invalid({.scale = nan}, "Invalid scale=nan: must be a finite number > 0");
+  expect_invalid({.relative_eps = -1e-3}, "Invalid relative_eps=-0.001: must be a finite number >= 0");
+  expect_invalid({.relative_eps = nan}, "Invalid relative_eps=nan: must be a finite number >= 0");
+  EXPECT_NO_THROW(validate(RootSpec{.relative_eps = 0.0}));
 }
 
 TEST(InverseRoot, RejectsBadShapes) {

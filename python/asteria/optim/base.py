@@ -66,6 +66,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     FIRST_GRADIENT_STEPS = True
     #: hyperparameters that default to betas[1] when None (in the constructor or in a param group)
     BETA2_KEYS: tuple[str, ...] = ()
+    #: hyperparameters added after checkpoints were written without them, with the value those
+    #: checkpoints were computed by (a resumed run goes on with the math it started with)
+    ADDED_HYPERPARAMETERS: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -297,7 +300,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self.check_hyperparameters(hyper, f"param_groups[{index}]")
 
     def _root_request(self, fset: FactorSet, group: ShapeGroup) -> RootRequest:
-        """What a refresh of factor set ``fset`` (of ``group``) computes now; override for other rules. The
+        """What a refresh of factor set ``fset`` (of ``group``) computes now (Shampoo's roots, with its
+        ``eps`` and ``relative_eps``); override for other rules. The
         factors are EMAs started at zero: each block's is debiased by its own step count (one scale for the
         set while the counts agree); a block without a gradient yet has zero factors, scaled by 1."""
         hyper = self.param_groups[group.group_index]
@@ -308,9 +312,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
         count = group.steps.uniform()
         if count is not None:
-            return RootRequest(scale=scale(count), eps=hyper["eps"])
+            return RootRequest(scale=scale(count), eps=hyper["eps"], relative_eps=hyper["relative_eps"])
         scales = tuple(scale(c) for c in group.steps.counts[fset.offset:fset.offset + fset.batch])
-        return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"])
+        return RootRequest(scale=scales[0] if len(set(scales)) == 1 else scales, eps=hyper["eps"],
+                           relative_eps=hyper["relative_eps"])
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -96,6 +96,7 @@ def _own_state(opt: SecondOrderOptimizer) -> dict[str, Any]:
         "distributed": opt._refresher.identity(),
         "bound": bound(opt),
         "schedule": schedule_key(opt.schedule),
+        "precondition_1d": getattr(opt, "precondition_1d", None),
     }
 
 
@@ -140,7 +141,7 @@ def restore(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
         group.steps.load(group_counts, group_firsts)
     opt._forget_derived()
     for saved, group in zip(state_dict["param_groups"], opt.param_groups, strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        group.update(opt.ADDED_HYPERPARAMETERS | {k: v for k, v in saved.items() if k != "params"})
     opt._step = state_dict["step"]
     opt._activated_step = state_dict["activated_step"]
     opt._used = EngineUse.LOADED if opt.runtime.mode == "async" else EngineUse.FRESH
@@ -166,6 +167,7 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     for key in STATE_DICT_KEYS:
         if key not in state_dict:
             raise ValueError(f"Invalid state_dict: missing key {key!r} (has {sorted(state_dict, key=str)})")
+    check_precondition_1d(opt, state_dict)
     saved, mine = state_dict.get("distributed"), opt._refresher.identity()
     if saved != mine:
         raise ValueError(f"Invalid state_dict: saved on {describe_layout(saved)}, loaded on {describe_layout(mine)}; "
@@ -241,9 +243,22 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
                       f"at most step - count + 1 (step={step})")
     for i, saved in enumerate(state_dict["param_groups"]):
         check_arg(isinstance(saved, dict), f"state_dict['param_groups'][{i}]", type(saved).__name__, "must be a dict")
-        merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | {
+        merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | opt.ADDED_HYPERPARAMETERS | {
             k: v for k, v in saved.items() if k != "params"}
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
+
+
+def check_precondition_1d(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """A checkpoint holds 1-D parameters' factors or not: refused, naming the setting, by an optimizer built
+    the other way. One written before the setting was saved holds what the class did then
+    (``PRECONDITION_1D_BEFORE``: Shampoo preconditioned them; None: not known, left to the state checks)."""
+    mine = getattr(opt, "precondition_1d", None)
+    saved = state_dict.get("precondition_1d", getattr(opt, "PRECONDITION_1D_BEFORE", None))
+    if mine is not None and saved is not None and saved != mine:
+        raise ValueError(f"Invalid state_dict: saved with precondition_1d={saved}, this asteria.{type(opt).__name__} "
+                         f"has precondition_1d={mine} (its 1-D parameters' factors are "
+                         f"{'in the checkpoint' if saved else 'not in it'}); build the optimizer with "
+                         f"precondition_1d={saved} to resume")
 
 
 def check_bound(opt: SecondOrderOptimizer, saved: Any) -> None:

@@ -83,24 +83,27 @@ class FactorSet:
 
 @dataclass(frozen=True)
 class RootRequest:
-    """What a refresh of one factor set computes: (scale * F)^exponent with ``eps`` regularization, or
+    """What a refresh of one factor set computes: (scale * F)^exponent with ``eps`` plus ``relative_eps``
+    times the largest eigenvalue added to every eigenvalue (``functional.regularize_eigenvalues``), or
     for eigenbases the refreshed basis of scale * F, kept as it is when its off-diagonal ratio
     ||Q^T F Q - diag||_F / ||Q^T F Q||_F is at most ``skip_tol`` (0: never skip)."""
 
     scale: float | tuple[float, ...]  # one for the set, or one per block (their own step counts)
     eps: float
     skip_tol: float = 0.0
+    relative_eps: float = 0.0
 
     def for_blocks(self, blocks: list[int]) -> RootRequest:
         """The request for the listed blocks of the set (a per-block scale keeps theirs)."""
         if not isinstance(self.scale, tuple):
             return self
-        return RootRequest(tuple(self.scale[b] for b in blocks), self.eps, self.skip_tol)
+        return RootRequest(tuple(self.scale[b] for b in blocks), self.eps, self.skip_tol, self.relative_eps)
 
     def saved(self) -> tuple:
-        """The request as plain values for a checkpoint (``RootRequest.load`` rebuilds it)."""
+        """The request as plain values for a checkpoint (``RootRequest.load`` rebuilds it; a request saved
+        before ``relative_eps`` existed loads with 0, the rule it was computed by)."""
         scale = self.scale if isinstance(self.scale, float) else list(self.scale)
-        return (scale, self.eps, self.skip_tol)
+        return (scale, self.eps, self.skip_tol, self.relative_eps)
 
     @staticmethod
     def load(saved: tuple | list) -> RootRequest:
@@ -111,10 +114,12 @@ class RootRequest:
         """Submits the blocks ``ids`` (the set's blocks in order) to the C++ engine: in one call, or one
         per distinct scale."""
         if not isinstance(self.scale, tuple):
-            engine.submit(ids, version, due, exponent, self.eps, self.scale, skip_tol=self.skip_tol)
+            engine.submit(ids, version, due, exponent, self.eps, self.scale, skip_tol=self.skip_tol,
+                          relative_eps=self.relative_eps)
             return
         by_scale: dict[float, list[int]] = {}
         for block_id, scale in zip(ids, self.scale, strict=True):
             by_scale.setdefault(scale, []).append(block_id)
         for scale, members in by_scale.items():
-            engine.submit(members, version, due, exponent, self.eps, scale, skip_tol=self.skip_tol)
+            engine.submit(members, version, due, exponent, self.eps, scale, skip_tol=self.skip_tol,
+                          relative_eps=self.relative_eps)

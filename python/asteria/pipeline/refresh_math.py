@@ -29,11 +29,11 @@ def refresh_set(fset: FactorSet, factors: Tensor, request: RootRequest, current:
     """Refreshes ``fset`` from ``factors`` (a (B, n, n) snapshot or the live factors) with float32 matrix
     products whatever ``torch.set_float32_matmul_precision`` says (see ``float32_matmuls``; a thread beside
     the training thread, ``in_thread``, must leave that global setting alone, and computes its products in
-    float64 where the setting would allow less than float32). Roots: the
-    eigendecomposition's (scale F + eps)^exponent, a zero factor's root being the identity (the C++ engine's
-    rule). Eigenbases: a full eigendecomposition for blocks without a basis yet (or with a zero factor's
-    identity), the warm-started QR refresh from ``current`` (the bases in use; ``installed`` says which
-    blocks have one) for the others."""
+    float64 where the setting would allow less than float32). Roots: the eigendecomposition's
+    (scale F + regularization)^exponent, a zero factor's root being the identity (the C++ engine's rule).
+    Eigenbases: a full eigendecomposition for blocks without a basis yet (or with a zero factor's identity),
+    the warm-started QR refresh from ``current`` (the bases in use; ``installed`` says which blocks have one)
+    for the others."""
     if in_thread:
         widen = factors.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
         return _refresh(fset, factors, request, current, installed, widen)
@@ -52,7 +52,7 @@ def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) 
     scale = request.scale
     if isinstance(scale, tuple):  # the blocks' own step counts differ
         scale = F.batch_view(torch.tensor(scale, dtype=factors.dtype, device=factors.device), factors)
-    new, usable = F.inverse_root(factors, fset.exponent, request.eps, scale, widen)
+    new, usable = F.inverse_root(factors, fset.exponent, request.eps, scale, widen, request.relative_eps)
     eye = torch.eye(fset.dim, dtype=new.dtype, device=new.device)
     new = torch.where(F.batch_view(F.zero_rows(factors), new), eye, new)
     return Refreshed(new, usable, None, 0)

@@ -36,13 +36,15 @@ from asteria.train.run_config import ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_P
 OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int}
 # None (the library's choice), True or False
-OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh"}
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "precondition_1d"}
 HELP = {
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
                      "each block's newest finished refresh",
     "start_preconditioning_step": "the step of the first preconditioner, Shampoo's root or SOAP's basis (default: "
                                   "the optimizer's own, the precondition frequency; kl-shampoo takes none)",
+    "precondition_1d": "give 1-D parameters (norm gains, biases) full-matrix factors too, as Distributed Shampoo "
+                       "does (shampoo, soap; default: off, they take Adam's step)",
     "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "
                  "the frequency; default: one interval), waiting for it if need be",
     "sync_refreshes": "the first N refreshes of each block (the bootstrap is the first) are used at their own "
@@ -119,7 +121,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # optimizer reads (AdamW ignores them all).
 ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
-                     "start_preconditioning_step")
+                     "start_preconditioning_step", "precondition_1d")
 
 
 def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = True) -> None:
@@ -145,18 +147,20 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
     unread = SECOND_ORDER_ONLY if adamw else ASYNC_ONLY
     if not adamw and (peer or cfg.stagger is not True):
         unread += ("sync_refreshes",)
+
+    def switch(name: str) -> str:  # the flag as given: --name or --no-name
+        return f"--{'' if getattr(cfg, name) else 'no-'}{name.replace('_', '-')}"
+
     for name in unread:
         if name in given:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"Invalid {flag} {getattr(cfg, name)} with {what}: "
+            value = getattr(cfg, name)
+            flag = switch(name) if isinstance(value, bool) else f"--{name.replace('_', '-')} {value}"
+            raise ValueError(f"Invalid {flag} with {what}: "
                              + ("AdamW has no preconditioners" if adamw else
                                 f"{'it' if peer else 'native mode'} computes every refresh inside its step and uses "
                                 "it there")
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
-
-    def switch(name: str) -> str:  # the flag as given: --name or --no-name
-        return f"--{'' if getattr(cfg, name) else 'no-'}{name.replace('_', '-')}"
 
     for flag, asked, unused in (
             ("--late-activation", cfg.late_activation is True, what),

@@ -91,11 +91,12 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                         in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
                                         device_share=float(cfg.device_share)) if cfg.mode == "async" else {}))
     kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
-    start = ({} if cfg.start_preconditioning_step is None
-             else {"start_preconditioning_step": cfg.start_preconditioning_step})
+    # the settings whose None leaves the optimizer's own default
+    chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d")
+              if getattr(cfg, name) is not None}
     return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency,
-                max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime, **start)
+                max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime, **chosen)
 
 
 def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -36,16 +36,16 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
                      "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
                      "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger", "lag_steps", "stagger_split", "start_preconditioning_step")
+                     "stagger", "lag_steps", "stagger_split", "start_preconditioning_step", "precondition_1d")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split", "start_preconditioning_step")
+                         "stagger_split", "start_preconditioning_step", "precondition_1d")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False,
-                   "start_preconditioning_step": None}
+                   "start_preconditioning_step": None, "precondition_1d": None}
 
 
 @dataclass(kw_only=True)
@@ -69,6 +69,7 @@ class RunConfig:
     stagger_split: bool | None = None
     precondition_frequency: int = 10
     start_preconditioning_step: int | None = None
+    precondition_1d: bool | None = None
     max_preconditioner_dim: int = 2048
     workers: int | None = None
     placement: str = "auto"
@@ -158,6 +159,10 @@ class RunConfig:
               "start_preconditioning_step", "must be None (the optimizer's own) or an int >= 1, and None for "
               "kl-shampoo (its first basis comes from the first gradient) and the peers (they start at the "
               "precondition frequency)")
+        check(self.precondition_1d is None or (isinstance(self.precondition_1d, bool)
+                                               and self.optimizer in ("shampoo", "soap", "adamw")),
+              "precondition_1d", "must be None (the optimizer's own: off), True or False, and None for kl-shampoo "
+              "(1-D parameters take Adam's step) and the peers")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
               "must be an int >= 0")
         if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
@@ -221,6 +226,13 @@ def first_preconditioning_step(config: dict[str, Any], legacy: bool = False) -> 
     return config.get("precondition_frequency", 10)
 
 
+def resolved_precondition_1d(config: dict[str, Any], legacy: bool = False) -> bool:
+    """Whether a run's optimizer gives 1-D parameters factors (None: off); ``legacy``: a checkpoint written
+    before the setting existed, when Shampoo did."""
+    value = config.get("precondition_1d")
+    return value if value is not None else legacy and config.get("optimizer") == "shampoo"
+
+
 def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -> None:
     """Raises ``CheckpointError`` naming every setting in which the checkpoint's run differs (a setting
     newer than the checkpoint counts as its default; ``stagger_split`` as it resolves), or when it has done
@@ -237,6 +249,9 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     saved["start_preconditioning_step"] = first_preconditioning_step(
         manifest.config, legacy="start_preconditioning_step" not in manifest.config)
     this["start_preconditioning_step"] = first_preconditioning_step(asdict(cfg))
+    saved["precondition_1d"] = resolved_precondition_1d(manifest.config,
+                                                        legacy="precondition_1d" not in manifest.config)
+    this["precondition_1d"] = resolved_precondition_1d(asdict(cfg))
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
     unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
