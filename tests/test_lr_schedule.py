@@ -45,6 +45,9 @@ def test_constant_schedule_and_default_warmup():
     ({"optimizer": "kl-shampoo", "precondition_1d": True}, "Invalid precondition_1d=True.*None for kl-shampoo"),
     ({"optimizer": "ds-shampoo", "precondition_1d": False}, "Invalid precondition_1d=False"),
     ({"precondition_1d": 1}, "Invalid precondition_1d=1"),
+    ({"beta2": 1.0}, r"Invalid beta2=1.0: must be None \(the optimizer's own\) or a number in \(0, 1\)"),
+    ({"beta2": True}, "Invalid beta2=True"),
+    ({"beta2": 0}, "Invalid beta2=0"),
 ])
 def test_bad_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -148,6 +151,35 @@ def test_the_1d_setting_reaches_the_optimizer(optimizer, value):
                         torch.nn.Linear(4, 4)) as opt:
         assert opt.precondition_1d is bool(value)
         assert len(opt._set_groups) == (3 if value else 2)  # the weight's two modes, and the bias's one
+
+
+@pytest.mark.parametrize("optimizer, beta1, beta2, follows", [
+    ("adamw", 0.9, 0.999, ()), ("shampoo", 0.9, 0.999, ("grafting_beta2",)), ("soap", 0.95, 0.95, ("shampoo_beta",)),
+    ("kl-shampoo", 0.9, 0.98, ()), ("hb-soap", 0.95, 0.95, ("shampoo_beta",)),
+    ("hb-kl-shampoo", 0.9, 0.98, ("shampoo_beta",))])
+def test_beta2_reaches_every_optimizer_and_peer(optimizer, beta1, beta2, follows):
+    """--beta2 replaces betas[1] (and what follows it: Shampoo's grafting, SOAP's factors, heavyball's
+    shampoo_beta), each optimizer keeping its own beta1; without it each has its own default."""
+    if optimizer.startswith("hb-"):
+        pytest.importorskip("heavyball")
+    for value, expected in ((None, beta2), (0.95, 0.95), (0.99, 0.99)):
+        opt = make_optimizer(RunConfig(optimizer=optimizer, mode="sync", beta2=value), torch.nn.Linear(4, 4))
+        try:
+            group = opt.param_groups[0]
+            assert tuple(group["betas"]) == (beta1, expected)
+            assert all(group[key] == expected for key in follows)
+        finally:
+            if hasattr(opt, "close"):
+                opt.close()
+
+
+def test_a_checkpoint_from_before_beta2_resumes_only_at_the_optimizers_own():
+    cfg = RunConfig(optimizer="soap")
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "beta2"}
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    check_resumable(manifest, cfg, Path("old"))
+    with pytest.raises(CheckpointError, match=r"beta2=None \(this run: 0.99\)"):
+        check_resumable(manifest, dataclasses.replace(cfg, beta2=0.99), Path("old"))
 
 
 @pytest.mark.parametrize("start, expected", [(None, 10), (1, 1)])

@@ -33,7 +33,7 @@ from asteria.train.peers import PEERS
 from asteria.train.report import write_report
 from asteria.train.run_config import ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, RunConfig
 
-OPTIONAL_TYPES = {"lr": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
+OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "precondition_1d"}
@@ -43,6 +43,9 @@ HELP = {
                      "each block's newest finished refresh",
     "start_preconditioning_step": "the step of the first preconditioner, Shampoo's root or SOAP's basis (default: "
                                   "the optimizer's own, the precondition frequency; kl-shampoo takes none)",
+    "beta2": "the second-moment decay, betas[1]: Shampoo's factors and grafting, SOAP's second moment and factors, "
+             "KL-Shampoo's, AdamW's and the peers' alike (default: the optimizer's own: 0.999 for Shampoo and AdamW, "
+             "0.95 for SOAP, 0.98 for KL-Shampoo)",
     "precondition_1d": "give 1-D parameters (norm gains, biases) full-matrix factors too, as Distributed Shampoo "
                        "does (shampoo, soap; default: off, they take Adam's step)",
     "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "

@@ -34,7 +34,7 @@ from asteria.train.distributed import (
 )
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
 from asteria.train.model import build_model, decoder_layers, next_token_loss, parameter_count
-from asteria.train.peers import PEERS, make_peer
+from asteria.train.peers import ASTERIA_CLASSES, PEERS, betas_with, make_peer
 from asteria.train.profiling import StepProfiler, check_profile_steps
 from asteria.train.provenance import software
 
@@ -76,10 +76,11 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
     ``local_world_size`` is the node size of a distributed run."""
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                 betas=betas_with(torch.optim.AdamW, cfg.beta2),
                                  fused=True if cfg.device == "cuda" else None)
     if cfg.optimizer in PEERS:
         return make_peer(cfg.optimizer, model.parameters(), cfg.learning_rate, cfg.weight_decay,
-                         cfg.precondition_frequency, cfg.max_preconditioner_dim, cfg.peer_path)
+                         cfg.precondition_frequency, cfg.max_preconditioner_dim, cfg.peer_path, cfg.beta2)
     memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
     runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
                                     lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
@@ -90,12 +91,12 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                     memory=memory, local_world_size=local_world_size, **(dict(
                                         in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
                                         device_share=float(cfg.device_share)) if cfg.mode == "async" else {}))
-    kind = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[cfg.optimizer]
+    kind = ASTERIA_CLASSES[cfg.optimizer]
     # the settings whose None leaves the optimizer's own default
     chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d")
               if getattr(cfg, name) is not None}
-    return kind(model.named_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                precondition_frequency=cfg.precondition_frequency,
+    return kind(model.named_parameters(), lr=cfg.learning_rate, betas=betas_with(kind, cfg.beta2),
+                weight_decay=cfg.weight_decay, precondition_frequency=cfg.precondition_frequency,
                 max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime, **chosen)
 
 

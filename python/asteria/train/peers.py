@@ -2,22 +2,36 @@
 Distributed Shampoo (``ds-*``, imported from a local checkout of facebookresearch/optimizers that the user
 names with ``--peer-path``; never vendored) and heavyball's SOAP and KL-Shampoo (``hb-*``, where heavyball is
 installed). Each is set up with the hyperparameters of the Asteria optimizer it stands beside (the
-defaults of ``asteria.Shampoo``, ``asteria.SOAP`` and ``asteria.KLShampoo``), the run's learning rate, weight
-decay, refresh interval and block size; both refresh every block at its interval, inside ``step()``.
+defaults of ``asteria.Shampoo``, ``asteria.SOAP`` and ``asteria.KLShampoo``, with the run's beta2 where it
+sets one), the run's learning rate, weight decay, refresh interval and block size; both refresh every block
+at its interval, inside ``step()``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asteria.optim.kl_shampoo import KLShampoo
+from asteria.optim.shampoo import Shampoo
+from asteria.optim.soap import SOAP
+
 #: the peers and the Asteria optimizer each stands beside
 PEERS = {"ds-shampoo": "shampoo", "ds-soap": "soap", "ds-kl-shampoo": "kl-shampoo",
          "hb-soap": "soap", "hb-kl-shampoo": "kl-shampoo"}
+ASTERIA_CLASSES = {"shampoo": Shampoo, "soap": SOAP, "kl-shampoo": KLShampoo}
+
+
+def betas_with(kind: type, beta2: float | None) -> tuple[float, float]:
+    """The betas ``kind`` (an optimizer class) takes by default, its constructor's, with ``beta2`` in place of
+    the second where given."""
+    beta1, default = inspect.signature(kind.__init__).parameters["betas"].default
+    return (beta1, default if beta2 is None else beta2)
 
 
 def import_distributed_shampoo(peer_path: str | None) -> Any:
@@ -39,21 +53,22 @@ def import_distributed_shampoo(peer_path: str | None) -> Any:
 
 
 def make_peer(name: str, params: Any, lr: float, weight_decay: float, frequency: int, max_dim: int,
-              peer_path: str | None) -> torch.optim.Optimizer:
+              peer_path: str | None, beta2: float | None = None) -> torch.optim.Optimizer:
     """The peer optimizer ``name`` over ``params`` (see the module docstring)."""
+    betas = betas_with(ASTERIA_CLASSES[PEERS[name]], beta2)
     if name.startswith("ds-"):
         ds = import_distributed_shampoo(peer_path)
         common = dict(lr=lr, weight_decay=weight_decay, max_preconditioner_dim=max_dim,
                       precondition_frequency=frequency, start_preconditioning_step=frequency,
                       use_bias_correction=True, weight_decay_type=ds.WeightDecayType.DECOUPLED)
-        if name == "ds-shampoo":  # asteria.Shampoo's defaults: betas (0.9, 0.999), eps 1e-12, Adam grafting
-            return ds.DistributedShampoo(params, betas=(0.9, 0.999), epsilon=1e-12,
-                                         grafting_config=ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+        if name == "ds-shampoo":  # asteria.Shampoo's defaults: eps 1e-12, Adam grafting with betas[1]
+            return ds.DistributedShampoo(params, betas=betas, epsilon=1e-12,
+                                         grafting_config=ds.AdamPreconditionerConfig(beta2=betas[1], epsilon=1e-8),
                                          preconditioner_config=ds.DefaultShampooConfig, **common)
-        if name == "ds-soap":  # asteria.SOAP's: betas (0.95, 0.95), eps 1e-8
-            return ds.DistributedShampoo(params, betas=(0.95, 0.95), epsilon=1e-8,
+        if name == "ds-soap":  # asteria.SOAP's: eps 1e-8
+            return ds.DistributedShampoo(params, betas=betas, epsilon=1e-8,
                                          preconditioner_config=ds.DefaultSOAPConfig, **common)
-        return ds.DistributedShampoo(params, betas=(0.9, 0.98), epsilon=1e-8,  # asteria.KLShampoo's
+        return ds.DistributedShampoo(params, betas=betas, epsilon=1e-8,  # asteria.KLShampoo's
                                      preconditioner_config=ds.EigendecomposedKLShampooPreconditionerConfig(), **common)
     try:
         heavyball = importlib.import_module("heavyball")
@@ -61,7 +76,7 @@ def make_peer(name: str, params: Any, lr: float, weight_decay: float, frequency:
         raise ValueError(f"Invalid optimizer={name!r}: heavyball is not installed ({error}); pip install heavyball") \
             from None
     if name == "hb-soap":
-        return heavyball.SOAP(params, lr=lr, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8,
+        return heavyball.SOAP(params, lr=lr, betas=betas, shampoo_beta=betas[1], eps=1e-8,
                               weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)
-    return heavyball.KLShampoo(params, lr=lr, betas=(0.9, 0.98), shampoo_beta=0.98, eps=1e-8,
+    return heavyball.KLShampoo(params, lr=lr, betas=betas, shampoo_beta=betas[1], eps=1e-8,
                                weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)

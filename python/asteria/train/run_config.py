@@ -33,10 +33,11 @@ MATMUL_PRECISIONS = ("highest", "high")
 LR_SCHEDULES = ("cosine", "constant")
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
-RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "weight_decay",
-                     "staleness", "precondition_frequency", "max_preconditioner_dim", "data", "tokenizer", "max_bytes",
-                     "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps", "grad_clip", "sync_refreshes",
-                     "stagger", "lag_steps", "stagger_split", "start_preconditioning_step", "precondition_1d")
+RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "beta2",
+                     "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
+                     "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
+                     "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split",
+                     "start_preconditioning_step", "precondition_1d")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
@@ -45,7 +46,7 @@ SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "pl
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False,
-                   "start_preconditioning_step": None, "precondition_1d": None}
+                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None}
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,7 @@ class RunConfig:
     batch_size: int = 16
     seq_len: int = 64
     lr: float | None = None
+    beta2: float | None = None
     lr_schedule: str = "cosine"
     warmup_steps: int | None = None
     grad_clip: float = 1.0
@@ -115,6 +117,9 @@ class RunConfig:
         check(isinstance(self.device_share, (int, float)) and not isinstance(self.device_share, bool)
               and 0 < self.device_share <= 1, "device_share", "must be a number in (0, 1]")
         check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
+        check(self.beta2 is None or (isinstance(self.beta2, (int, float)) and not isinstance(self.beta2, bool)
+                                     and 0 < self.beta2 < 1), "beta2", "must be None (the optimizer's own) or a "
+              "number in (0, 1)")
         check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
               "must be None (the library's choice), True or False")
         check(self.seed < 2**32, "seed", "must be below 2**32 (the data order's generator is seeded from it)")
