@@ -136,10 +136,6 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
     stats_.wait_seconds += blocked_seconds;
     stats_.max_wait_seconds = std::max(stats_.max_wait_seconds, blocked_seconds);
   };
-  const auto cancelled = [&](std::size_t id, std::int64_t version) {
-    return CancelledError("[CoherenceRegistry::activate] the engine was closed while step " + std::to_string(step) +
-                          " waited for block " + std::to_string(id) + " version " + std::to_string(version));
-  };
   try {
     if (closed_) {
       throw CancelledError("[CoherenceRegistry::activate] the engine is closed: step " + std::to_string(step) +
@@ -164,14 +160,17 @@ std::vector<Activation> CoherenceRegistry::activate(std::int64_t step, std::chro
               static_cast<std::int64_t>(id), wanted.awaited,
               timeout_message(step, id, wanted.awaited, seconds_since(started), blocks_[id].status, config_));
         }
-        if (closed_) throw cancelled(id, wanted.awaited);
         const auto wait_started = Clock::now();
         finished_.wait_until(lock, deadline);
         blocked_seconds += seconds_since(wait_started);
-        // Closing ends a wait even where the version it waited for ended meanwhile: close() also ends the jobs
-        // still running (as failures), and a step that then went on with the version before would complete on
-        // a closed engine.
-        if (closed_) throw cancelled(id, wanted.awaited);
+        // closed_ changes only while the lock is released, in this wait (it was checked on entry). Closing ends
+        // a wait even where the version it waited for ended meanwhile: close() also ends the jobs still running
+        // (as failures), and a step that then went on with the version before would complete on a closed engine.
+        if (closed_) {
+          throw CancelledError("[CoherenceRegistry::activate] the engine was closed while step " +
+                               std::to_string(step) + " waited for block " + std::to_string(id) + " version " +
+                               std::to_string(wanted.awaited));
+        }
         throw_if_failing();
       }
     }
