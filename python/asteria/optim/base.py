@@ -66,6 +66,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     FIRST_GRADIENT_STEPS = True
     #: hyperparameters that default to betas[1] when None (in the constructor or in a param group)
     BETA2_KEYS: tuple[str, ...] = ()
+    #: whether 1-D blocks keep factors (a constructor argument; None: the optimizer offers no choice, never)
+    precondition_1d: bool | None = None
     #: hyperparameters added after checkpoints were written without them, with the value those
     #: checkpoints were computed by (a resumed run goes on with the math it started with)
     ADDED_HYPERPARAMETERS: dict[str, Any] = {}
@@ -207,10 +209,14 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         """Allocates ``group.state`` and returns the group's factor sets (one per mode, or none)."""
 
+    def _factored(self, group: ShapeGroup) -> bool:
+        """Whether ``group``'s blocks keep factors: order >= 2, and 1-D ones where ``precondition_1d``."""
+        return group.order >= 2 or (group.order == 1 and bool(self.precondition_1d))
+
     def _refresh_dims(self, group: ShapeGroup) -> list[int]:
-        """The dimensions of the factor sets ``_init_group`` makes for ``group`` (one per mode by default),
-        known before any state is allocated."""
-        return list(group.shape)
+        """The dimensions of the factor sets ``_init_group`` makes for ``group`` (one per mode of a factored
+        block), known before any state is allocated."""
+        return list(group.shape) if self._factored(group) else []
 
     @abstractmethod
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> Tensor | None:

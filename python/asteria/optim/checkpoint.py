@@ -96,7 +96,7 @@ def _own_state(opt: SecondOrderOptimizer) -> dict[str, Any]:
         "distributed": opt._refresher.identity(),
         "bound": bound(opt),
         "schedule": schedule_key(opt.schedule),
-        "precondition_1d": getattr(opt, "precondition_1d", None),
+        "precondition_1d": opt.precondition_1d,
     }
 
 
@@ -252,7 +252,7 @@ def check_precondition_1d(opt: SecondOrderOptimizer, state_dict: dict[str, Any])
     """A checkpoint holds 1-D parameters' factors or not: refused, naming the setting, by an optimizer built
     the other way. One written before the setting was saved holds what the class did then
     (``PRECONDITION_1D_BEFORE``: Shampoo preconditioned them; None: not known, left to the state checks)."""
-    mine = getattr(opt, "precondition_1d", None)
+    mine = opt.precondition_1d
     saved = state_dict.get("precondition_1d", getattr(opt, "PRECONDITION_1D_BEFORE", None))
     if mine is not None and saved is not None and saved != mine:
         raise ValueError(f"Invalid state_dict: saved with precondition_1d={saved}, this asteria.{type(opt).__name__} "

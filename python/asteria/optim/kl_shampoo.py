@@ -96,9 +96,6 @@ class KLShampoo(EigenbasisOptimizer):
         if hyper["init_factor"] is not None:  # None: started from the first gradient
             check_positive(hyper["init_factor"], name("init_factor"))
 
-    def _refresh_dims(self, group: ShapeGroup) -> list[int]:
-        return list(group.shape) if group.order >= 2 else []
-
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
         group.state[EXP_AVG] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)

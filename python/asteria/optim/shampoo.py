@@ -131,12 +131,6 @@ class Shampoo(SecondOrderOptimizer):
     def _forget_derived(self) -> None:
         self._informed_groups.clear()
 
-    def _preconditioned(self, group: ShapeGroup) -> bool:
-        return group.order >= 2 or (group.order == 1 and self.precondition_1d)
-
-    def _refresh_dims(self, group: ShapeGroup) -> list[int]:
-        return list(group.shape) if self._preconditioned(group) else []
-
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
         group.state[MOMENTUM] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
@@ -154,7 +148,7 @@ class Shampoo(SecondOrderOptimizer):
     def _accumulate(self, group: ShapeGroup, grads: Tensor, keep: Tensor, step: int) -> None:
         hyper = self.param_groups[group.group_index]
         beta1, beta2 = hyper["betas"]
-        if self._preconditioned(group):
+        if self._factored(group):
             F.update_factors_([group.state[factor_key(m)] for m in range(group.order)], grads, beta2, keep)
         F.masked_ema_(group.state[MOMENTUM], grads, beta1, keep)
         F.masked_ema_square_(group.state[GRAFTING_SECOND_MOMENT], grads, hyper["grafting_beta2"], keep)
@@ -168,7 +162,7 @@ class Shampoo(SecondOrderOptimizer):
         adam = F.adam_direction(momentum, group.state[GRAFTING_SECOND_MOMENT], 1.0,
                                 group.steps.of(lambda c: 1.0 - beta2 ** max(c, 1)), hyper["grafting_eps"])
         fallback = adam if hyper["grafting"] == "adam" else momentum
-        if not self._preconditioned(group):
+        if not self._factored(group):
             return fallback
         roots = self._placement.read(group)
         shampoo = F.precondition(momentum, roots)

@@ -95,23 +95,17 @@ class SOAP(EigenbasisOptimizer):
         check_unit(hyper["shampoo_beta"], name("shampoo_beta"), "must be None or in [0, 1)")
         check_nonnegative(hyper["refresh_skip_tol"], name("refresh_skip_tol"))
 
-    def _rotated(self, group: ShapeGroup) -> bool:
-        return group.order >= 2 or (group.order == 1 and self.precondition_1d)
-
-    def _refresh_dims(self, group: ShapeGroup) -> list[int]:
-        return list(group.shape) if self._rotated(group) else []
-
     def _init_group(self, group: ShapeGroup) -> list[FactorSet]:
         batch, device = group.batch, group.device
         group.state[EXP_AVG] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
         group.state[EXP_AVG_SQ] = torch.zeros((batch, *group.shape), dtype=torch.float32, device=device)
-        if not self._rotated(group):
+        if not self._factored(group):
             return []
         return self._eigenbasis_sets(
             group, lambda mode, blocks, order: F.permute_mode_(group.state[EXP_AVG_SQ], blocks, order, mode))
 
     def _bases(self, group: ShapeGroup) -> list[Tensor | None]:
-        if not self._rotated(group):
+        if not self._factored(group):
             return [None] * group.order
         return self._placement.read(group)
 
@@ -123,7 +117,7 @@ class SOAP(EigenbasisOptimizer):
         """Adam's moments in the bases of the step before, the direction from them, then the factors."""
         self._enter_first_bases(group, step)
         hyper = self.param_groups[group.group_index]
-        factors = [group.state[factor_key(m)] for m in range(group.order)] if self._rotated(group) else []
+        factors = [group.state[factor_key(m)] for m in range(group.order)] if self._factored(group) else []
         steps = group.steps
         first = steps.first()  # a block's first gradient only builds its factors: it never meets its own projection
         if first.every:
