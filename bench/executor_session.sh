@@ -7,7 +7,11 @@
 #           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
 #   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
 #   1b      olmo2-1b at 16 x 1024 ($ONEB_CONFIGS, $ONEB_STEPS);
-#   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop.
+#   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop;
+#   dims    olmo-160m at 8 x 1024 once per max_preconditioner_dim in $DIMS (default: 1024 2048), $DIMS_CONFIGS
+#           ($DIMS_STEPS): what smaller blocks cost in loss against the work they save (bench/refresh_demand.py);
+#   sweep   olmo-160m at 8 x 1024 for each beta2 in $BETA2S (default: 0.95 0.999) and lr schedule in $SCHEDULES
+#           (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the hyperparameter range.
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -28,10 +32,10 @@ if has cuda; then
   grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt" || { echo "CUDA tests failed"; exit 1; }
 fi
 CLI="python3 -m asteria.train.cli"
-COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers ${EXTRA_ARGS:-}"
+COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
 bench() {  # name, model, batch, steps, configs
   local name=$1${TAG:-} model=$2 batch=$3 steps=$4; shift 4
-  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON --configs "$@" \
+  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} ${STAGE_ARGS:-} --configs "$@" \
     --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
   tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
 }
@@ -40,6 +44,20 @@ has small && bench small olmo-160m 8 "${SMALL_STEPS:-200}" \
 has large && bench large olmo-160m 32 "${LARGE_STEPS:-150}" \
   ${LARGE_CONFIGS:-adamw shampoo-async soap-async kl-shampoo-async ds-shampoo}
 has 1b && bench 1b olmo2-1b 16 "${ONEB_STEPS:-80}" ${ONEB_CONFIGS:-adamw soap-async shampoo-async kl-shampoo-async}
+if has dims; then
+  for dim in ${DIMS:-1024 2048}; do
+    STAGE_ARGS="--max-preconditioner-dim $dim" bench "dims-$dim" olmo-160m 8 "${DIMS_STEPS:-300}" \
+      ${DIMS_CONFIGS:-adamw shampoo-async shampoo-sync soap-async ds-shampoo}
+  done
+fi
+if has sweep; then
+  for beta2 in ${BETA2S:-0.95 0.999}; do
+    for schedule in ${SCHEDULES:-cosine constant}; do
+      STAGE_ARGS="--beta2 $beta2 --lr-schedule $schedule" bench "sweep-$beta2-$schedule" olmo-160m 8 \
+        "${SWEEP_STEPS:-300}" ${SWEEP_CONFIGS:-adamw shampoo-async shampoo-sync}
+    done
+  done
+fi
 has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
   | tail -12 | tee "$OUT/math.txt"
 exit 0

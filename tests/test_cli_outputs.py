@@ -311,3 +311,26 @@ def test_version_and_help_name_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "``" not in capsys.readouterr().out
+
+
+def test_a_torchrun_worker_leaves_without_finalization_and_keeps_its_status_and_output(tmp_path):
+    """Under torchrun the command ends through os._exit once its output is flushed (a Gloo thread releasing a
+    collective's tensors during the interpreter's finalization would abort a finished run): the exit status
+    and everything printed survive, and nothing registered for the interpreter's exit runs."""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('finalized', flush=True))\n"
+              "from asteria.train.cli import main\n"
+              "print('before', end='')\n"  # unflushed: _leave must flush it
+              f"sys.argv = ['asteria', 'report', {str(tmp_path)!r}]\n"
+              "main()\n"
+              "print('not reached')\n")
+    env = child_env(WORLD_SIZE="2", RANK="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "before"
+    assert "Invalid command='report' under torchrun (WORLD_SIZE=2)" in done.stderr
+    # On one process the same call returns its status to the caller and the interpreter finalizes as usual.
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(WORLD_SIZE="1"), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("before") and done.stdout.endswith("not reached\nfinalized\n")

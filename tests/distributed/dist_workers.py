@@ -56,14 +56,21 @@ def _entry(fn: Callable, rank: int, world: int, out: Path, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
+    code = 0
     try:
         fn(rank, world, out, *args)
     except BaseException:
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
+        traceback.print_exc()
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Without the interpreter's finalization, as asteria's CLI leaves under torchrun: a Gloo thread releasing a
+    # finished collective's tensors during it aborts the process (SIGABRT) after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def model(seed: int = 0) -> torch.nn.Module:

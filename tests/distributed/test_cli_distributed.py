@@ -39,7 +39,7 @@ def torchrun(out: Path, args: list[str], *extra: str, procs: int = 2) -> subproc
     """``asteria train`` on ``procs`` processes under torchrun."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
             "-m", "asteria.train.cli", "train", "--out", str(out), *args, *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
 
 

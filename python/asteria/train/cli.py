@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -293,12 +293,29 @@ def _one_line(message: Warning | str, category: type[Warning], *_: Any, **__: An
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``asteria`` command (``argv``: its arguments, default ``sys.argv[1:]``); returns the exit status.
+    Run as a command under torchrun, a process that ends without an exception leaves through ``os._exit``
+    once its output is flushed (see ``_leave``)."""
     formatwarning = warnings.formatwarning
     warnings.formatwarning = _one_line
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
         warnings.formatwarning = formatwarning
+    if argv is None and os.environ.get("WORLD_SIZE", "1") != "1":
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> NoReturn:
+    """Ends a torchrun worker without the interpreter's finalization. Gloo's worker threads release a finished
+    collective's tensors on their own after the caller's wait has returned; when that release comes while the
+    interpreter is finalizing, it cannot take the GIL and the process aborts ("terminate called without an
+    active exception", SIGABRT), turning a completed run into a failed one. Everything the run writes is closed
+    by then (the process group destroyed, files and TensorBoard closed), so only the streams need flushing."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:
