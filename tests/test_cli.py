@@ -421,8 +421,26 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert kl["max_step_seconds"] == max(kl_times[9:]) and kl["warmup_max_step_seconds"] == max(kl_times[:9])
     assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(10, 12), key=lambda s: -kl_times[s - 1])
     assert len(steps) == 11
+    # The refresh work per interval against capacity, from each async run's own counters, at AdamW's pace.
+    assert adamw["refresh_work"] is None and results["runs"]["soap-sync"]["refresh_work"] is None
+    for label, f in (("kl-shampoo-async", 3), ("soap-async-f2", 2)):
+        stats = json.loads((tmp_path / label / "summary.json").read_text())["runtime_stats"]
+        work = results["runs"][label]["refresh_work"]
+        jobs = stats["refreshes"] + stats["refresh_failures"]
+        asked = jobs + stats["refreshes_superseded"] + stats["refreshes_deferred"]
+        interval = adamw["mean_step_seconds"] * f
+        assert work["pace"] == "adamw" and work["workers"] == stats["workers"] >= 1
+        assert work["interval_seconds"] == pytest.approx(interval)
+        per_job = stats["refresh_seconds_on_workers"] / jobs
+        assert work["worker_core_seconds"] == pytest.approx(per_job * asked / (11 / f))
+        assert work["worker_capacity_core_seconds"] == pytest.approx(stats["workers"] * interval)
+        capacity = work["worker_capacity_core_seconds"]
+        assert work["worker_ratio"] == pytest.approx(work["worker_core_seconds"] / capacity)
+        assert work["device_seconds"] == 0.0 and work["device_ratio"] == 0.0  # no device lane on the CPU
     table = capsys.readouterr().out
     assert "soap-sync" in table and "n/a" in table
+    assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
+    assert "  kl-shampoo-async   workers " in table
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
 

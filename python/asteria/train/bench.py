@@ -86,6 +86,29 @@ def config_of(base: RunConfig, label: str) -> RunConfig:
     return cfg
 
 
+def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds: float,
+                 pace: str) -> dict[str, Any] | None:
+    """The refresh work of one interval (f steps) against what each side has in one, from an async run's
+    runtime stats (None for other runs): the workers' job seconds per interval (core-seconds; the refreshes
+    dropped, superseded or deferred, counted at the mean job's time, since the schedule asked for them) against
+    the workers x the interval's time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW,
+    ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time.
+    A ratio above 1 is work that one side cannot finish in its interval."""
+    workers = stats.get("workers")
+    if not workers or not stats.get("refreshes"):
+        return None
+    intervals = max(steps / frequency, 1e-9)
+    interval = step_seconds * frequency
+    jobs = stats["refreshes"] + stats.get("refresh_failures", 0)
+    dropped = (stats.get("refreshes_superseded") or 0) + (stats.get("refreshes_deferred") or 0)
+    worker = stats["refresh_seconds_on_workers"] / jobs * (jobs + dropped) / intervals
+    device = (stats.get("device_refresh_seconds") or 0.0) / intervals
+    capacity = workers * interval
+    return {"pace": pace, "interval_seconds": interval, "workers": workers, "worker_core_seconds": worker,
+            "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
+            "device_seconds": device, "device_ratio": device / interval}
+
+
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
     """Trains each config with ``base``'s model, data, batch, seed and schedule (``base.lr`` for all when
     given, else each optimizer's default) and writes the comparison."""
@@ -139,6 +162,9 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "sets_on_device": stats.get("sets_on_device"),
             "device_busy_fraction": stats.get("device_busy_fraction"),
         }
+        pace = ref_profile["mean"] if ref_profile else wall["mean"]
+        row["refresh_work"] = refresh_work(stats, cfgs[label].precondition_frequency, len(records), pace,
+                                           "adamw" if ref_profile else "own")
         if reference is not None:
             ref = reference.summary
             row["median_step_vs_adamw"] = wall["median"] / ref_profile["median"]
@@ -219,6 +245,15 @@ def format_table(results: dict[str, Any]) -> str:
                  "superseded or deferred; delay: the mean number of steps by which a version's first use comes after "
                  "native mode's (0 for native mode itself); to adamw s: training wall clock to AdamW's final loss "
                  "(10-step mean)")
+    work = {label: r["refresh_work"] for label, r in results["runs"].items() if r.get("refresh_work")}
+    if work:
+        pace = "AdamW's mean step" if next(iter(work.values()))["pace"] == "adamw" else "each run's own mean step"
+        lines.append(f"refresh work per interval of f steps against capacity, at {pace}:")
+        for label, w in work.items():
+            lines.append(f"  {label:<18} workers {w['worker_core_seconds']:.3g} of "
+                         f"{w['worker_capacity_core_seconds']:.3g} core-s ({w['worker_ratio']:.2f}x; "
+                         f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}); device lane "
+                         f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s ({w['device_ratio']:.2f}x)")
     lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
