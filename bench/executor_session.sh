@@ -35,8 +35,8 @@ CLI="python3 -m asteria.train.cli"
 COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
 bench() {  # name, model, batch, steps, configs
   local name=$1${TAG:-} model=$2 batch=$3 steps=$4; shift 4
-  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} ${STAGE_ARGS:-} --configs "$@" \
-    --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
+  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
+    ${STAGE_ARGS:-} --configs "$@" --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
   tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
 }
 has small && bench small olmo-160m 8 "${SMALL_STEPS:-200}" \

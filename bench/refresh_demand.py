@@ -36,7 +36,7 @@ from asteria.train import model as models  # noqa: E402
 def factor_sizes(preset: str, max_dim: int) -> collections.Counter[int]:
     """How many factors of each size a refresh of every block of ``preset`` computes (byte vocabulary)."""
     with torch.device("meta"):
-        model = models.build_model(preset, vocab_size=256, seq_len=1024)
+        model = models.build_model(preset, vocab_size=256, seq_len=models.PRESETS[preset].max_seq_len)
     sizes: collections.Counter[int] = collections.Counter()
     for index, (name, param) in enumerate(model.named_parameters()):
         if param.dim() < 2:
@@ -82,6 +82,12 @@ def main() -> None:
                         help="an interval's seconds per model (AdamW's step x f), in --model's order")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
+    if any(d < 1 for d in args.max_dims):
+        parser.error(f"argument --max-dims: invalid value {args.max_dims}: every size must be >= 1")
+    if args.repeats < 1 or args.cores < 1:
+        parser.error(f"arguments --repeats {args.repeats} and --cores {args.cores}: each must be >= 1")
+    if len(args.interval_s) > len(args.model) or any(t <= 0 for t in args.interval_s):
+        parser.error(f"argument --interval-s: invalid value {args.interval_s}: at most one per --model, each > 0")
     torch.set_num_threads(1)
     counts = {(m, d): factor_sizes(m, d) for m in args.model for d in args.max_dims}
     rng = np.random.default_rng(0)

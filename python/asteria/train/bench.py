@@ -95,13 +95,14 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time.
     A ratio above 1 is work that one side cannot finish in its interval."""
     workers = stats.get("workers")
-    if not workers or not stats.get("refreshes"):
+    if not workers:
         return None
     intervals = max(steps / frequency, 1e-9)
     interval = step_seconds * frequency
     jobs = stats["refreshes"] + stats.get("refresh_failures", 0)
     dropped = (stats.get("refreshes_superseded") or 0) + (stats.get("refreshes_deferred") or 0)
-    worker = stats["refresh_seconds_on_workers"] / jobs * (jobs + dropped) / intervals
+    per_job = stats["refresh_seconds_on_workers"] / jobs if jobs else 0.0  # every set on the lane: no worker job
+    worker = per_job * (jobs + dropped) / intervals
     device = (stats.get("device_refresh_seconds") or 0.0) / intervals
     capacity = workers * interval
     return {"pace": pace, "interval_seconds": interval, "workers": workers, "worker_core_seconds": worker,
