@@ -376,6 +376,7 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer):
             steps(6)
             torch.cuda.synchronize()
             refresher.engine.drain(30.0)
+            refresher.lane.drain(30.0)
         steps(3)
         torch.cuda.synchronize()
         stats = opt.runtime_stats()

@@ -178,6 +178,33 @@ def test_the_balancer_keeps_everything_on_the_workers_until_it_has_measured():
     assert balancer.replan()[1]  # the prior says the workers need 100 s for a 256 block
 
 
+def test_the_device_lanes_drain_waits_for_every_queued_job():
+    """``drain`` returns once the lane's thread has ended every job started before it, and names what is left
+    when its time runs out (jobs of 8 eigendecompositions of 512 x 512 are still running right after start)."""
+    from asteria import _core
+    from asteria.pipeline.device_lane import DeviceLane
+    from asteria.pipeline.factors import RootRequest
+
+    g = torch.randn(8, 512, 600, generator=torch.Generator().manual_seed(2))
+    fset = FactorSet(name="set", factors=g @ g.mT / 600, preconditioners=torch.eye(512).repeat(8, 1, 1),
+                     installed=torch.zeros(8, dtype=torch.bool), exponent=-0.25, block_params=["p"] * 8)
+    engine = _core.RefreshEngine(workers=1, deterministic=True)
+    ids = [[engine.add_block(torch.zeros(3, 512 * 513 // 2), torch.zeros(3, 512, 512), kind="root")
+            for _ in range(8)]]
+    lane = DeviceLane(engine, [fset], ids, timeout_s=60.0)
+    try:
+        for version in (1, 2, 3):
+            lane.start(0, version, version, RootRequest(scale=1.0, eps=1e-6), lambda f: (f.factors.clone(), None))
+        with pytest.raises(TimeoutError, match=r"device lane did not finish its [1-3] job\(s\) within timeout_s=0"):
+            lane.drain(0.0)
+        lane.drain(60.0)
+        assert lane.stats()["device_jobs_queued"] == 0
+        assert [lane.take(0, version).new.shape for version in (1, 2, 3)] == [(8, 512, 512)] * 3
+    finally:
+        lane.close()
+        engine.close()
+
+
 def test_the_balancers_step_time_leaves_out_the_start_up_refresh_steps():
     """The interval's time is the median of its last steps: a start-up refresh step (2.5 s here, waited for)
     does not stretch it, and a lasting change of pace takes over within an interval."""
@@ -215,6 +242,7 @@ def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(
             refresher.balancer.plan = [side] * len(refresher.sets)
             train(model, opt, 2, data=data)
             refresher.engine.drain(30.0)
+            refresher.lane.drain(30.0)  # its versions finished too: the next turns move, none is deferred
             train(model, opt, 2, data=data)
         stats = opt.runtime_stats()
         versions = [min(fset.versions) for fset in refresher.sets]

@@ -1,8 +1,12 @@
 """All three optimizers train a small byte-level transformer LM at least as well as AdamW in the same
 number of steps (sensible learning rates, async mode, the default embedded corpus), measured as the targets
 are, by the validation loss: the last steps' training loss (8 x 64 tokens a batch) scatters by more than the
-margins (SOAP, which starts preconditioning at step f, ends 0.2% above AdamW's there and 1.0% below on
-held-out data).
+margins (SOAP, which starts preconditioning at step f, ends 0.85% below AdamW's on held-out data).
+
+The async runs take the deterministic rule with each version used 2 steps after its snapshot (the install
+delay the targets allow), so that the outcome does not hang on how fast the worker runs beside the test: under
+the newest-finished rule SOAP's loss lands anywhere between its figures at lag 0 and at a whole interval's lag,
+0.990x and 1.000x AdamW's (measured), too close to the bound.
 
 The recipe is a constant learning rate without clipping, as the comparison was set up. Under the CLI's
 default warm-up + cosine schedule the short run favours AdamW more: measured on the 2-core development
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+import asteria
 from asteria.train.loop import RunConfig, train
 
 COMMON = dict(steps=120, batch_size=8, seq_len=64, staleness=1, precondition_frequency=10, workers=1,
@@ -25,9 +30,12 @@ def adamw_loss(tmp_path_factory) -> float:
     return train(cfg, tmp_path_factory.mktemp("adamw"), progress=False)["final_val_loss"]
 
 
+@pytest.mark.filterwarnings(f"ignore::{asteria.RefreshBacklogWarning.__module__}.RefreshBacklogWarning")
 @pytest.mark.parametrize("optimizer, lr", [("shampoo", 3e-3), ("soap", 3e-3), ("kl-shampoo", 3e-3)])
 def test_second_order_optimizers_match_or_beat_adamw(optimizer, lr, adamw_loss, tmp_path):
-    summary = train(RunConfig(optimizer=optimizer, lr=lr, mode="async", **COMMON), tmp_path, progress=False)
+    # A job that takes longer than 2 steps is waited for (a backlog warning): the result stays the same.
+    summary = train(RunConfig(optimizer=optimizer, lr=lr, mode="async", deterministic=True, lag_steps=2, **COMMON),
+                    tmp_path, progress=False)
     assert summary["final_val_loss"] <= adamw_loss, (optimizer, summary["final_val_loss"], adamw_loss)
     assert summary["runtime_stats"]["refreshes"] > 0
     assert summary["runtime_stats"]["refresh_failures"] == 0

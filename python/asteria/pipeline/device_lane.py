@@ -62,6 +62,7 @@ class DeviceLane:
         self._snapshots: dict[tuple[int, int], Tensor] = {}                # guarded by _lock; kept for checkpoints
         self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
         self._busy_seconds = 0.0                                           # guarded by _lock
+        self._running = False                                              # guarded by _lock: a job is computing
         self._stopping = False                                             # guarded by _lock
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="asteria-device-lane", daemon=True)
@@ -84,7 +85,7 @@ class DeviceLane:
         with self._lock:
             self._snapshots[(index, version)] = snapshot
             self._jobs.append(LaneJob(index, version, request, snapshot, event))
-            self._lock.notify()
+            self._lock.notify_all()  # the lane's thread, and any drain() waiting beside it
 
     def take(self, index: int, version: int) -> Refreshed:
         """The result of ``version`` of set ``index`` (the registry activated it, so it has finished)."""
@@ -117,6 +118,14 @@ class DeviceLane:
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
                     "device_jobs_queued": len(self._jobs)}
 
+    def drain(self, timeout_s: float) -> None:
+        """Blocks until every queued job has ended (the engine's ``drain`` covers the workers' jobs only);
+        raises TimeoutError after ``timeout_s`` seconds."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: not (self._jobs or self._running), timeout_s):
+                raise TimeoutError(f"the device lane did not finish its {len(self._jobs) + self._running} job(s) "
+                                   f"within timeout_s={timeout_s}")
+
     def close(self) -> None:
         """Stops the thread after the job it runs (queued jobs are dropped). Idempotent."""
         with self._lock:
@@ -135,7 +144,13 @@ class DeviceLane:
                 if self._stopping:
                     return
                 job = self._jobs.popleft()
-            self._compute(job)
+                self._running = True
+            try:
+                self._compute(job)
+            finally:
+                with self._lock:
+                    self._running = False
+                    self._lock.notify_all()
 
     def _compute(self, job: LaneJob, inline: bool = False) -> None:
         """Refreshes the job's set and reports the outcome; ``inline``: on the current stream and thread (the
