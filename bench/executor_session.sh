@@ -11,7 +11,10 @@
 #   dims    olmo-160m at 8 x 1024 once per max_preconditioner_dim in $DIMS (default: 1024 2048), $DIMS_CONFIGS
 #           ($DIMS_STEPS): what smaller blocks cost in loss against the work they save (bench/refresh_demand.py);
 #   sweep   olmo-160m at 8 x 1024 for each beta2 in $BETA2S (default: 0.95 0.999) and lr schedule in $SCHEDULES
-#           (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the hyperparameter range.
+#           (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the hyperparameter range;
+#   first   SOAP's first-basis rule on olmo-160m at 8 x 1024 and f = $FIRST_F (default: 50), per seed in $FIRST_SEEDS
+#           (default: 0 1): SOAP at its default (eigh) beside Distributed Shampoo's, then with --first-basis qr
+#           (Distributed Shampoo's rule) ($FIRST_STEPS).
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -56,6 +59,14 @@ if has sweep; then
       STAGE_ARGS="--beta2 $beta2 --lr-schedule $schedule" bench "sweep-$beta2-$schedule" olmo-160m 8 \
         "${SWEEP_STEPS:-300}" ${SWEEP_CONFIGS:-adamw shampoo-async shampoo-sync}
     done
+  done
+fi
+if has first; then
+  for seed in ${FIRST_SEEDS:-0 1}; do
+    STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --seed $seed" bench "first-eigh-s$seed" olmo-160m 8 \
+      "${FIRST_STEPS:-300}" soap-async ds-soap
+    STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --seed $seed --first-basis qr" bench "first-qr-s$seed" \
+      olmo-160m 8 "${FIRST_STEPS:-300}" soap-async
   done
 fi
 has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \

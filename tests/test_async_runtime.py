@@ -73,6 +73,10 @@ def test_a_block_whose_buffers_would_need_a_converted_copy_is_refused():
             engine.add_block(torch.zeros(1, 4, 4, dtype=torch.float64), torch.zeros(1, 4, 4))
         with pytest.raises(TypeError, match="add_block"):
             engine.add_block(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match="Invalid first_basis='power': must be 'eigh' or 'qr'"):
+            engine.add_block(torch.zeros(1, 4, 4), torch.zeros(1, 6, 4), kind="eigenbasis", first_basis="power")
+        with pytest.raises(ValueError, match="Invalid first_basis='qr' for kind='root': only an eigenbasis block"):
+            engine.add_block(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4), first_basis="qr")
         assert engine.num_blocks == 0
     finally:
         engine.close()

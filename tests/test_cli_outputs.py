@@ -191,6 +191,7 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
      "Invalid start_preconditioning_step=1: must be None (the optimizer's own) or an int >= 1, and None for "
      "kl-shampoo"),
     (["--optimizer", "adamw", "--precondition-1d"], "Invalid --precondition-1d with --optimizer adamw"),
+    (["--optimizer", "adamw", "--first-basis", "qr"], "Invalid --first-basis qr with --optimizer adamw"),
     (["--optimizer", "kl-shampoo", "--no-precondition-1d"], "Invalid precondition_1d=False: must be None"),
     (["--keep-checkpoints", "3"], "Invalid --keep-checkpoints 3 without --checkpoint-every: it bounds"),
     (["--mode", "sync", "--stagger-split"], "Invalid --stagger-split with --mode sync without --stagger: it sets"),

@@ -45,6 +45,8 @@ def test_constant_schedule_and_default_warmup():
     ({"optimizer": "kl-shampoo", "precondition_1d": True}, "Invalid precondition_1d=True.*None for kl-shampoo"),
     ({"optimizer": "ds-shampoo", "precondition_1d": False}, "Invalid precondition_1d=False"),
     ({"precondition_1d": 1}, "Invalid precondition_1d=1"),
+    ({"optimizer": "soap", "first_basis": "QR"}, r"Invalid first_basis='QR': must be None \(SOAP's own: eigh\)"),
+    ({"optimizer": "shampoo", "first_basis": "qr"}, "Invalid first_basis='qr'.*other than soap"),
     ({"beta2": 1.0}, r"Invalid beta2=1.0: must be None \(the optimizer's own\) or a number in \(0, 1\)"),
     ({"beta2": True}, "Invalid beta2=True"),
     ({"beta2": 0}, "Invalid beta2=0"),
@@ -142,6 +144,22 @@ def test_a_checkpoint_from_before_the_1d_setting_resumes_with_the_factors_it_hol
     check_resumable(written, RunConfig(optimizer=optimizer), Path("new"))
     if optimizer != "kl-shampoo":  # an explicit False is the default
         check_resumable(written, RunConfig(optimizer=optimizer, precondition_1d=False), Path("new"))
+
+
+def test_soaps_first_basis_rule_reaches_it_and_a_resume_keeps_it():
+    """None is SOAP's own rule, eigh: a checkpoint from before the setting, or written with None, resumes with
+    either, and a run with the other rule is refused."""
+    for value, expected in ((None, "eigh"), ("eigh", "eigh"), ("qr", "qr")):
+        with make_optimizer(RunConfig(optimizer="soap", mode="sync", first_basis=value), torch.nn.Linear(4, 4)) as opt:
+            assert opt.first_basis == expected and all(f.first_basis == expected for f, _ in opt._set_groups)
+    cfg = RunConfig(optimizer="soap")
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "first_basis"}
+    for manifest in (Manifest(checkpoint.FORMAT, 10, 1, {}, saved),
+                     Manifest(checkpoint.FORMAT, 10, 1, {}, saved | {"first_basis": None})):
+        check_resumable(manifest, cfg, Path("old"))
+        check_resumable(manifest, dataclasses.replace(cfg, first_basis="eigh"), Path("old"))
+        with pytest.raises(CheckpointError, match=r"first_basis='eigh' \(this run: 'qr'\)"):
+            check_resumable(manifest, dataclasses.replace(cfg, first_basis="qr"), Path("old"))
 
 
 @pytest.mark.parametrize("optimizer", ["soap", "shampoo"])

@@ -36,11 +36,12 @@ class ReferenceSOAP(ReferenceOptimizer):
     gradient only builds the factors; until step ``start`` a weight's bases are the identity (Adam); at
     ``start`` the factors' eigenvectors become the bases, and the second moment is carried into them as the
     squares of their entries weigh it (v'[i, j] = sum_ab QL[a, i]^2 QR[b, j]^2 v[a, b]); every f steps
-    after that, one power step and a QR factorization refresh them."""
+    after that, one power step and a QR factorization refresh them. ``first="qr"``: the first bases are that
+    refresh from the identity instead of the eigenvectors (Distributed Shampoo's rule)."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start):
+    def __init__(self, params, lr, betas, eps, weight_decay, frequency, start, first="eigh"):
         super().__init__(params, lr, betas, eps, weight_decay)
-        self.f, self.start = frequency, start
+        self.f, self.start, self.first = frequency, start, first
         self.state = [dict(m=np.zeros(tuple(p.shape)), v=np.zeros(tuple(p.shape))) for p in self.params]
         for p, s in zip(self.params, self.state, strict=True):
             if p.dim() == 2:
@@ -56,7 +57,7 @@ class ReferenceSOAP(ReferenceOptimizer):
                 if matrix:
                     s["L"], s["R"] = g @ g.T, g.T @ g
                     if self.start == 1:
-                        s["QL"], s["QR"] = eig_desc(s["L"]), eig_desc(s["R"])
+                        s["QL"], s["QR"] = self.first_bases(s["L"]), self.first_bases(s["R"])
                 continue
             k = self.t - 1
             rotate = (lambda x: s["QL"].T @ x @ s["QR"]) if matrix else (lambda x: x)
@@ -69,7 +70,7 @@ class ReferenceSOAP(ReferenceOptimizer):
                 s["L"] = beta * s["L"] + (1 - beta) * g @ g.T
                 s["R"] = beta * s["R"] + (1 - beta) * g.T @ g
                 if self.t == self.start:
-                    s["QL"], s["QR"] = eig_desc(s["L"]), eig_desc(s["R"])
+                    s["QL"], s["QR"] = self.first_bases(s["L"]), self.first_bases(s["R"])
                     s["v"] = (s["QL"] ** 2).T @ s["v"] @ s["QR"] ** 2
                 elif self.t > self.start and (self.t - self.start) % self.f == 0:
                     for axis, (factor, basis) in enumerate((("L", "QL"), ("R", "QR"))):
@@ -81,10 +82,16 @@ class ReferenceSOAP(ReferenceOptimizer):
             with torch.no_grad():
                 p.copy_(torch.from_numpy(w))
 
+    def first_bases(self, factor: np.ndarray) -> np.ndarray:
+        if self.first == "eigh":
+            return eig_desc(factor)
+        order = np.argsort(-np.diag(factor), kind="stable")  # the identity's Rayleigh quotients
+        return np.linalg.qr(factor[:, order])[0]
 
-def run_reference(steps: int, start: int = FREQUENCY) -> list[torch.Tensor]:
+
+def run_reference(steps: int, start: int = FREQUENCY, first: str = "eigh") -> list[torch.Tensor]:
     model = small_mlp(sizes=SIZES)
-    ref = ReferenceSOAP(list(model.parameters()), frequency=FREQUENCY, start=start, **HYPER)
+    ref = ReferenceSOAP(list(model.parameters()), frequency=FREQUENCY, start=start, first=first, **HYPER)
     train(model, ref, steps, data=regression_data(sizes=SIZES))
     return [p.detach().clone() for p in model.parameters()]
 
@@ -104,6 +111,18 @@ def test_sync_matches_float64_reference(start):
     assert max(relative_errors(soap, reference)) < 2e-4
     if start != 1:  # the start changes the trajectory: the comparison can tell one from the other
         assert max(relative_errors(soap, run_reference(14, 1))) > 1e-2
+
+
+@pytest.mark.parametrize("start", [None, 1], ids=["default-f", "first-gradient"])
+def test_a_first_basis_from_the_identity_matches_the_reference_sync_and_async(start):
+    """``first_basis="qr"``: native mode and the C++ workers (S = 0) both follow the reference, which the
+    full eigendecomposition's trajectory does not."""
+    reference = run_reference(14, FREQUENCY if start is None else start, first="qr")
+    for runtime in (asteria.RuntimeConfig(mode="sync"),
+                    asteria.RuntimeConfig(mode="async", staleness=0, workers=2, stagger=False)):
+        soap = run_soap(14, runtime, start_preconditioning_step=start, first_basis="qr")
+        assert max(relative_errors(soap, reference)) < 2e-4, runtime.mode
+    assert max(relative_errors(run_reference(14, FREQUENCY if start is None else start), reference)) > 1e-2
 
 
 def test_reference_comparison_can_fail():
@@ -171,6 +190,7 @@ def test_refresh_skip_is_counted_and_keeps_the_basis(runtime):
     ({"shampoo_beta": 2.0}, "Invalid shampoo_beta=2.0"), ({"eps": 0}, "Invalid eps=0"),
     ({"refresh_skip_tol": -0.1}, "Invalid refresh_skip_tol=-0.1"),
     ({"precondition_1d": "yes"}, "Invalid precondition_1d"),
+    ({"first_basis": "QR"}, "Invalid first_basis='QR': must be 'eigh' or 'qr'"),
     ({"precondition_frequency": 0}, "Invalid precondition_frequency=0"),
 ])
 def test_invalid_hyperparameters(kwargs, match):

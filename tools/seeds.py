@@ -42,7 +42,7 @@ from gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 from asteria.config import is_int
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, parse_config, run_bench
 from asteria.train.checkpoint import interrupted
-from asteria.train.cli import add_run_arguments, out_dir, run_config_from_args
+from asteria.train.cli import add_run_arguments, bench_base, out_dir
 from asteria.train.report import is_number
 from asteria.train.run_config import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
 
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         if args.command == "run":
             check_one_seed_option(args.seed, args.seeds)
-            run_seeds(run_config_from_args(args), args.out, tuple(args.configs), list(args.seeds))
+            run_seeds(bench_base(args), args.out, tuple(args.configs), list(args.seeds))
         else:
             per_seed, devices, codes, settings = gather(list(args.runs))
             baseline = differences = baseline_codes = None

@@ -125,7 +125,8 @@ void init_runtime(nb::module_& m) {
           "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1)
       .def(
           "add_block",
-          [](RefreshEngine& e, AnyRing snapshots, Ring results, const std::string& kind) {
+          [](RefreshEngine& e, AnyRing snapshots, Ring results, const std::string& kind,
+             const std::string& first_basis) {
             runtime::BlockMemory memory;
             std::size_t extra_rows = 0;
             if (kind == "eigenbasis") {
@@ -134,6 +135,14 @@ void init_runtime(nb::module_& m) {
             } else if (kind != "root") {
               throw InvalidArgument("Invalid kind='" + kind + "': must be 'root' or 'eigenbasis'");
             }
+            if (first_basis != "eigh" && first_basis != "qr") {
+              throw InvalidArgument("Invalid first_basis='" + first_basis + "': must be 'eigh' or 'qr'");
+            }
+            if (first_basis == "qr" && kind != "eigenbasis") {
+              throw InvalidArgument("Invalid first_basis='qr' for kind='" + kind +
+                                    "': only an eigenbasis block has a first basis");
+            }
+            memory.first_from_identity = first_basis == "qr";
             const std::string expected = extra_rows == 0 ? "(depth, n, n)" : "(depth, n + 2, n)";
             memory.result_stride = ring_stride(results, "results", extra_rows, expected + " for kind='" + kind + "'");
             memory.n = static_cast<int>(results.shape(2));
@@ -167,14 +176,15 @@ void init_runtime(nb::module_& m) {
             memory.results = results.data();
             return e.add_block(memory);
           },
-          "snapshots"_a.noconvert(), "results"_a.noconvert(), "kind"_a = "root",
+          "snapshots"_a.noconvert(), "results"_a.noconvert(), "kind"_a = "root", "first_basis"_a = "eigh",
           "Registers a block. `snapshots` is a float32 host array of `depth` buffers: (depth, n, n), or (depth, "
           "n (n + 1) / 2) holding each factor's lower triangle row by row (torch.tril_indices order; half the "
           "memory, unpacked by the worker). No converted copy is made: the engine reads and writes the caller's "
           "memory. `results` is (depth, n, n) for kind='root' (inverse roots) or (depth, n + 2, n) for "
           "kind='eigenbasis' (rows 0..n-1: the basis Q, vectors as columns; row n: eigenvalue estimates; row n + 1: "
           "the permutation of the previous basis's columns, as floats). Version v lives at index v % depth. "
-          "Returns the block id.")
+          "`first_basis` (eigenbasis blocks): 'eigh', a full eigendecomposition for the block's first basis, or "
+          "'qr', one warm-started QR step from the identity (Distributed Shampoo's rule). Returns the block id.")
       .def_prop_ro("num_blocks", &RefreshEngine::num_blocks)
       .def("block_dim", &RefreshEngine::block_dim, "block"_a)
       .def("depth", &RefreshEngine::depth, "block"_a)

@@ -83,6 +83,10 @@ std::int64_t RefreshEngine::add_block(const BlockMemory& memory) {
                           " and >= " + std::to_string(result_elems) +
                           (memory.kind == RefreshKind::kEigenbasis ? " = (n+2)*n" : " = n*n"));
   }
+  if (memory.first_from_identity && memory.kind != RefreshKind::kEigenbasis) {
+    throw InvalidArgument("Invalid first_from_identity=true: only an eigenbasis block takes its first basis by a QR "
+                          "step from the identity");
+  }
   if (memory.snapshots == nullptr || memory.results == nullptr) {
     throw InvalidArgument("Invalid block memory: snapshot and result buffers must not be null");
   }

@@ -53,6 +53,10 @@ struct BlockMemory {
   std::int64_t result_stride = 0;
   RefreshKind kind = RefreshKind::kInverseRoot;
   bool packed = false;
+  // kEigenbasis: a block's first basis (and any while its basis is a zero factor's identity) is one
+  // qr_refresh step from the identity, as Distributed Shampoo's SOAP takes it, instead of a full
+  // eigendecomposition; later ones warm-start from it either way.
+  bool first_from_identity = false;
 };
 
 // Elements of one snapshot buffer: n x n, or the lower triangle of a packed one.

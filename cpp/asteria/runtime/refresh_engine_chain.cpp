@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <vector>
 
 #include "asteria/common/errors.h"
 #include "asteria/linalg/eigenbasis.h"
@@ -49,10 +50,18 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
   JobOutcome outcome;
   std::lock_guard chain(b.chain_mutex);
   // No basis yet, or the identity of a zero factor (a block whose parameter had no gradient yet): the
-  // full eigendecomposition, as at a block's first refresh.
-  if (b.good_version == 0 || linalg::is_identity(b.n, b.good_basis.data())) {
+  // full eigendecomposition, as at a block's first refresh, or one QR step from the identity.
+  const bool first = b.good_version == 0 || linalg::is_identity(b.n, b.good_basis.data());
+  if (first && !b.first_from_identity) {
     outcome.used_float64 = linalg::eigenbasis(b.n, input, q, estimates, spec.scale).used_float64;
     std::iota(perm, perm + b.n, 0.0f);
+  } else if (first) {
+    std::vector<float> identity(nn, 0.0f);
+    for (int i = 0; i < b.n; ++i) identity[static_cast<std::size_t>(i) * b.n + i] = 1.0f;
+    const linalg::BasisReport report =
+        linalg::qr_refresh(b.n, input, identity.data(), q, estimates, perm, spec.scale, skip_tol);
+    outcome.used_float64 = report.used_float64;
+    outcome.skipped = report.skipped;
   } else {
     const linalg::BasisReport report =
         linalg::qr_refresh(b.n, input, b.good_basis.data(), q, estimates, perm, spec.scale, skip_tol);

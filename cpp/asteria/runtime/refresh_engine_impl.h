@@ -36,6 +36,7 @@ struct RefreshEngine::Block {
       : n(memory.n),
         kind(memory.kind),
         packed(memory.packed),
+        first_from_identity(memory.first_from_identity),
         snapshots(reinterpret_cast<std::byte*>(memory.snapshots),
                   static_cast<std::size_t>(snapshot_elements(memory.n, memory.packed)) * sizeof(float),
                   static_cast<std::size_t>(memory.snapshot_stride) * sizeof(float), memory.depth,
@@ -50,6 +51,7 @@ struct RefreshEngine::Block {
   const int n;
   const RefreshKind kind;
   const bool packed;
+  const bool first_from_identity;
   store::VersionedRing snapshots;
   store::VersionedRing results;
   float* const result_base;         // result buffer 0, in the caller's memory

@@ -306,10 +306,11 @@ struct BasisRings {
   BasisRings(int depth, int n)
       : n(n), depth(depth), snapshots(static_cast<std::size_t>(depth * n * n)),
         results(static_cast<std::size_t>(depth * (n + 2) * n)) {}
-  BlockMemory memory() {
+  BlockMemory memory(bool first_from_identity = false) {
     BlockMemory m{n, depth, snapshots.data(), static_cast<std::int64_t>(n) * n, results.data(),
                   static_cast<std::int64_t>(n + 2) * n};
     m.kind = RefreshKind::kEigenbasis;
+    m.first_from_identity = first_from_identity;
     return m;
   }
   float* snapshot(std::int64_t version) { return snapshots.data() + (version % depth) * n * n; }
@@ -347,12 +348,13 @@ constexpr double kBasisScale = 1.5;
 // Runs versions 1..factors.size() of one eigenbasis block (a NaN factor fails its version) and
 // returns the result buffers of all versions (empty for failed ones).
 std::vector<std::vector<float>> run_chain(int workers, const std::vector<std::vector<float>>& factors,
-                                          double skip_tol = 0.0, EngineStats* stats = nullptr) {
+                                          double skip_tol = 0.0, EngineStats* stats = nullptr,
+                                          bool first_from_identity = false) {
   const int n = static_cast<int>(std::sqrt(static_cast<double>(factors[0].size())));
   const int depth = static_cast<int>(factors.size()) + 1;
   RefreshEngine engine(config(/*staleness=*/depth - 1, workers));
   BasisRings rings(depth, n);
-  const auto block = engine.add_block(rings.memory());
+  const auto block = engine.add_block(rings.memory(first_from_identity));
   for (std::size_t i = 0; i < factors.size(); ++i) {
     const std::int64_t version = static_cast<std::int64_t>(i) + 1;
     engine.begin_snapshot({block}, version, 1s);
@@ -441,6 +443,31 @@ TEST(RefreshEngineEigenbasis, AZeroFactorsIdentityIsNotWarmStartedFrom) {
   EXPECT_TRUE(bitwise_equal(results[3], v4));  // from then on, warm-started as usual
   const auto warm_from_identity = direct_refresh(kN, factors[2], direct_eigenbasis(kN, zero, 1.0), kBasisScale, 0);
   EXPECT_FALSE(bitwise_equal(results[2], warm_from_identity));  // the rule above is what made the difference
+}
+
+TEST(RefreshEngineEigenbasis, AFirstBasisFromTheIdentityIsOneQrStepFromIt) {
+  // Distributed Shampoo's rule: the first basis (also after a zero factor's identity) is the warm refresh
+  // from the identity, and the chain goes on from it; the same bits with any worker count.
+  set_blas_threads(1);
+  constexpr int kN = 12;
+  std::vector<float> identity(kN * kN, 0.0f);
+  for (int i = 0; i < kN; ++i) identity[i * kN + i] = 1.0f;
+  const std::vector<std::vector<float>> factors = {std::vector<float>(kN * kN, 0.0f), random_factor(kN, 14),
+                                                   random_factor(kN, 15)};
+  const auto v2 = direct_refresh(kN, factors[1], identity, kBasisScale, 0);
+  const auto v3 = direct_refresh(kN, factors[2], std::vector<float>(v2.begin(), v2.begin() + kN * kN), kBasisScale, 0);
+  for (const int workers : {1, 4}) {
+    const auto results = run_chain(workers, factors, 0.0, nullptr, /*first_from_identity=*/true);
+    EXPECT_TRUE(linalg::is_identity(kN, results[0].data()));  // a zero factor keeps the identity
+    EXPECT_TRUE(bitwise_equal(results[1], v2)) << workers << " workers";
+    EXPECT_TRUE(bitwise_equal(results[2], v3)) << workers << " workers";
+  }
+  EXPECT_FALSE(bitwise_equal(v2, direct_eigenbasis(kN, factors[1], kBasisScale)));  // not the full decomposition
+  RefreshEngine engine(config(1, 1));
+  std::vector<float> snapshots(kN * kN), roots(kN * kN);
+  BlockMemory root{kN, 1, snapshots.data(), 0, roots.data(), 0};
+  root.first_from_identity = true;
+  EXPECT_THROW(engine.add_block(root), InvalidArgument);  // a root has no basis
 }
 
 TEST(RefreshEngineEigenbasis, SkipsAndCountsANearlyDiagonalRefresh) {

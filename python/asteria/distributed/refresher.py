@@ -126,7 +126,8 @@ class DistributedRefresher(WorkerRefresher):
             n, rows = fset.dim, units[0].rows
             snaps = torch.empty((self.depth, len(owned), n, n), dtype=torch.float32, pin_memory=pin, device="cpu")
             results = torch.empty((self.depth, len(owned), rows, n), dtype=torch.float32, pin_memory=pin, device="cpu")
-            ids = [self.engine.add_block(snaps[:, j], results[:, j], kind=fset.kind) for j in range(len(owned))]
+            ids = [self.engine.add_block(snaps[:, j], results[:, j], kind=fset.kind, first_basis=fset.first_basis)
+                   for j in range(len(owned))]
             for block_id, b in zip(ids, owned):
                 self.engine_unit[block_id] = units[b]
             self.snapshots.append(snaps)

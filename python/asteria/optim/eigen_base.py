@@ -33,6 +33,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
     MERGE_DIMS = False  # a matrix stays a matrix: each of its dimensions gets a basis
     ACTIVATION_LAG = 1  # the direction is computed while accumulating, with the bases of the step before
     FIRST_GRADIENT_STEPS = False  # a block's first gradient builds its factors (and basis) only
+    first_basis = "eigh"  # how a block's first basis is taken (FactorSet.first_basis); SOAP lets the user choose
 
     def __init__(self, *args, **kwargs) -> None:
         #: per factor set (index), per block: whether its first basis from a factor with a gradient is still to come
@@ -145,7 +146,7 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
 
             sets.append(FactorSet(name=f"{group.name}, mode {mode}", mode=mode, factors=factor, preconditioners=basis,
                                   installed=installed, exponent=-0.5, kind="eigenbasis", permute=permute,
-                                  block_params=[block.name for block in group.blocks]))
+                                  block_params=[block.name for block in group.blocks], first_basis=self.first_basis))
         return sets
 
     def _root_request(self, fset: FactorSet, group: ShapeGroup) -> RootRequest:

@@ -55,6 +55,11 @@ class SOAP(EigenbasisOptimizer):
         runtime: an ``asteria.RuntimeConfig``. With ``deterministic=False`` (one process) each block
             takes its newest finished basis; the second moment follows it through the composed column
             orders of any versions passed over.
+        first_basis: how each block's first basis is taken from its factor: ``"eigh"``, its full
+            eigendecomposition, or ``"qr"``, one step of orthogonal iteration from the identity, the rule of
+            Distributed Shampoo's SOAP (every basis then comes from the one before by that same step). Later
+            bases warm-start from the one in use either way. On small CPU models ``"qr"`` ended within the
+            scatter of ``"eigh"`` (docs/results.md, "SOAP's first basis").
     """
 
     BETA2_KEYS = ("shampoo_beta",)
@@ -73,6 +78,7 @@ class SOAP(EigenbasisOptimizer):
         precondition_1d: bool = False,
         refresh_skip_tol: float = 0.0,
         runtime: RuntimeConfig | None = None,
+        first_basis: str = "eigh",
     ) -> None:
         check_betas(betas)
         #: param groups with their own betas and no shampoo_beta take their betas[1] (``add_param_group``)
@@ -80,6 +86,8 @@ class SOAP(EigenbasisOptimizer):
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         self.precondition_1d = precondition_1d
+        check_arg(first_basis in ("eigh", "qr"), "first_basis", first_basis, "must be 'eigh' or 'qr'")
+        self.first_basis = first_basis
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol)
         self.check_hyperparameters(defaults)

@@ -71,7 +71,8 @@ class AsyncRefresher(WorkerRefresher):
             # An eigenbasis result carries two more rows: the eigenvalue estimates and the column order.
             rows = n + 2 if fset.kind == "eigenbasis" else n
             results = torch.empty((self.depth, fset.batch, rows, n), dtype=torch.float32, pin_memory=pin, device="cpu")
-            ids = [self.engine.add_block(snapshots[:, b], results[:, b], kind=fset.kind) for b in range(fset.batch)]
+            ids = [self.engine.add_block(snapshots[:, b], results[:, b], kind=fset.kind, first_basis=fset.first_basis)
+                   for b in range(fset.batch)]
             self.owner.update({block_id: (index, b) for b, block_id in enumerate(ids)})
             self.snapshots.append(snapshots)
             self.results.append(results)

@@ -29,6 +29,8 @@ class FactorSet:
         versions: per block, the version in use (0: none yet), kept on the host.
         offset: where the set's first block sits in its shape group (a slice of a larger set: ``slice``).
         mode: the dimension of the blocks whose factor this is.
+        first_basis: for eigenbases, how a block's first basis is taken: ``"eigh"`` (a full
+            eigendecomposition) or ``"qr"`` (one warm-started QR step from the identity).
     """
 
     name: str
@@ -42,6 +44,7 @@ class FactorSet:
     versions: list[int] = field(default_factory=list)
     offset: int = 0
     mode: int = 0
+    first_basis: str = "eigh"
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -78,7 +81,7 @@ class FactorSet:
                          preconditioners=self.preconditioners[start:stop], installed=self.installed[start:stop],
                          exponent=self.exponent, block_params=self.block_params[start:stop], kind=self.kind,
                          permute=permute, versions=self.versions[start:stop], offset=self.offset + start,
-                         mode=self.mode)
+                         mode=self.mode, first_basis=self.first_basis)
 
 
 @dataclass(frozen=True)

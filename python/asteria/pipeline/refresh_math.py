@@ -45,7 +45,7 @@ def _refresh(fset: FactorSet, factors: Tensor, request: RootRequest, current: Te
              widen: bool) -> Refreshed:
     if fset.kind == "root":
         return _roots(fset, factors, request, widen)
-    return _eigenbases(factors, request.skip_tol, current, installed, widen)
+    return _eigenbases(factors, request.skip_tol, current, installed, widen, fset.first_basis)
 
 
 def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) -> Refreshed:
@@ -58,10 +58,17 @@ def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) 
     return Refreshed(new, usable, None, 0)
 
 
-def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Tensor, widen: bool) -> Refreshed:
+def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Tensor, widen: bool,
+                first_basis: str = "eigh") -> Refreshed:
     """The column order is None when no block was refreshed from an old basis (the blocks decomposed afresh
-    keep theirs: the identity order)."""
+    keep theirs: the identity order). ``first_basis="qr"``: the blocks without a basis (or with a zero
+    factor's identity) take one QR step from the identity instead, as the C++ engine's chain does."""
     warm = installed & ~F.identity_rows(current)
+    if first_basis == "qr":
+        eye = torch.eye(current.shape[-1], dtype=current.dtype, device=current.device).expand_as(current)
+        start = torch.where(F.batch_view(warm, current), current, eye)
+        refreshed, order, usable, skipped = F.qr_refresh(factors, start, skip_tol, widen)
+        return Refreshed(refreshed, usable, order, int(skipped.sum()))
     if not bool(warm.any()):
         bases, usable = F.eigenbasis(factors)
         return Refreshed(bases, usable, None, 0)

@@ -31,10 +31,18 @@ from asteria.train.loop import STOP_REQUESTED, train
 from asteria.train.model import PRESETS
 from asteria.train.peers import PEERS
 from asteria.train.report import write_report
-from asteria.train.run_config import ASYNC_ONLY_SETTINGS, LR_SCHEDULES, MATMUL_PRECISIONS, OPTIMIZERS, RunConfig
+from asteria.train.run_config import (
+    ASYNC_ONLY_SETTINGS,
+    FIRST_BASES,
+    LR_SCHEDULES,
+    MATMUL_PRECISIONS,
+    OPTIMIZERS,
+    RunConfig,
+)
 
 OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
-                  "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int}
+                  "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
+                  "first_basis": str}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "precondition_1d"}
 HELP = {
@@ -46,6 +54,8 @@ HELP = {
     "beta2": "the second-moment decay, betas[1]: Shampoo's factors and grafting, SOAP's second moment and factors, "
              "KL-Shampoo's, AdamW's and the peers' alike (default: the optimizer's own: 0.999 for Shampoo and AdamW, "
              "0.95 for SOAP, 0.98 for KL-Shampoo)",
+    "first_basis": "how SOAP takes each block's first eigenbasis: eigh (a full eigendecomposition, the default) or "
+                   "qr (one step of orthogonal iteration from the identity, as Distributed Shampoo's SOAP does)",
     "precondition_1d": "give 1-D parameters (norm gains, biases) full-matrix factors too, as Distributed Shampoo "
                        "does (shampoo, soap; default: off, they take Adam's step)",
     "lag_steps": "with the deterministic rule, use each refresh this many steps after its snapshot (at most S x "
@@ -124,7 +134,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # optimizer reads (AdamW ignores them all).
 ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
-                     "start_preconditioning_step", "precondition_1d")
+                     "start_preconditioning_step", "precondition_1d", "first_basis")
 
 
 def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = True) -> None:
@@ -197,7 +207,7 @@ def out_dir(text: str) -> Path:
 #: the values an option takes, shown in its help (RunConfig checks them, naming the value and these)
 CHOICES = {"optimizer": OPTIMIZERS, "model": tuple(PRESETS), "mode": ("sync", "async"), "placement": PLACEMENTS,
            "prefetch": PREFETCH_POINTS, "lr_schedule": LR_SCHEDULES, "parallel": PARALLEL_MODES,
-           "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda")}
+           "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda"), "first_basis": FIRST_BASES}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -224,6 +234,13 @@ def run_config_from_args(args: argparse.Namespace, **overrides) -> RunConfig:
     values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if getattr(args, f.name, None) is not None}
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     return RunConfig(**(values | overrides))
+
+
+def bench_base(args: argparse.Namespace) -> RunConfig:
+    """The settings a bench's configs share (``run_config_from_args`` of options without --optimizer): AdamW
+    stands in as the optimizer, since it takes every optimizer's own settings and reads none; each config's
+    RunConfig checks them against its optimizer (a SOAP-only setting beside a Shampoo config is refused)."""
+    return run_config_from_args(args, optimizer="adamw")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,7 +366,7 @@ def _main(argv: list[str] | None) -> int:
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
         elif args.command == "bench":
-            results = run_bench(run_config_from_args(args), args.out, tuple(args.configs))
+            results = run_bench(bench_base(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
         else:

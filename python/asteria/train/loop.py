@@ -93,7 +93,7 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                         device_share=float(cfg.device_share)) if cfg.mode == "async" else {}))
     kind = ASTERIA_CLASSES[cfg.optimizer]
     # the settings whose None leaves the optimizer's own default
-    chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d")
+    chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d", "first_basis")
               if getattr(cfg, name) is not None}
     return kind(model.named_parameters(), lr=cfg.learning_rate, betas=betas_with(kind, cfg.beta2),
                 weight_decay=cfg.weight_decay, precondition_frequency=cfg.precondition_frequency,

@@ -31,22 +31,23 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3} 
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
 LR_SCHEDULES = ("cosine", "constant")
+FIRST_BASES = ("eigh", "qr")  # asteria.SOAP's first_basis
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "beta2",
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
                      "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split",
-                     "start_preconditioning_step", "precondition_1d")
+                     "start_preconditioning_step", "precondition_1d", "first_basis")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split", "start_preconditioning_step", "precondition_1d")
+                         "stagger_split", "start_preconditioning_step", "precondition_1d", "first_basis")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False,
-                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None}
+                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None}
 
 
 @dataclass(kw_only=True)
@@ -72,6 +73,7 @@ class RunConfig:
     precondition_frequency: int = 10
     start_preconditioning_step: int | None = None
     precondition_1d: bool | None = None
+    first_basis: str | None = None
     max_preconditioner_dim: int = 2048
     workers: int | None = None
     placement: str = "auto"
@@ -168,6 +170,9 @@ class RunConfig:
                                                and self.optimizer in ("shampoo", "soap", "adamw")),
               "precondition_1d", "must be None (the optimizer's own: off), True or False, and None for kl-shampoo "
               "(1-D parameters take Adam's step) and the peers")
+        check(self.first_basis is None or (self.first_basis in FIRST_BASES and self.optimizer in ("soap", "adamw")),
+              "first_basis", f"must be None (SOAP's own: eigh) or one of {FIRST_BASES}, and None for the optimizers "
+              "other than soap")
         check(self.lag_steps is None or (is_int(self.lag_steps) and self.lag_steps >= 0), "lag_steps",
               "must be an int >= 0")
         if self.lag_steps is not None:  # the runtime's own checks (deterministic rule, at most S intervals), now
@@ -257,6 +262,8 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     saved["precondition_1d"] = resolved_precondition_1d(manifest.config,
                                                         legacy="precondition_1d" not in manifest.config)
     this["precondition_1d"] = resolved_precondition_1d(asdict(cfg))
+    saved["first_basis"] = saved["first_basis"] or "eigh"  # None: SOAP's own
+    this["first_basis"] = this["first_basis"] or "eigh"
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
     unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
