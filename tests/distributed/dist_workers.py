@@ -96,9 +96,9 @@ def optimizer(kind: str, params: Any, staleness: int, mode: str = "async", **run
     if kind == "shampoo":
         return asteria.Shampoo(params, lr=0.02, eps=1e-6, max_preconditioner_dim=DIM, precondition_frequency=2,
                                runtime=config)
-    if kind == "soap":
+    if kind in ("soap", "soap-qr"):  # soap-qr: Distributed Shampoo's first-basis rule
         return asteria.SOAP(params, lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=2,
-                            refresh_skip_tol=0.3, runtime=config)
+                            refresh_skip_tol=0.3, runtime=config, first_basis="qr" if kind == "soap-qr" else "eigh")
     return asteria.KLShampoo(params, lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=2, runtime=config)
 
 

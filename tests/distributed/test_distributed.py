@@ -57,8 +57,8 @@ def test_every_rank_owns_an_equal_share_of_each_set():
 # (optimizer, S, steps, lag_steps, stagger): with lag_steps=1 every version after the sync refreshes is used
 # one step after its snapshot, on every rank; staggered, each step refreshes and exchanges the sets of one phase.
 DDP_RUNS = [("shampoo", 0, 6, None, False), ("shampoo", 3, 12, None, False), ("soap", 1, 10, None, False),
-            ("kl-shampoo", 3, 12, 1, True)]
-TOLS["kl-shampoo"] = TOLS["soap"]
+            ("kl-shampoo", 3, 12, 1, True), ("soap-qr", 1, 10, None, False)]
+TOLS["kl-shampoo"] = TOLS["soap-qr"] = TOLS["soap"]
 # Every weight's dimension 0 splits into shards that coincide with the single-process blocks
 # (max_preconditioner_dim 8, shards of 8 or 16 rows), so per-shard blocking is whole-parameter blocking
 # and the runs must agree up to the gradient reduction's rounding.
@@ -132,6 +132,9 @@ def test_ddp_matches_single_process_and_replicas_stay_identical(trained):
         assert stats[0]["bytes_inter_node_sent"] == stats[2]["bytes_inter_node_received"]
         assert stats[2]["bytes_inter_node_sent"] == stats[0]["bytes_inter_node_received"]
         assert all(s["bytes_intra_node_shared"] > 0 for s in stats)
+    # SOAP's first-basis rule reaches the ranks' engines: with the full eigendecomposition they would end elsewhere.
+    qr, eigh = results[0]["runs"][("soap-qr", 1, None)]["params"], W.single_process("soap", 1, 10)
+    assert any(not torch.allclose(qr[name], value, **TOLS["soap"]) for name, value in eigh.items())
     soap = [r["runs"][("soap", 1, None)]["stats"] for r in results][0]
     skipped = sum(s["exchanges_skipped"] for s in soap)
     # Kept bases move nothing; the engine also counts the skips of the version still pending at the end.
