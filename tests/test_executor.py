@@ -205,6 +205,19 @@ def test_the_device_lanes_drain_waits_for_every_queued_job():
         engine.close()
 
 
+def test_the_workers_prior_times_each_block_size_up_to_its_cap(monkeypatch):
+    """Each size up to PRIOR_MAX_TIMED is timed on its own (BLAS's rate per flop grows with n, so a small
+    block scaled by n^3 overstates a large one); above the cap the largest timed size scales by n^3."""
+    from asteria.pipeline import async_refresh
+
+    monkeypatch.setattr(async_refresh, "PRIOR_MAX_TIMED", 64)
+    prior = async_refresh.cpu_prior([256, 16, 64, 16])
+    assert sorted(prior) == [16, 64, 256]
+    assert all(0 < seconds < 10 for seconds in prior.values())
+    assert prior[256] == prior[64] * 4**3  # scaled from the cap's own timing
+    assert prior[16] != prior[64] * (16 / 64) ** 3  # timed, not scaled
+
+
 def test_the_balancers_step_time_leaves_out_the_start_up_refresh_steps():
     """The interval's time is the median of its last steps: a start-up refresh step (2.5 s here, waited for)
     does not stretch it, and a lasting change of pace takes over within an interval."""

@@ -29,8 +29,9 @@ from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.worker_refresh import WorkerRefresher
 
 CPU, DEVICE = "cpu", "device"
-#: the block size whose root, timed once on one core, gives the workers' cost before they have run a job
-PRIOR_BLOCK = 256
+#: the largest block size whose root the workers' prior times itself (larger ones scale from it by n^3: BLAS runs
+#: at its full rate there, so the flops tell the time)
+PRIOR_MAX_TIMED = 2048
 
 
 def refresh_buffer_bytes(sets: list[FactorSet], depth: int) -> int:
@@ -48,6 +49,26 @@ def device_lane_wanted(config: RuntimeConfig, sets: list[FactorSet]) -> bool:
     if config.device_refresh is not None:
         return config.device_refresh
     return any(fset.device.type == "cuda" for fset in sets)
+
+
+def cpu_prior(dims: list[int]) -> dict[int, float]:
+    """Per block size in ``dims``, one core's seconds for a root before the workers have run a job (the engine's
+    measurements replace it): a root of each size up to PRIOR_MAX_TIMED, timed once on this thread (the workers
+    set the BLAS library to their one thread), and the largest of them scaled by n^3 above it. Each size is
+    timed because BLAS runs a 2048 block about 3x faster per flop than a 256 one: scaled by n^3 from 256, the
+    prior overstated a 2048 block's cost 3.3x, and the first plans sent to the device lane sets that the workers
+    could have refreshed."""
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[int, float] = {}
+    _core.inverse_root(torch.eye(8).numpy(), -0.25, 1e-6)  # the library's first call, outside the timings
+    for n in sorted({min(dim, PRIOR_MAX_TIMED) for dim in dims}):
+        g = torch.randn(n, n, generator=gen)
+        a = (g @ g.T / n).numpy()
+        started = time.perf_counter()
+        _core.inverse_root(a, -0.25, 1e-6)
+        seconds[n] = time.perf_counter() - started
+    largest = max(seconds, default=1)
+    return {dim: seconds[dim] if dim in seconds else seconds[largest] * (dim / largest) ** 3 for dim in dims}
 
 
 class AsyncRefresher(WorkerRefresher):
@@ -97,15 +118,7 @@ class AsyncRefresher(WorkerRefresher):
         self.backlog = BacklogMonitor(config, interval)
 
     def _cpu_prior(self) -> dict[int, float]:
-        """Per block size, one core's seconds for a root: one timed root of a small block (the workers set the
-        BLAS library to their one thread), scaled by n^3; the engine's measurements replace it."""
-        gen = torch.Generator().manual_seed(0)
-        g = torch.randn(PRIOR_BLOCK, PRIOR_BLOCK, generator=gen)
-        a = (g @ g.T / PRIOR_BLOCK).numpy()
-        started = time.perf_counter()
-        _core.inverse_root(a, -0.25, 1e-6)
-        seconds = time.perf_counter() - started
-        return {fset.dim: seconds * (fset.dim / PRIOR_BLOCK) ** 3 for fset in self.sets}
+        return cpu_prior([fset.dim for fset in self.sets])
 
     # ---- refresh and activation -------------------------------------------------------------------
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
