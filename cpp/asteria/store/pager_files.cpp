@@ -62,6 +62,23 @@ using detail::errno_text;
 using detail::FdGuard;
 using detail::parse_page_file_name;
 
+namespace {
+
+// Opens the page file `path` for a job's `op` ("write" or "read") of `bytes` at `offset`, or throws
+// PagerIOError naming it (`prefix`: the Pager's where(op), `what`: the job's key and version).
+int open_page(const std::string& path, int flags, const std::string& prefix, const char* op, std::uint64_t offset,
+              std::size_t bytes, const std::string& what) {
+  const int fd = ::open(path.c_str(), flags, 0600);
+  if (fd >= 0) return fd;
+  const int e = errno;
+  const std::string cause = e == ENOENT ? "page file is missing (was it removed?)" : "cannot open page file";
+  throw PagerIOError(prefix + cause + " " + path + " to " + op + " " + std::to_string(bytes) + " bytes at offset " +
+                         std::to_string(offset) + what + ": " + errno_text(e),
+                     path, offset, bytes, e);
+}
+
+}  // namespace
+
 void Pager::recover() {
   std::vector<std::uint64_t> found;
   DIR* dir = ::opendir(config_.directory.c_str());
@@ -277,14 +294,7 @@ void Pager::run_write(Job& job, std::byte* bounce) {
                                       : "; the previous version stays live";
   int flags = O_WRONLY | O_CLOEXEC | (mode_ == IoMode::kDirect ? O_DIRECT : 0);
   if (job.create) flags |= O_CREAT | (config_.keep_files ? 0 : O_EXCL);
-  const int fd = ::open(path.c_str(), flags, 0600);
-  if (fd < 0) {
-    const int e = errno;
-    const std::string cause = e == ENOENT ? "page file is missing (was it removed?)" : "cannot open page file";
-    throw PagerIOError(where("write") + cause + " " + path + " to write " + std::to_string(slot_bytes_) +
-                           " bytes at offset " + std::to_string(offset) + what + ": " + errno_text(e),
-                       path, offset, slot_bytes_, e);
-  }
+  const int fd = open_page(path, flags, where("write"), "write", offset, slot_bytes_, what);
   if (job.create) job.file_created = true;
   FdGuard guard{fd};
   std::size_t done = 0;
@@ -319,14 +329,8 @@ void Pager::run_read(Job& job, std::byte* bounce) {
   const std::string path = path_of(job.key);
   const std::uint64_t offset = static_cast<std::uint64_t>(job.slot) * slot_bytes_;
   const std::string what = " (key " + std::to_string(job.key) + ", version " + std::to_string(job.version) + ")";
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (mode_ == IoMode::kDirect ? O_DIRECT : 0));
-  if (fd < 0) {
-    const int e = errno;
-    const std::string cause = e == ENOENT ? "page file is missing (was it removed?)" : "cannot open page file";
-    throw PagerIOError(where("read") + cause + " " + path + " to read " + std::to_string(slot_bytes_) +
-                           " bytes at offset " + std::to_string(offset) + what + ": " + errno_text(e),
-                       path, offset, slot_bytes_, e);
-  }
+  const int fd = open_page(path, O_RDONLY | O_CLOEXEC | (mode_ == IoMode::kDirect ? O_DIRECT : 0), where("read"),
+                           "read", offset, slot_bytes_, what);
   FdGuard guard{fd};
   std::size_t got = 0;
   while (got < slot_bytes_) {
