@@ -55,16 +55,15 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
   if (first && !b.first_from_identity) {
     outcome.used_float64 = linalg::eigenbasis(b.n, input, q, estimates, spec.scale).used_float64;
     std::iota(perm, perm + b.n, 0.0f);
-  } else if (first) {
-    std::vector<float> identity(nn, 0.0f);
-    for (int i = 0; i < b.n; ++i) identity[static_cast<std::size_t>(i) * b.n + i] = 1.0f;
-    const linalg::BasisReport report =
-        linalg::qr_refresh(b.n, input, identity.data(), q, estimates, perm, spec.scale, skip_tol);
-    outcome.used_float64 = report.used_float64;
-    outcome.skipped = report.skipped;
   } else {
+    std::vector<float> identity;
+    if (first) {
+      identity.assign(nn, 0.0f);
+      for (int i = 0; i < b.n; ++i) identity[static_cast<std::size_t>(i) * b.n + i] = 1.0f;
+    }
+    const float* start = first ? identity.data() : b.good_basis.data();
     const linalg::BasisReport report =
-        linalg::qr_refresh(b.n, input, b.good_basis.data(), q, estimates, perm, spec.scale, skip_tol);
+        linalg::qr_refresh(b.n, input, start, q, estimates, perm, spec.scale, skip_tol);
     outcome.used_float64 = report.used_float64;
     outcome.skipped = report.skipped;
   }

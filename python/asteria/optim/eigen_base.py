@@ -33,7 +33,8 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
     MERGE_DIMS = False  # a matrix stays a matrix: each of its dimensions gets a basis
     ACTIVATION_LAG = 1  # the direction is computed while accumulating, with the bases of the step before
     FIRST_GRADIENT_STEPS = False  # a block's first gradient builds its factors (and basis) only
-    first_basis = "eigh"  # how a block's first basis is taken (FactorSet.first_basis); SOAP lets the user choose
+    FIRST_BASES = ("eigh", "qr")  # the rules for a block's first basis (FactorSet.first_basis)
+    first_basis = "eigh"  # the rule this optimizer takes; SOAP lets the user choose
 
     def __init__(self, *args, **kwargs) -> None:
         #: per factor set (index), per block: whether its first basis from a factor with a gradient is still to come

@@ -86,7 +86,7 @@ class SOAP(EigenbasisOptimizer):
         shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
         check_arg(isinstance(precondition_1d, bool), "precondition_1d", precondition_1d, "must be a bool")
         self.precondition_1d = precondition_1d
-        check_arg(first_basis in ("eigh", "qr"), "first_basis", first_basis, "must be 'eigh' or 'qr'")
+        check_arg(first_basis in self.FIRST_BASES, "first_basis", first_basis, "must be 'eigh' or 'qr'")
         self.first_basis = first_basis
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         refresh_skip_tol=refresh_skip_tol)

@@ -102,7 +102,7 @@ class AsyncRefresher(WorkerRefresher):
         self.balancer = None
         if self.lane is not None and not config.deterministic:
             self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"], config.device_share,
-                                         self._cpu_prior())
+                                         cpu_prior([fset.dim for fset in self.sets]))
         self.lanes = [CPU] * len(sets)  # the side of each set's newest version
         self._lane_of: dict[tuple[int, int], str] = {}  # (set, version) in flight -> its side
         self._open: dict[int, list[int]] = {}  # set -> its versions in flight (newest-finished rule)
@@ -116,9 +116,6 @@ class AsyncRefresher(WorkerRefresher):
         # Versions snapshotted but not yet activated: (set index, version, activation step, request).
         self._scheduled: list[tuple[int, int, int, RootRequest]] = []
         self.backlog = BacklogMonitor(config, interval)
-
-    def _cpu_prior(self) -> dict[int, float]:
-        return cpu_prior([fset.dim for fset in self.sets])
 
     # ---- refresh and activation -------------------------------------------------------------------
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import asteria
 from asteria.config import MAX_FREQUENCY, MAX_STALENESS, is_int
 from asteria.hooks import PREFETCH_POINTS
+from asteria.optim.soap import SOAP
 from asteria.train import checkpoint
 from asteria.train.checkpoint import CheckpointError
 from asteria.train.distributed import PARALLEL_MODES
@@ -31,7 +32,7 @@ DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3, "soap": 3e-3, "kl-shampoo": 3e-3} 
 # updates and preconditioning; the model runs in bf16 autocast on GPUs) use TF32 tensor cores.
 MATMUL_PRECISIONS = ("highest", "high")
 LR_SCHEDULES = ("cosine", "constant")
-FIRST_BASES = ("eigh", "qr")  # asteria.SOAP's first_basis
+FIRST_BASES = SOAP.FIRST_BASES  # asteria.SOAP's first_basis
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
 # A checkpoint continues only the run it came from: these must be equal to resume.
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "beta2",
