@@ -14,7 +14,10 @@
 #           (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the hyperparameter range;
 #   first   SOAP's first-basis rule on olmo-160m at 8 x 1024 and f = $FIRST_F (default: 50), per seed in $FIRST_SEEDS
 #           (default: 0 1): SOAP at its default (eigh) beside Distributed Shampoo's, then with --first-basis qr
-#           (Distributed Shampoo's rule) ($FIRST_STEPS).
+#           (Distributed Shampoo's rule) ($FIRST_STEPS);
+#   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
+#           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
+#           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -67,6 +70,12 @@ if has first; then
       "${FIRST_STEPS:-300}" soap-async ds-soap
     STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --seed $seed --first-basis qr" bench "first-qr-s$seed" \
       olmo-160m 8 "${FIRST_STEPS:-300}" soap-async
+  done
+fi
+if has seeds; then
+  for seed in ${SEEDS:-0 1 2}; do
+    STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m 8 "${SEEDS_STEPS:-300}" \
+      ${SEEDS_CONFIGS:-shampoo-async shampoo-sync soap-async soap-sync kl-shampoo-async kl-shampoo-sync}
   done
 fi
 has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
