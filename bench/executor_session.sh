@@ -15,6 +15,9 @@
 #   first   SOAP's first-basis rule on olmo-160m at 8 x 1024 and f = $FIRST_F (default: 50), per seed in $FIRST_SEEDS
 #           (default: 0 1): SOAP at its default (eigh) beside Distributed Shampoo's, then with --first-basis qr
 #           (Distributed Shampoo's rule) ($FIRST_STEPS);
+#   soapgap what separates Asteria's SOAP from Distributed Shampoo's at f = $FIRST_F (default: 50), seed 0: native
+#           mode (no staleness), the async default, Distributed Shampoo's SOAP, then the async default with 1-D
+#           factors (--precondition-1d, which Distributed Shampoo gives them) ($FIRST_STEPS);
 #   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
@@ -71,6 +74,12 @@ if has first; then
     STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --seed $seed --first-basis qr" bench "first-qr-s$seed" \
       olmo-160m 8 "${FIRST_STEPS:-300}" soap-async
   done
+fi
+if has soapgap; then
+  STAGE_ARGS="--precondition-frequency ${FIRST_F:-50}" bench soapgap olmo-160m 8 "${FIRST_STEPS:-300}" \
+    soap-sync soap-async ds-soap
+  STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --precondition-1d" bench soapgap-1d olmo-160m 8 \
+    "${FIRST_STEPS:-300}" soap-async
 fi
 if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do

@@ -5,6 +5,8 @@ beside the workers."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import regression_data, small_mlp, train
@@ -180,7 +182,8 @@ def test_the_balancer_keeps_everything_on_the_workers_until_it_has_measured():
 
 def test_the_device_lanes_drain_waits_for_every_queued_job():
     """``drain`` returns once the lane's thread has ended every job started before it, and names what is left
-    when its time runs out (jobs of 8 eigendecompositions of 512 x 512 are still running right after start)."""
+    when its time runs out (jobs of 8 eigendecompositions of 512 x 512 are still running right after start);
+    its busy fraction is that of its life, which ``close`` ends."""
     from asteria import _core
     from asteria.pipeline.device_lane import DeviceLane
     from asteria.pipeline.factors import RootRequest
@@ -200,6 +203,12 @@ def test_the_device_lanes_drain_waits_for_every_queued_job():
         lane.drain(60.0)
         assert lane.stats()["device_jobs_queued"] == 0
         assert [lane.take(0, version).new.shape for version in (1, 2, 3)] == [(8, 512, 512)] * 3
+        lane.close()  # the lane's life ends here: its busy fraction holds from now on
+        closed = lane.stats()
+        until = time.monotonic() + 0.002
+        while time.monotonic() < until:  # the clock moves on
+            pass
+        assert closed["device_refresh_seconds"] > 0 and lane.stats() == closed
     finally:
         lane.close()
         engine.close()

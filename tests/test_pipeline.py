@@ -348,13 +348,14 @@ def test_hooks_left_on_a_model_neither_keep_the_optimizer_alive_nor_act_after_it
     opt = asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(staleness=1, workers=1))
     handle = asteria.attach(model, opt)
     assert handle.optimizer is opt and hook_count(model) == handle.num_hooks > 1
-    train(model, opt, 4, data=data)
+    train(model, opt, 12, data=data)  # past the start-up refresh at step 10: the workers have been busy
     opt.close()
     before = opt.runtime_stats()
+    assert before["refreshes"] > 0 and before["worker_busy_fraction"] > 0
     with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(staleness=1, workers=1)) as other:
         train(model, other, 3, data=data)  # the old hooks still run on every forward and backward
         assert other.runtime_stats()["step"] == 3
-    assert opt.runtime_stats() == before  # closed: its hooks did nothing
+    assert opt.runtime_stats() == before  # closed: its hooks did nothing, and its busy fractions end at close()
     gone = weakref.ref(opt)
     del opt
     gc.collect()

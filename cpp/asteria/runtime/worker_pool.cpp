@@ -205,12 +205,14 @@ void WorkerPool::shutdown() {
   for (std::thread& thread : threads_) {
     if (thread.joinable()) thread.join();
   }
+  std::lock_guard lock(mutex_);
+  if (!stopped_) stopped_ = Clock::now();
 }
 
 PoolStats WorkerPool::stats() const {
   std::lock_guard lock(mutex_);
   PoolStats out = stats_;
-  out.wall_seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  out.wall_seconds = std::chrono::duration<double>(stopped_.value_or(Clock::now()) - started_).count();
   const std::uint64_t ended = stats_.completed + stats_.failed;
   if (ended > 0) {
     out.mean_latency_seconds = latency_sum_ / static_cast<double>(ended);

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <thread>
 #include <vector>
@@ -53,7 +54,7 @@ struct PoolStats {
   std::size_t queue_depth = 0;
   std::size_t max_queue_depth = 0;
   double busy_seconds = 0.0;  // summed over workers
-  double wall_seconds = 0.0;  // since construction
+  double wall_seconds = 0.0;  // from construction to now, or to the shutdown() that joined the workers
   double mean_latency_seconds = 0.0;
   double max_latency_seconds = 0.0;
   double mean_run_seconds = 0.0;
@@ -122,6 +123,8 @@ class WorkerPool {
   PoolStats stats_;                                                                 // guarded by mutex_
   double latency_sum_ = 0.0;                                                        // guarded by mutex_
   const std::chrono::steady_clock::time_point started_;
+  // When shutdown() had joined the workers: the pool's life, over which busy_seconds is counted, ends there.
+  std::optional<std::chrono::steady_clock::time_point> stopped_;  // guarded by mutex_
   // Filled by the constructor only; join_mutex_ serializes the joins of concurrent shutdown() calls.
   std::mutex join_mutex_;
   std::vector<std::thread> threads_;  // elements guarded by join_mutex_

@@ -341,6 +341,25 @@ TEST(WorkerPoolTest, StatsCountJobsQueueDepthAndTimes) {
   EXPECT_GE(stats.max_latency_seconds, stats.max_run_seconds);
 }
 
+TEST(WorkerPoolTest, WallTimeEndsAtShutdownSoTheBusyFractionHoldsAfterwards) {
+  WorkerPool pool(1);
+  pool.submit(0, [] {}).wait(kLongWait);
+  const auto let_the_clock_move = [] {  // spins until the steady clock has moved on by a millisecond
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  };
+  const double live = pool.stats().wall_seconds;
+  let_the_clock_move();
+  EXPECT_GT(pool.stats().wall_seconds, live);  // a running pool's life goes on
+  pool.shutdown();
+  const PoolStats stopped = pool.stats();
+  let_the_clock_move();
+  EXPECT_EQ(pool.stats().wall_seconds, stopped.wall_seconds);
+  EXPECT_EQ(pool.stats().busy_seconds, stopped.busy_seconds);
+  EXPECT_GT(stopped.busy_seconds, 0.0);
+}
+
 TEST(WorkerPoolTest, WorkersSetTheirBlasThreadCount) {
   const int before = blas_threads();
   {

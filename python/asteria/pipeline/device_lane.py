@@ -65,6 +65,7 @@ class DeviceLane:
         self._running = False                                              # guarded by _lock: a job is computing
         self._stopping = False                                             # guarded by _lock
         self._started = time.monotonic()
+        self._stopped: float | None = None                                 # guarded by _lock: when close() joined
         self._thread = threading.Thread(target=self._run, name="asteria-device-lane", daemon=True)
         self._thread.start()
 
@@ -114,7 +115,8 @@ class DeviceLane:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            wall = max(time.monotonic() - self._started, 1e-9)
+            end = time.monotonic() if self._stopped is None else self._stopped  # the busy fraction of the lane's life
+            wall = max(end - self._started, 1e-9)
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
                     "device_jobs_queued": len(self._jobs)}
 
@@ -134,6 +136,9 @@ class DeviceLane:
             self._lock.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.timeout_s)
+        with self._lock:
+            if self._stopped is None:
+                self._stopped = time.monotonic()
 
     # ---- the lane's thread -------------------------------------------------------------------------
     def _run(self) -> None:
