@@ -18,6 +18,9 @@
 #   soapgap what separates Asteria's SOAP from Distributed Shampoo's at f = $FIRST_F (default: 50), seed 0: native
 #           mode (no staleness), the async default, Distributed Shampoo's SOAP, then the async default with 1-D
 #           factors (--precondition-1d, which Distributed Shampoo gives them) ($FIRST_STEPS);
+#   workers olmo-160m at 8 x 1024 with each worker count in $WORKER_COUNTS (default: 6 10 14), $WORKERS_CONFIGS
+#           ($WORKERS_STEPS): whether fewer workers (less memory traffic beside the training thread and the copies)
+#           shorten the steps more than they cost in refreshes;
 #   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
@@ -80,6 +83,12 @@ if has soapgap; then
     soap-sync soap-async ds-soap
   STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --precondition-1d" bench soapgap-1d olmo-160m 8 \
     "${FIRST_STEPS:-300}" soap-async
+fi
+if has workers; then
+  for count in ${WORKER_COUNTS:-6 10 14}; do
+    STAGE_ARGS="--workers $count" bench "workers-$count" olmo-160m 8 "${WORKERS_STEPS:-200}" \
+      ${WORKERS_CONFIGS:-adamw shampoo-async soap-async}
+  done
 fi
 if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do
