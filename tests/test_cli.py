@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import statistics
 import threading
 
 import pytest
@@ -437,7 +438,16 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         capacity = work["worker_capacity_core_seconds"]
         assert work["worker_ratio"] == pytest.approx(work["worker_core_seconds"] / capacity)
         assert work["device_seconds"] == 0.0 and work["device_ratio"] == 0.0  # no device lane on the CPU
+    # The median step by position in the interval: 11 steps leave too few steady ones for f = 3 (steps 10-11),
+    # and enough for f = 2 (steps 7-11).
+    assert kl["interval_profile"] is None and adamw["interval_profile"] is None
+    profile = results["runs"]["soap-async-f2"]["interval_profile"]
+    f2_times = [r["step_time"] for r in records(tmp_path / "soap-async-f2")]
+    medians = [statistics.median([f2_times[s - 1] for s in (8, 10)]), statistics.median(f2_times[6::2])]
+    assert profile["median_seconds"] == pytest.approx(medians)
+    assert profile["above_quietest_seconds"] == pytest.approx(abs(medians[0] - medians[1]))
     table = capsys.readouterr().out
+    assert "  soap-async-f2      " + " ".join(f"{1e3 * m:.0f}" for m in medians) + " | quietest " in table
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

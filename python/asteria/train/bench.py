@@ -110,6 +110,24 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
             "device_seconds": device, "device_ratio": device / interval}
 
 
+def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int) -> dict[str, Any] | None:
+    """The median steady step at each position of the interval of f steps (position = step mod f; 0 is the step
+    whose factors the refreshes snapshot), the quietest position's, and how many seconds an interval's positions
+    add above the quietest: in an async run, the window where the device lane's refreshes and the installs land,
+    set apart from the floor that every step pays (the optimizer's own step math, the workers' contention). None
+    where a position has fewer than two steady steps."""
+    steady = records[warmup:]
+    by_position: list[list[float]] = [[] for _ in range(frequency)]
+    for record in steady:
+        by_position[record["step"] % frequency].append(record["step_time"])
+    if frequency < 2 or min(len(times) for times in by_position) < 2:
+        return None
+    medians = [statistics.median(times) for times in by_position]
+    quietest = min(medians)
+    return {"median_seconds": medians, "quietest_seconds": quietest,
+            "above_quietest_seconds": sum(medians) - frequency * quietest}
+
+
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
     """Trains each config with ``base``'s model, data, batch, seed and schedule (``base.lr`` for all when
     given, else each optimizer's default) and writes the comparison."""
@@ -164,6 +182,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "device_busy_fraction": stats.get("device_busy_fraction"),
         }
         pace = ref_profile["mean"] if ref_profile else wall["mean"]
+        row["interval_profile"] = interval_profile(records, warmup, cfgs[label].precondition_frequency)
         row["refresh_work"] = refresh_work(stats, cfgs[label].precondition_frequency, len(records), pace,
                                            "adamw" if ref_profile else "own")
         if reference is not None:
@@ -255,6 +274,13 @@ def format_table(results: dict[str, Any]) -> str:
                          f"{w['worker_capacity_core_seconds']:.3g} core-s ({w['worker_ratio']:.2f}x; "
                          f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}); device lane "
                          f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s ({w['device_ratio']:.2f}x)")
+    profiles = {label: r["interval_profile"] for label, r in results["runs"].items() if r.get("interval_profile")}
+    if profiles:
+        lines.append("median steady step by position in the interval (step mod f, ms; 0: the refresh step), and what "
+                     "the interval's steps add above its quietest position:")
+        for label, p in profiles.items():
+            lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
+                         f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
     lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
