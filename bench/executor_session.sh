@@ -15,12 +15,15 @@
 #   first   SOAP's first-basis rule on olmo-160m at 8 x 1024 and f = $FIRST_F (default: 50), per seed in $FIRST_SEEDS
 #           (default: 0 1): SOAP at its default (eigh) beside Distributed Shampoo's, then with --first-basis qr
 #           (Distributed Shampoo's rule) ($FIRST_STEPS);
-#   soapgap what separates Asteria's SOAP from Distributed Shampoo's at f = $FIRST_F (default: 50), seed 0: native
-#           mode (no staleness), the async default, Distributed Shampoo's SOAP, then the async default with 1-D
-#           factors (--precondition-1d, which Distributed Shampoo gives them) ($FIRST_STEPS);
+#   soapgap what separates Asteria's SOAP from Distributed Shampoo's at f = $FIRST_F (default: 50), seed 0: AdamW
+#           (which both SOAPs trailed at f = 50), native mode (no staleness), the async default, Distributed
+#           Shampoo's SOAP, then the async default with 1-D factors (--precondition-1d, which Distributed Shampoo
+#           gives them) ($FIRST_STEPS);
 #   workers olmo-160m at 8 x 1024 with each worker count in $WORKER_COUNTS (default: 6 10 14), $WORKERS_CONFIGS
-#           ($WORKERS_STEPS): whether fewer workers (less memory traffic beside the training thread and the copies)
-#           shorten the steps more than they cost in refreshes;
+#           ($WORKERS_STEPS, default 150), then native mode ($WORKERS_NATIVE): whether fewer workers (less memory
+#           traffic beside the training thread and the copies) shorten the steps more than they cost in refreshes,
+#           and how far each run's quietest position in the interval (the bench's interval profile) lies above
+#           native mode's;
 #   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
@@ -80,15 +83,16 @@ if has first; then
 fi
 if has soapgap; then
   STAGE_ARGS="--precondition-frequency ${FIRST_F:-50}" bench soapgap olmo-160m 8 "${FIRST_STEPS:-300}" \
-    soap-sync soap-async ds-soap
+    adamw soap-sync soap-async ds-soap
   STAGE_ARGS="--precondition-frequency ${FIRST_F:-50} --precondition-1d" bench soapgap-1d olmo-160m 8 \
     "${FIRST_STEPS:-300}" soap-async
 fi
 if has workers; then
   for count in ${WORKER_COUNTS:-6 10 14}; do
-    STAGE_ARGS="--workers $count" bench "workers-$count" olmo-160m 8 "${WORKERS_STEPS:-200}" \
+    STAGE_ARGS="--workers $count" bench "workers-$count" olmo-160m 8 "${WORKERS_STEPS:-150}" \
       ${WORKERS_CONFIGS:-adamw shampoo-async soap-async}
   done
+  bench workers-native olmo-160m 8 "${WORKERS_STEPS:-150}" ${WORKERS_NATIVE:-adamw shampoo-sync soap-sync}
 fi
 if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do
