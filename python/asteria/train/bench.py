@@ -111,11 +111,11 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
 
 
 def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int) -> dict[str, Any] | None:
-    """The median steady step at each position of the interval of f steps (position = step mod f; 0 is the step
-    whose factors the refreshes snapshot), the quietest position's, and how many seconds an interval's positions
-    add above the quietest: in an async run, the window where the device lane's refreshes and the installs land,
-    set apart from the floor that every step pays (the optimizer's own step math, the workers' contention). None
-    where a position has fewer than two steady steps."""
+    """The median steady step at each position of the interval of f steps (position = step mod f: native mode
+    refreshes every set at 0, async mode spreads the sets' snapshots over the interval), the quietest position's,
+    and how many seconds an interval's positions add above the quietest: in an async run, the window where the
+    device lane's refreshes and the installs land, set apart from the floor that every step pays (the optimizer's
+    own step math, the workers' contention). None where a position has fewer than two steady steps."""
     steady = records[warmup:]
     by_position: list[list[float]] = [[] for _ in range(frequency)]
     for record in steady:
@@ -276,8 +276,8 @@ def format_table(results: dict[str, Any]) -> str:
                          f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s ({w['device_ratio']:.2f}x)")
     profiles = {label: r["interval_profile"] for label, r in results["runs"].items() if r.get("interval_profile")}
     if profiles:
-        lines.append("median steady step by position in the interval (step mod f, ms; 0: the refresh step), and what "
-                     "the interval's steps add above its quietest position:")
+        lines.append("median steady step by position in the interval (step mod f, ms; native mode refreshes at 0), "
+                     "and what the interval's steps add above its quietest position:")
         for label, p in profiles.items():
             lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
                          f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
