@@ -13,7 +13,10 @@
 // Variants: LAPACK's ssyevd with a fresh or a reused workspace; ssyevr (MRRR); ssytrd + sorgtr +
 // sstedc('V'); ssytrd + sstedc('I') + Q Z by slarft/slarfb 128 wide; the shim's eigh (in-house
 // tridiagonalization, sstedc('I'), Q Z by packed 64-wide block reflectors through gemm on
-// 256-column slices); and the whole inverse_root (eigh + syrk), which uses eigh.
+// 256-column slices); and the whole inverse_root (eigh + syrk), which uses eigh. Two phases beside them, without
+// error columns: LAPACK's ssytrd alone (half its flops are BLAS-2 passes over the trailing matrix) and one gemm
+// of n^3 (compute-bound): their ratio at T = 1 against T = all cores says whether the reduction turns
+// memory-bound when every core reduces its own matrix, as the refresh workers do.
 //
 // Measured (blocks/s; resid ~9e-7, orth ~2e-6 for all but syevr, orth 2e-5..2e-4):
 //                          2-core dev VM, T=2     H200 host, 16 cores, T=16 (OPENBLAS_CORETYPE=SkylakeX)
@@ -23,6 +26,9 @@
 //   eigh                      22.9       3.03         88.3          15.0
 //   inverse_root              20.3       2.69         78.2          13.3
 //   torch.linalg.eigh (MKL 2024.2, 16 Python threads x 1 MKL thread, same run):  87.8  12.7
+// Phases on the 2-core dev VM, n = 2048 (`eigh_variants 2 1 2048`, `4 2 2048`): eigh 1.86 and 3.42 blocks/s at
+// T = 1 and 2, ssytrd alone 3.44 and 6.04 (the reduction is 54% of eigh's time; 36 GF/s against gemm's 165),
+// gemm 10.2 and 18.0: two cores there do not contend. The H200 host's T = 16 is what the phases are for.
 // Run to run, the H200 host varies by about 15% (MKL at n=1024 measured 88 to 111 blocks/s).
 // Without OPENBLAS_CORETYPE, OpenBLAS 0.3.21 does not recognise that CPU (family 6 model 207)
 // and runs its Prescott kernels: gemm at a quarter of the speed, eigh at 37 blocks/s.
@@ -136,6 +142,8 @@ void sytrd_copy(int n, const float* a, float* w, Scratch& s) {
   check("ssytrd", info);
 }
 
+void sytrd_copy_into(int n, const float* a, float*, float* w, Scratch& s) { sytrd_copy(n, a, w, s); }
+
 void stedc(const char* compz, int n, float* w, float* z, Scratch& s) {
   const int query = -1;
   int info = 0, iwork_query = 0;
@@ -238,8 +246,10 @@ struct Result {
   double blocks_per_second, resid, orth;
 };
 
+enum class Check { kEigen, kRoot, kNone };
+
 // Runs `variant` over all blocks on `threads` threads; block b goes to thread b % threads.
-Result measure(const Variant& variant, bool is_root, int n, int threads,
+Result measure(const Variant& variant, Check kind, int n, int threads,
                const std::vector<std::vector<float>>& blocks) {
   const std::size_t nn = static_cast<std::size_t>(n);
   std::vector<std::vector<float>> q(threads, std::vector<float>(nn * nn));
@@ -263,10 +273,10 @@ Result measure(const Variant& variant, bool is_root, int n, int threads,
 
   Scratch scratch;
   variant(n, blocks[0].data(), q[0].data(), w[0].data(), scratch);
-  Result result{blocks.size() / seconds, 0, NAN};
-  if (is_root) {
+  Result result{blocks.size() / seconds, NAN, NAN};
+  if (kind == Check::kRoot) {
     result.resid = root_error(n, blocks[0].data(), q[0].data());
-  } else {
+  } else if (kind == Check::kEigen) {
     std::tie(result.resid, result.orth) = eigen_errors(n, blocks[0].data(), q[0].data(), w[0].data());
   }
   return result;
@@ -302,6 +312,9 @@ int main(int argc, char** argv) {
        [&spec](int n, const float* a, float* r, float*, Scratch&) {
          asteria::linalg::inverse_root(n, a, n, r, n, spec);
        }},
+      {"phase: ssytrd", sytrd_copy_into},
+      {"phase: gemm n^3",
+       [](int n, const float* a, float* q, float*, Scratch&) { gemm(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, q, n); }},
   };
 
   std::printf("OpenBLAS core: %s (OPENBLAS_CORETYPE=%s)\n", openblas_get_corename(),
@@ -310,8 +323,10 @@ int main(int argc, char** argv) {
   for (int n : sizes) {
     const auto data = random_spd(blocks, n);
     for (const auto& [name, variant] : variants) {
-      const bool is_root = name.rfind("inverse_root", 0) == 0;
-      const Result r = measure(variant, is_root, n, threads, data);
+      const Check kind = name.rfind("inverse_root", 0) == 0 ? Check::kRoot
+                         : name.rfind("phase:", 0) == 0   ? Check::kNone
+                                                          : Check::kEigen;
+      const Result r = measure(variant, kind, n, threads, data);
       std::printf("%-28s %5d %3d %4d %9.2f %9.2e %9.2e\n", name.c_str(), n, threads, blocks, r.blocks_per_second,
                   r.resid, r.orth);
       std::fflush(stdout);

@@ -27,6 +27,8 @@
 #   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
+#   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
+#           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix;
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -98,6 +100,14 @@ if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do
     STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m 8 "${SEEDS_STEPS:-300}" \
       ${SEEDS_CONFIGS:-shampoo-async shampoo-sync soap-async soap-sync kl-shampoo-async kl-shampoo-sync}
+  done
+fi
+if has phases; then
+  g++ -O3 -march=native -std=c++20 bench/eigh_variants.cpp -I cpp cpp/asteria/linalg/lapack.cpp \
+    cpp/asteria/linalg/inverse_root.cpp cpp/asteria/common/errors.cpp -lopenblas -lpthread -o /tmp/eigh_variants
+  for threads in 1 16; do
+    OPENBLAS_CORETYPE=SkylakeX /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" 2048 2>&1 \
+      | tee -a "$OUT/phases.txt"
   done
 fi
 has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
