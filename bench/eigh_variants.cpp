@@ -13,10 +13,12 @@
 // Variants: LAPACK's ssyevd with a fresh or a reused workspace; ssyevr (MRRR); ssytrd + sorgtr +
 // sstedc('V'); ssytrd + sstedc('I') + Q Z by slarft/slarfb 128 wide; the shim's eigh (in-house
 // tridiagonalization, sstedc('I'), Q Z by packed 64-wide block reflectors through gemm on
-// 256-column slices); and the whole inverse_root (eigh + syrk), which uses eigh. Two phases beside them, without
-// error columns: LAPACK's ssytrd alone (half its flops are BLAS-2 passes over the trailing matrix) and one gemm
-// of n^3 (compute-bound): their ratio at T = 1 against T = all cores says whether the reduction turns
-// memory-bound when every core reduces its own matrix, as the refresh workers do.
+// 256-column slices); and the whole inverse_root (eigh + syrk), which uses eigh. Three phases beside them, without
+// error columns: LAPACK's ssytrd alone (half its flops are BLAS-2 passes over the trailing matrix), its
+// two-stage reduction (BLAS-3 to a band, then bulge chasing in cache; the reduction only) and one gemm of n^3
+// (compute-bound): their ratios at T = 1 against T = all cores say whether the one-stage reduction turns
+// memory-bound when every core reduces its own matrix, as the refresh workers do, and whether two stages
+// would pay there for the second back-transformation they need.
 //
 // Measured (blocks/s; resid ~9e-7, orth ~2e-6 for all but syevr, orth 2e-5..2e-4):
 //                          2-core dev VM, T=2     H200 host, 16 cores, T=16 (OPENBLAS_CORETYPE=SkylakeX)
@@ -28,7 +30,9 @@
 //   torch.linalg.eigh (MKL 2024.2, 16 Python threads x 1 MKL thread, same run):  87.8  12.7
 // Phases on the 2-core dev VM, n = 2048 (`eigh_variants 2 1 2048`, `4 2 2048`): eigh 1.86 and 3.42 blocks/s at
 // T = 1 and 2, ssytrd alone 3.44 and 6.04 (the reduction is 54% of eigh's time; 36 GF/s against gemm's 165),
-// gemm 10.2 and 18.0: two cores there do not contend. The H200 host's T = 16 is what the phases are for.
+// gemm 10.2 and 18.0: two cores there do not contend. At T = 1 the two-stage reduction ran 1.2x ssytrd at
+// n = 2048 and 0.95x at 1024, less than its second back-transformation would cost. The H200 host's T = 16 is
+// what the phases are for.
 // Run to run, the H200 host varies by about 15% (MKL at n=1024 measured 88 to 111 blocks/s).
 // Without OPENBLAS_CORETYPE, OpenBLAS 0.3.21 does not recognise that CPU (family 6 model 207)
 // and runs its Prescott kernels: gemm at a quarter of the speed, eigh at 37 blocks/s.
@@ -62,6 +66,9 @@ void sorgtr_(const char* uplo, const int* n, float* a, const int* lda, const flo
              const int* lwork, int* info, std::size_t);
 void sstedc_(const char* compz, const int* n, float* d, float* e, float* z, const int* ldz, float* work,
              const int* lwork, int* iwork, const int* liwork, int* info, std::size_t);
+void ssytrd_2stage_(const char* vect, const char* uplo, const int* n, float* a, const int* lda, float* d, float* e,
+                    float* tau, float* hous2, const int* lhous2, float* work, const int* lwork, int* info, std::size_t,
+                    std::size_t);
 void slarft_(const char* direct, const char* storev, const int* n, const int* k, const float* v, const int* ldv,
              const float* tau, float* t, const int* ldt, std::size_t, std::size_t);
 void slarfb_(const char* side, const char* trans, const char* direct, const char* storev, const int* m,
@@ -143,6 +150,28 @@ void sytrd_copy(int n, const float* a, float* w, Scratch& s) {
 }
 
 void sytrd_copy_into(int n, const float* a, float*, float* w, Scratch& s) { sytrd_copy(n, a, w, s); }
+
+// LAPACK's two-stage reduction to tridiagonal form (dense to band by BLAS-3 panels, then band to tridiagonal
+// by bulge chasing), without the Householder representation of its second stage: LAPACK cannot yet apply it
+// to eigenvectors, so this times the reduction alone, for comparison with ssytrd.
+void sytrd_2stage_into(int n, const float* a, float*, float* w, Scratch& s) {
+  const std::size_t nn = static_cast<std::size_t>(n);
+  s.a.assign(a, a + nn * nn);
+  grow(s.e, nn);
+  grow(s.tau, nn);
+  grow(s.t, 4 * nn);
+  const int query = -1, lhous = static_cast<int>(4 * nn);
+  int info = 0;
+  float work_query = 0;
+  ssytrd_2stage_("N", "L", &n, s.a.data(), &n, w, s.e.data(), s.tau.data(), s.t.data(), &lhous, &work_query,
+                 /* lwork = */ &query, &info, 1, 1);
+  check("ssytrd_2stage", info);
+  grow(s.work, static_cast<std::size_t>(work_query) + 1);
+  const int lwork = static_cast<int>(s.work.size());
+  ssytrd_2stage_("N", "L", &n, s.a.data(), &n, w, s.e.data(), s.tau.data(), s.t.data(), &lhous, s.work.data(),
+                 &lwork, &info, 1, 1);
+  check("ssytrd_2stage", info);
+}
 
 void stedc(const char* compz, int n, float* w, float* z, Scratch& s) {
   const int query = -1;
@@ -313,6 +342,7 @@ int main(int argc, char** argv) {
          asteria::linalg::inverse_root(n, a, n, r, n, spec);
        }},
       {"phase: ssytrd", sytrd_copy_into},
+      {"phase: ssytrd_2stage", sytrd_2stage_into},
       {"phase: gemm n^3",
        [](int n, const float* a, float* q, float*, Scratch&) { gemm(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, q, n); }},
   };
