@@ -114,3 +114,59 @@ def test_float32_matmuls_restores_the_precision_after_a_raise():
         assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def soap_like_power(n: int, seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank-deficient PSD factor with eigenvalues over ten decades (float32), and the old basis a refresh
+    starts from: its eigenvectors turned by a small random rotation."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    values = torch.cat([torch.logspace(0, -10, rank, dtype=torch.float64), torch.zeros(n - rank, dtype=torch.float64)])
+    skew = torch.randn(n, n, dtype=torch.float64, generator=gen) * 1e-2 / n
+    return ((q * values) @ q.T).float(), (q @ torch.linalg.matrix_exp(skew - skew.T)).float()
+
+
+def test_cholesky_qr_is_the_q_of_householder_qr_up_to_column_signs():
+    """On power steps as SOAP's refresh takes them (condition numbers far past 1/sqrt(eps) of float64): Q is
+    orthonormal, Q^T P is upper triangular (the same nested column spaces), and each column whose R entry stands
+    above 1e-6 of ||P|| is float64 Householder QR's column up to its sign."""
+    factors, bases = zip(*(soap_like_power(48, seed, rank) for seed, rank in ((0, 48), (1, 30), (2, 12))))
+    gen = torch.Generator().manual_seed(7)
+    u, v = (torch.linalg.qr(torch.randn(48, 48, dtype=torch.float64, generator=gen))[0] for _ in range(2))
+    graded = (u * torch.logspace(0, -12, 48, dtype=torch.float64)) @ v.T  # unshifted, its Gram matrix fails Cholesky
+    power = torch.cat([torch.stack(factors) @ torch.stack(bases), graded.float()[None]])
+    q, factored = F.cholesky_qr(power)
+    assert q.dtype == torch.float32 and factored.all()
+    assert float((q.mT @ q - torch.eye(48)).abs().max()) < 1e-5
+    r = (q.double().mT @ power.double())
+    scale = torch.linalg.matrix_norm(power.double())[:, None, None]
+    assert float((torch.tril(r, diagonal=-1) / scale).abs().max()) < 1e-6
+    householder = torch.linalg.qr(power.double()).Q
+    determined = r.diagonal(dim1=-2, dim2=-1).abs() > 1e-6 * scale[:, 0]
+    alignment = (q.double() * householder).sum(-2).abs()
+    assert determined.sum() >= 70  # of 138 nonzero singular values over ten decades and more
+    assert float((1 - alignment[determined]).abs().max()) < 1e-6  # float32 Householder QR's own: 2.5e-7
+
+
+def test_qr_refresh_by_cholesky_qr_matches_householder_and_keeps_the_rules_for_odd_blocks():
+    """The same refresh either way (the order, the usable and skipped masks, the basis up to column signs where
+    the factor is nonzero); a zero factor, which Cholesky QR cannot factor, takes Householder QR's basis, and a
+    non-finite one keeps its old basis."""
+    factors, bases = zip(*(soap_like_power(32, seed, rank) for seed, rank in ((3, 32), (4, 20), (5, 8))))
+    factor, basis = torch.stack(factors + (torch.zeros(32, 32), factors[0])), torch.stack(bases + bases[:2])
+    factor[4, 0, 0] = float("nan")
+    by_cholesky = F.qr_refresh(factor, basis, cholesky=True)
+    by_householder = F.qr_refresh(factor, basis, cholesky=False)
+    for a, b in zip(by_cholesky[1:], by_householder[1:]):
+        assert torch.equal(a, b)
+    assert by_cholesky[2].tolist() == [True, True, True, True, False]
+    torch.testing.assert_close(by_cholesky[0][3], by_householder[0][3])  # zero factor: Householder's basis
+    assert torch.equal(by_cholesky[0][4], basis[4])  # non-finite factor: the old basis stays
+    for block in range(3):
+        new_c, new_h = by_cholesky[0][block].double(), by_householder[0][block].double()
+        f = factor[block].double()
+        off = [torch.linalg.matrix_norm(m - torch.diag(m.diagonal())) / torch.linalg.matrix_norm(m)
+               for m in (new_c.T @ f @ new_c, new_h.T @ f @ new_h)]
+        assert float(abs(off[0] - off[1])) < 1e-6
+        leading = slice(0, (8, 20, 8)[block] // 2)  # columns of the factor's range, well above its rounding
+        assert float((1 - (new_c * new_h).sum(0).abs()[leading]).abs().max()) < 1e-4

@@ -33,19 +33,23 @@ def refresh_set(fset: FactorSet, factors: Tensor, request: RootRequest, current:
     (scale F + regularization)^exponent, a zero factor's root being the identity (the C++ engine's rule).
     Eigenbases: a full eigendecomposition for blocks without a basis yet (or with a zero factor's identity),
     the warm-started QR refresh from ``current`` (the bases in use; ``installed`` says which blocks have one)
-    for the others."""
+    for the others. Its QR factorization is ``functional.cholesky_qr``'s on a GPU when the refresh runs on the
+    training thread (native mode, the start-up refreshes), where the GPU does nothing else and batched Cholesky
+    QR takes half the time of Householder QR; beside training (``in_thread``) Householder QR's, which slowed a
+    training-like loop as much per block refreshed and refreshed more blocks a second (docs/results.md, "Refresh
+    math on the GPU")."""
     if in_thread:
         widen = factors.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
-        return _refresh(fset, factors, request, current, installed, widen)
+        return _refresh(fset, factors, request, current, installed, widen, False)
     with F.float32_matmuls():
-        return _refresh(fset, factors, request, current, installed, False)
+        return _refresh(fset, factors, request, current, installed, False, factors.device.type == "cuda")
 
 
 def _refresh(fset: FactorSet, factors: Tensor, request: RootRequest, current: Tensor, installed: Tensor,
-             widen: bool) -> Refreshed:
+             widen: bool, cholesky: bool) -> Refreshed:
     if fset.kind == "root":
         return _roots(fset, factors, request, widen)
-    return _eigenbases(factors, request.skip_tol, current, installed, widen, fset.first_basis)
+    return _eigenbases(factors, request.skip_tol, current, installed, widen, fset.first_basis, cholesky)
 
 
 def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) -> Refreshed:
@@ -59,7 +63,7 @@ def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) 
 
 
 def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Tensor, widen: bool,
-                first_basis: str = "eigh") -> Refreshed:
+                first_basis: str = "eigh", cholesky: bool = False) -> Refreshed:
     """The column order is None when no block was refreshed from an old basis (the blocks decomposed afresh
     keep theirs: the identity order). ``first_basis="qr"``: the blocks without a basis (or with a zero
     factor's identity) take one QR step from the identity instead, as the C++ engine's chain does."""
@@ -67,12 +71,12 @@ def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Te
     if first_basis == "qr":
         eye = torch.eye(current.shape[-1], dtype=current.dtype, device=current.device).expand_as(current)
         start = torch.where(F.batch_view(warm, current), current, eye)
-        refreshed, order, usable, skipped = F.qr_refresh(factors, start, skip_tol, widen)
+        refreshed, order, usable, skipped = F.qr_refresh(factors, start, skip_tol, widen, cholesky)
         return Refreshed(refreshed, usable, order, int(skipped.sum()))
     if not bool(warm.any()):
         bases, usable = F.eigenbasis(factors)
         return Refreshed(bases, usable, None, 0)
-    refreshed, order, usable, skipped = F.qr_refresh(factors, current, skip_tol, widen)
+    refreshed, order, usable, skipped = F.qr_refresh(factors, current, skip_tol, widen, cholesky)
     skipped_count = int((skipped & warm).sum())
     if bool(warm.all()):
         return Refreshed(refreshed, usable, order, skipped_count)
