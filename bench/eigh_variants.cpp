@@ -344,7 +344,9 @@ int main(int argc, char** argv) {
       {"phase: ssytrd", sytrd_copy_into},
       {"phase: ssytrd_2stage", sytrd_2stage_into},
       {"phase: gemm n^3",
-       [](int n, const float* a, float* q, float*, Scratch&) { gemm(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, q, n); }},
+       [](int n, const float* a, float* q, float*, Scratch&) {
+         gemm(false, false, n, n, n, 1.0f, a, n, a, n, 0.0f, q, n);
+       }},
   };
 
   std::printf("OpenBLAS core: %s (OPENBLAS_CORETYPE=%s)\n", openblas_get_corename(),

@@ -26,9 +26,9 @@
 #           native mode's;
 #   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
-#           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes.
+#           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes;
 #   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
-#           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix;
+#           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix.
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail

@@ -116,11 +116,12 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
     and how many seconds an interval's positions add above the quietest: in an async run, the window where the
     device lane's refreshes and the installs land, set apart from the floor that every step pays (the optimizer's
     own step math, the workers' contention). None where a position has fewer than two steady steps."""
-    steady = records[warmup:]
+    if frequency < 2:
+        return None
     by_position: list[list[float]] = [[] for _ in range(frequency)]
-    for record in steady:
+    for record in records[warmup:]:
         by_position[record["step"] % frequency].append(record["step_time"])
-    if frequency < 2 or min(len(times) for times in by_position) < 2:
+    if min(len(times) for times in by_position) < 2:
         return None
     medians = [statistics.median(times) for times in by_position]
     quietest = min(medians)
