@@ -29,6 +29,19 @@
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes;
 #   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
 #           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix.
+#   green   whether the device lane's refreshes can stop lengthening the training steps they overlap, by a share
+#           of the GPU's SMs (RuntimeConfig.device_sms, a CUDA green context) or by training on a stream of higher
+#           priority than the lane's (--stream-priority -1; the default stream has CUDA's lowest, the lane's):
+#           with $GREEN_MATH (default 1), bench/gpu_refresh_math.py's training-like loop beside refresh threads on
+#           partitions of $GREEN_SMS (default: 0 16 32; 0 is a plain stream) with $GREEN_THREADS threads (default:
+#           1 2 4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at
+#           training priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain sms16
+#           sms16-t2; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority
+#           -1, nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble
+#           where the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
+#           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS
+#           ($GREEN_STEPS, default 150; about 1.5 minutes a variant). A second call: GREEN_MATH=0
+#           GREEN_RUNS="prio prio-sms16 nolate nolane".
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -108,6 +121,30 @@ if has phases; then
   for threads in 1 16; do
     OPENBLAS_CORETYPE=SkylakeX /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" 2048 2>&1 \
       | tee -a "$OUT/phases.txt"
+  done
+fi
+if has green; then
+  if [[ ${GREEN_MATH:-1} == 1 ]]; then
+    for priority in 0 -1; do
+      python3 bench/gpu_refresh_math.py --no-methods-table --green-sms ${GREEN_SMS:-0 16 32} \
+        --lane-threads ${GREEN_THREADS:-1 2 4} \
+        --interference-methods eigh power_qr --train-priority "$priority" --out "$OUT/green-math$priority.json" \
+        2>&1 | tail -24 | tee -a "$OUT/green-math.txt"
+    done
+  fi
+  for variant in ${GREEN_RUNS:-plain sms16 sms16-t2}; do
+    args=""
+    for part in ${variant//-/ }; do
+      case $part in
+        prio) args="$args --stream-priority -1" ;;
+        sms*) args="$args --device-sms ${part#sms}" ;;
+        t*) args="$args --device-threads ${part#t}" ;;
+        nolate) args="$args --no-late-activation" ;;
+        nolane) args="$args --no-device-refresh" ;;
+      esac
+    done
+    STAGE_ARGS="$args" bench "green-$variant" olmo-160m 8 "${GREEN_STEPS:-150}" \
+      ${GREEN_CONFIGS:-adamw shampoo-async soap-async}
   done
 fi
 has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \

@@ -13,10 +13,19 @@ beta2 = 0.999 over 10 steps of fresh low-rank gradients): the off-diagonal ratio
 relative error of the inverse fourth root built from the refreshed basis and its Rayleigh quotients.
 
 Then a training-like loop (bf16 matrix products and elementwise work on the main stream) is timed alone
-and with a Python thread that refreshes blocks on a low-priority stream, for each method: the step-time
-inflation and the refreshes per second achieved beside it.
+and beside Python threads that refresh blocks, each on its own stream, for each method, SM partition and
+thread count: the step-time inflation, and the refreshes per second achieved beside it and with nothing
+beside it. A partition (``--green-sms``, 0: none) is a CUDA green context holding the threads' streams:
+their kernels may occupy only its SMs, while training keeps every SM. It asks whether the device lane
+(``RuntimeConfig.device_sms``) can refresh beside training without lengthening its steps by the refresh
+time, as it does on a plain stream, since ``eigh``'s kernels are small and many (26 ms a 2048 block,
+batched or not). ``--train-priority -1`` runs the training-like loop on a high-priority stream instead of
+the default stream, whose priority is CUDA's lowest, the refresh streams' too: the block scheduler then
+starts the refreshes' thread blocks only where training's have none waiting.
 
     python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 1 16 --out results/gpu_refresh_math.json
+    python3 bench/gpu_refresh_math.py --no-methods-table --green-sms 0 16 32 66 --lane-threads 1 2 \
+        --interference-methods eigh power_qr
 """
 
 from __future__ import annotations
@@ -148,7 +157,49 @@ def training_step(weights: list[torch.Tensor], x: torch.Tensor) -> None:
     h.sum().item()  # the loop reads its loss every step
 
 
-def interference(device: torch.device, n: int, batch: int, steps: int) -> list[dict]:
+def side_streams(device: torch.device, sms: int, count: int) -> tuple[list[torch.cuda.Stream], object]:
+    """``count`` streams for the refresh threads: plain ones at CUDA's lowest priority (the default stream's
+    too) for ``sms`` 0, else streams of one green context of ``sms`` SMs (returned with them, to keep alive)."""
+    if sms == 0:
+        return [torch.cuda.Stream(device=device, priority=0) for _ in range(count)], None
+    green = torch.cuda.green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    streams = [green.Stream() for _ in range(count)]
+    if len({s.cuda_stream for s in streams}) < count:
+        print(f"warning: the green context of {sms} SMs gave {len({s.cuda_stream for s in streams})} distinct "
+              f"streams for {count} threads", flush=True)
+    return streams, green
+
+
+def refresh_threads(fn, streams: list[torch.cuda.Stream], batch: int, body) -> tuple[float, object]:
+    """Runs ``body()`` while one thread per stream refreshes blocks with ``fn`` on it; returns the blocks
+    refreshed per second over the body's run, and the body's result."""
+    stop = threading.Event()
+    done = [0] * len(streams)
+
+    def work(i: int) -> None:
+        with torch.cuda.stream(streams[i]):
+            while not stop.is_set():
+                fn()
+                streams[i].synchronize()
+                done[i] += batch
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(streams))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    result = body()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return sum(done) / (time.perf_counter() - started), result
+
+
+def interference(device: torch.device, n: int, batch: int, steps: int, partitions: list[int],
+                 thread_counts: list[int], names: list[str], train_priority: int) -> list[dict]:
+    """Training-like steps alone, then beside refresh threads, for each method, SM partition (0: none) and
+    count of refresh threads sharing it; also each partition's refresh rate with nothing beside it. The steps
+    run on a stream of CUDA priority ``train_priority`` (0: the default stream's, the lowest; the refresh
+    threads' streams always have 0)."""
     weights = [torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) / 64 for _ in range(24)]
     x = torch.randn(8192, 4096, device=device, dtype=torch.bfloat16)
     old, new = drifting_factors(batch, n, device, seed=1)
@@ -159,41 +210,39 @@ def interference(device: torch.device, n: int, batch: int, steps: int) -> list[d
         "power_cholqr3": lambda: root_from(power_cholqr3(new, basis), new),
     }
 
+    train_stream = torch.cuda.Stream(device=device, priority=train_priority)
+    torch.cuda.synchronize(device)  # the inputs are made: every stream may read them
+
     def timed_steps() -> list[float]:
-        for _ in range(3):
-            training_step(weights, x)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            training_step(weights, x)
-            times.append(time.perf_counter() - t0)
+        with torch.cuda.stream(train_stream):
+            for _ in range(3):
+                training_step(weights, x)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                training_step(weights, x)
+                times.append(time.perf_counter() - t0)
         return times
 
     alone = timed_steps()
-    rows = [{"method": "none", "median_step_s": statistics.median(alone), "mean_step_s": statistics.mean(alone),
-             "max_step_s": max(alone), "blocks_per_s": 0.0}]
-    for name, fn in methods.items():
-        stop = threading.Event()
-        done = [0]
-        side = torch.cuda.Stream(device=device, priority=0)  # CUDA's lowest priority (the default stream's too)
-
-        def work() -> None:
-            with torch.cuda.stream(side):
-                while not stop.is_set():
-                    fn()
-                    side.synchronize()
-                    done[0] += batch
-
-        thread = threading.Thread(target=work, daemon=True)
-        started = time.perf_counter()
-        thread.start()
-        times = timed_steps()
-        stop.set()
-        thread.join()
-        elapsed = time.perf_counter() - started
-        rows.append({"method": name, "median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
-                     "max_step_s": max(times), "blocks_per_s": done[0] / elapsed})
-        print(rows[-1], flush=True)
+    rows = [{"method": "none", "sms": 0, "threads": 0, "train_priority": train_priority,
+             "median_step_s": statistics.median(alone),
+             "mean_step_s": statistics.mean(alone), "max_step_s": max(alone), "blocks_per_s": 0.0,
+             "blocks_per_s_alone": 0.0}]
+    print(rows[-1], flush=True)
+    for name in names:
+        fn = methods[name]
+        for sms in partitions:
+            for count in thread_counts:
+                streams, green = side_streams(device, sms, count)
+                rate_alone, _ = refresh_threads(fn, streams, batch, lambda: time.sleep(2.0))
+                rate, times = refresh_threads(fn, streams, batch, timed_steps)
+                rows.append({"method": name, "sms": sms, "threads": count, "train_priority": train_priority,
+                             "median_step_s": statistics.median(times),
+                             "mean_step_s": statistics.mean(times), "max_step_s": max(times), "blocks_per_s": rate,
+                             "blocks_per_s_alone": rate_alone})
+                print(rows[-1], flush=True)
+                del streams, green
     return rows
 
 
@@ -205,14 +254,26 @@ def main() -> None:
     parser.add_argument("--interference-n", type=int, default=2048)
     parser.add_argument("--interference-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--green-sms", type=int, nargs="+", default=[0],
+                        help="SM partitions (CUDA green contexts) for the refresh threads beside training; 0: none")
+    parser.add_argument("--lane-threads", type=int, nargs="+", default=[1],
+                        help="refresh threads (one stream each) sharing each partition")
+    parser.add_argument("--train-priority", type=int, default=0,
+                        help="CUDA priority of the training-like loop's stream (negative: ahead of the refreshes')")
+    parser.add_argument("--interference-methods", nargs="+", default=["eigh", "power_qr", "power_cholqr3"],
+                        choices=["eigh", "power_qr", "power_cholqr3"])
+    parser.add_argument("--methods-table", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the methods alone first (--no-methods-table: the interference only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "methods": method_table(args.sizes, args.batches, args.repeats, device)}
-    result["interference"] = interference(device, args.interference_n, args.interference_batch, args.steps)
+              "methods": method_table(args.sizes, args.batches, args.repeats, device) if args.methods_table else []}
+    result["interference"] = interference(device, args.interference_n, args.interference_batch, args.steps,
+                                          args.green_sms, args.lane_threads, args.interference_methods,
+                                          args.train_priority)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

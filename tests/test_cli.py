@@ -446,8 +446,13 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     medians = [statistics.median([f2_times[s - 1] for s in (8, 10)]), statistics.median(f2_times[6::2])]
     assert profile["median_seconds"] == pytest.approx(medians)
     assert profile["above_quietest_seconds"] == pytest.approx(abs(medians[0] - medians[1]))
+    f2_host = [r["host_step_time"] for r in records(tmp_path / "soap-async-f2")]
+    assert all(0 < host <= wall for host, wall in zip(f2_host, f2_times, strict=True))  # queued before it ended
+    host_medians = [statistics.median([f2_host[s - 1] for s in (8, 10)]), statistics.median(f2_host[6::2])]
+    assert profile["host_median_seconds"] == pytest.approx(host_medians)
     table = capsys.readouterr().out
     assert "  soap-async-f2      " + " ".join(f"{1e3 * m:.0f}" for m in medians) + " | quietest " in table
+    assert "    host queued      " + " ".join(f"{1e3 * m:.0f}" for m in host_medians) + " (the host's" in table
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

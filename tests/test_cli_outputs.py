@@ -184,6 +184,13 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--optimizer", "adamw", "--precondition-frequency", "5"], "Invalid --precondition-frequency 5 with --optimizer "
                                                                 "adamw: AdamW has no preconditioners; leave it out"),
     (["--optimizer", "adamw", "--workers", "2"], "Invalid --workers 2 with --optimizer adamw"),
+    (["--mode", "sync", "--device-sms", "16"], "Invalid --device-sms 16 with --mode sync: native mode computes"),
+    (["--optimizer", "adamw", "--device-sms", "16"], "Invalid --device-sms 16 with --optimizer adamw"),
+    (["--mode", "sync", "--device-threads", "2"], "Invalid --device-threads 2 with --mode sync"),
+    (["--stream-priority", "-1"], "Invalid stream_priority=-1: must be an int in [-64, 0] (CUDA stream priorities: "
+                                  "0 the lowest; torch clamps to the GPU's range), and 0 with device='cpu'"),
+    (["--device-sms", "0"], "Invalid device_sms=0: must be None (the whole GPU) or an int >= 1"),
+    (["--device-sms", "16"], "Invalid device_sms=16: partitions a GPU for the device lane, which does not run"),
     (["--optimizer", "adamw", "--prefetch", "step"], "Invalid --prefetch step with --optimizer adamw"),
     (["--optimizer", "adamw", "--max-preconditioner-dim", "64"], "Invalid --max-preconditioner-dim 64 with"),
     (["--optimizer", "adamw", "--start-preconditioning-step", "1"], "Invalid --start-preconditioning-step 1 with"),

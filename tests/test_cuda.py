@@ -3,6 +3,7 @@ stream timing. Skipped without a GPU."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -351,17 +352,26 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
         torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)
 
 
+@pytest.mark.parametrize("sms, threads", [(None, 1), (16, 1), (16, 2)],
+                         ids=["whole-gpu", "16-sms", "16-sms-2-threads"])
 @pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
-def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer):
+def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms, threads):
     """The start-up refreshes run on the GPU inline; then every set goes to the lane (its plan held there), then
     back to the workers and to the lane again: its versions come from the lane's stream and thread, an
-    eigenbasis set returning to the workers seeds their chain, and nothing fails."""
+    eigenbasis set returning to the workers seeds their chain, and nothing fails; with ``device_sms`` the
+    lane's streams are its green context's, one a thread."""
     model = small_mlp(sizes=SIZES).cuda()
     x, y = (t.cuda() for t in regression_data(sizes=SIZES))
-    runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False)
+    runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False, device_sms=sms, device_threads=threads)
     with optimizer(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64, runtime=runtime) as opt:
         refresher = opt._refresher
         assert refresher.lane is not None and refresher.balancer is not None
+        device = torch.device("cuda", torch.cuda.current_device())
+        partition = refresher.lane.partitions.get(device)
+        assert (partition is None) == (sms is None)
+        if partition is not None:
+            assert refresher.lane.streams[device] == partition.streams and partition.sms == sms
+        assert len({stream.cuda_stream for stream in refresher.lane.streams[device]}) == threads
 
         def steps(count: int) -> None:
             for _ in range(count):
@@ -395,3 +405,69 @@ def test_the_start_up_refreshes_run_on_the_gpu_and_match_native_mode():
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert stats["device_versions"] >= 1
+
+
+def test_a_partition_of_more_sms_than_the_gpu_has_or_without_a_lane_is_refused_by_name():
+    """device_sms beyond the GPU's SMs names the count it has, before any worker starts; with the
+    preconditioners in host memory the lane cannot run, and the partition is refused rather than ignored."""
+    model = small_mlp(sizes=SIZES).cuda()
+    threads = threading.active_count()
+    count = torch.cuda.get_device_properties(0).multi_processor_count
+    too_many = asteria.RuntimeConfig(workers=1, device_sms=count + 8)
+    with pytest.raises(ValueError, match=rf"Invalid RuntimeConfig.device_sms={count + 8}: .* has {count} SMs"):
+        asteria.Shampoo(model.parameters(), runtime=too_many)
+    host = asteria.RuntimeConfig(workers=1, device_sms=16, memory=asteria.MemoryConfig(placement="host"))
+    with pytest.raises(ValueError, match="Invalid device_sms=16: partitions a GPU for the device lane"):
+        asteria.Shampoo(model.parameters(), runtime=host)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("kind", ["root", "eigenbasis"])
+def test_the_device_lane_on_a_partition_computes_what_the_training_stream_computes(kind):
+    """A refresh on a green context of 16 SMs matches the one computed on the training stream with every SM:
+    the partition changes where the kernels run, not what they compute."""
+    from asteria import _core
+    from asteria.pipeline.device_lane import DeviceLane
+    from asteria.pipeline.factors import FactorSet, RootRequest
+    from asteria.pipeline.refresh_math import refresh_set
+
+    g = torch.randn(4, 96, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    fset = FactorSet(name="set", factors=g @ g.mT / 128, preconditioners=torch.eye(96, device="cuda").repeat(4, 1, 1),
+                     installed=torch.zeros(4, dtype=torch.bool, device="cuda"), exponent=-0.25,
+                     block_params=["p"] * 4, kind=kind)
+    engine = _core.RefreshEngine(workers=1, deterministic=True)
+    rows = 98 if kind == "eigenbasis" else 96
+    ids = [[engine.add_block(torch.zeros(2, 96 * 97 // 2), torch.zeros(2, rows, 96), kind=kind) for _ in range(4)]]
+    lane = DeviceLane(engine, [fset], ids, timeout_s=60.0, sms=16)
+    try:
+        request = RootRequest(scale=1.0, eps=1e-6)
+        snapshot = fset.factors.clone()
+        lane.start(0, 1, 1, request, lambda f: (snapshot, None))
+        engine.activate(1, 60.0)  # waits for the lane's report
+        got = lane.take(0, 1)
+        expected = refresh_set(fset, snapshot, request, fset.preconditioners, fset.installed, in_thread=True)
+        if kind == "root":
+            torch.testing.assert_close(got.new, expected.new, rtol=1e-4, atol=1e-5)
+        else:  # eigenvectors of distinct eigenvalues, up to their signs
+            torch.testing.assert_close(got.new.abs(), expected.new.abs(), rtol=1e-3, atol=1e-4)
+        assert torch.equal(got.usable, expected.usable) and bool(got.usable.all())
+    finally:
+        lane.close()
+        engine.close()
+
+
+def test_a_run_on_a_high_priority_stream_computes_what_the_default_stream_computes(tmp_path):
+    """``asteria train --stream-priority -1`` gives the same losses, bit for bit, as the default stream (native
+    mode and deterministic kernels: nothing in the math depends on timing), and leaves the default stream the
+    current one again."""
+    from asteria.train.cli import main
+
+    losses = []
+    for priority in ("0", "-1"):
+        out = tmp_path / f"priority{priority}"
+        assert main(["train", "--model", "tiny", "--device", "cuda", "--steps", "8", "--batch-size", "4", "--seq-len",
+                     "64", "--eval-batches", "1", "--max-bytes", "40000", "--mode", "sync", "--precondition-frequency",
+                     "3", "--deterministic-kernels", "--stream-priority", priority, "--out", str(out)]) == 0
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert losses[0] == losses[1]

@@ -5,6 +5,8 @@ beside the workers."""
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 
 import pytest
@@ -247,12 +249,14 @@ def test_the_balancers_step_time_leaves_out_the_start_up_refresh_steps():
     assert balancer.step_seconds == pytest.approx(0.3)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(name):
+def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(name, threads):
     """The plan flips every set from one side to the other between their versions: an eigenbasis set that
-    comes back to the workers seeds their chain with the bases in use, and every version is used."""
+    comes back to the workers seeds their chain with the bases in use, and every version is used, with one
+    lane thread or several."""
     model = small_mlp()
-    runtime = asteria.RuntimeConfig(workers=2, stagger=False, device_refresh=True)
+    runtime = asteria.RuntimeConfig(workers=2, stagger=False, device_refresh=True, device_threads=threads)
     data = regression_data()
     with OPTIMIZERS[name](model.parameters(), runtime) as opt:
         refresher = opt._refresher
@@ -290,6 +294,43 @@ def test_the_start_up_refreshes_on_the_lane_match_native_mode_bit_for_bit(name):
         assert torch.equal(a, b)
 
 
+def test_the_lanes_threads_refresh_two_sets_at_once_each_as_native_mode_does(monkeypatch):
+    """With two threads, two sets' refreshes run at the same time (each waits at a barrier for the other: one
+    thread alone would time out there), and each result is native mode's for its snapshot; the lane's busy
+    fraction counts both threads' time."""
+    from asteria import _core
+    from asteria.pipeline import device_lane
+    from asteria.pipeline.factors import RootRequest
+
+    both = threading.Barrier(2, timeout=30.0)
+
+    def side_by_side(*args, **kwargs):
+        both.wait()  # raises BrokenBarrierError unless the other set's refresh is under way too
+        return refresh_set(*args, **kwargs)
+
+    monkeypatch.setattr(device_lane, "refresh_set", side_by_side)
+    sets = [lane_sets("root")[0][0], lane_sets("eigenbasis")[0][0]]
+    engine = _core.RefreshEngine(workers=1, deterministic=True)
+    ids = [[engine.add_block(torch.zeros(1, 21), torch.zeros(1, rows, 6), kind=fset.kind) for _ in range(2)]
+           for fset, rows in zip(sets, (6, 8), strict=True)]
+    lane = device_lane.DeviceLane(engine, sets, ids, timeout_s=30.0, threads=2)
+    try:
+        request = RootRequest(scale=1.0, eps=1e-6)
+        snapshots = [fset.factors.clone() for fset in sets]
+        for index in (0, 1):
+            lane.start(index, 1, 1, request, lambda fset, index=index: (snapshots[index], None))
+        lane.drain(30.0)
+        for index, fset in enumerate(sets):
+            expected = refresh_set(fset, snapshots[index], request, fset.preconditioners, fset.installed,
+                                   in_thread=True)
+            assert torch.equal(lane.take(index, 1).new, expected.new)
+        assert len(engine.activate(1, 30.0)) == 4 and not both.broken
+        assert 0 < lane.stats()["device_busy_fraction"] <= 1
+    finally:
+        lane.close()
+        engine.close()
+
+
 def test_a_failing_device_refresh_keeps_the_previous_version_and_raises_past_the_bound(monkeypatch):
     """A refresh on the lane that raises is the blocks' failure in the registry, as a worker's would be: the
     previous version stays in use, and past ``max_consecutive_failures`` the step raises naming the cause."""
@@ -313,3 +354,21 @@ def test_a_failing_device_refresh_keeps_the_previous_version_and_raises_past_the
         assert opt._refresher.stats()["refresh_failures"] == opt._refresher.sets[0].batch * len(opt._refresher.sets)
         assert all(min(fset.versions) == 1 for fset in opt._refresher.sets)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def green_contexts_supported() -> bool:
+    import torch.cuda.green_contexts as green
+
+    return bool(green.SUPPORTED) and hasattr(green.GreenContext, "Stream")
+
+
+@pytest.mark.skipif(green_contexts_supported(), reason="this torch has green contexts (tests/test_cuda.py uses them)")
+def test_a_partition_of_the_gpu_names_what_this_torch_lacks():
+    """device_sms needs torch's green-context streams; a torch built without them is refused by name, before
+    anything touches a GPU."""
+    from asteria.pipeline.streams import PartitionStream
+
+    version = re.escape(torch.__version__)
+    with pytest.raises(ValueError, match=rf"Invalid RuntimeConfig.device_sms=16: it needs CUDA green contexts with "
+                                         rf"their streams .*which torch {version} .* lacks: leave it None"):
+        PartitionStream(torch.device("cuda"), 16)

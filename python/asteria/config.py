@@ -15,6 +15,8 @@ MODES = ("sync", "async")
 PLACEMENTS = ("auto", "device", "host", "device_view")
 MAX_STALENESS = 1000  # async mode keeps up to S + 1 host snapshots of each block
 MAX_FREQUENCY = 10**6  # precondition_frequency: the schedule keeps per-step tables of an interval
+MAX_SMS = 1024  # beyond any GPU's streaming multiprocessors
+MAX_LANE_THREADS = 64  # the device lane's threads: far beyond what overlapping refreshes can use
 MAX_THREADS = 1024  # workers, blas_threads: beyond any host's cores
 MAX_TIMEOUT_S = 1e7  # about 115 days; the core counts waits in int64 nanoseconds
 MIN_TIMEOUT_S = 1e-6  # a microsecond: the core's waits are whole nanoseconds
@@ -121,6 +123,12 @@ class RuntimeConfig:
             (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
             workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
         device_share: (0, 1], the share of an interval's wall time the device lane may fill.
+        device_sms: the streaming multiprocessors the device lane's refreshes may occupy, through a CUDA green
+            context (``torch.cuda.green_contexts``; the driver rounds the count up to its granularity, 8 on
+            Hopper). Training keeps the whole GPU; the lane's kernels cannot take more than this share of it.
+            ``None``: the lane shares every SM with training at equal stream priority.
+        device_threads: the device lane's threads, each refreshing one set at a time on its own stream, so that
+            the small kernels of concurrent refreshes overlap; ``device_share`` then caps each thread's time.
         memory: tier placement and budgets (``MemoryConfig``).
         process_group, local_world_size: the distributed layout (defaults: WORLD and torchrun's
             LOCAL_WORLD_SIZE). A group smaller than the world runs CPU tensors on Gloo; its node size
@@ -146,6 +154,8 @@ class RuntimeConfig:
     in_flight: int = 1
     device_refresh: bool | None = None
     device_share: float = 1.0
+    device_sms: int | None = None
+    device_threads: int = 1
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     process_group: Any = None
     local_world_size: int | None = None
@@ -200,6 +210,17 @@ class RuntimeConfig:
                self.device_refresh, "must be None or a bool")
         _check(is_real(self.device_share) and 0 < self.device_share <= 1, "device_share", self.device_share,
                "must be a number in (0, 1], the share of an interval the device lane's work may fill")
+        _check(self.device_sms is None or (is_int(self.device_sms) and 1 <= self.device_sms <= MAX_SMS), "device_sms",
+               self.device_sms, f"must be None or an int in [1, {MAX_SMS}] (SMs the device lane may occupy)")
+        _check(self.device_sms is None or (self.mode == "async" and self.device_refresh is not False), "device_sms",
+               self.device_sms, "partitions the GPU for the device lane, which runs in mode='async' unless "
+               f"device_refresh=False (here mode={self.mode!r}, device_refresh={self.device_refresh!r}): leave it None")
+        _check(is_int(self.device_threads) and 1 <= self.device_threads <= MAX_LANE_THREADS, "device_threads",
+               self.device_threads, f"must be an int in [1, {MAX_LANE_THREADS}] (the device lane's threads)")
+        _check(self.device_threads == 1 or (self.mode == "async" and self.device_refresh is not False),
+               "device_threads", self.device_threads, "sets the device lane's threads, and the lane runs in "
+               f"mode='async' unless device_refresh=False (here mode={self.mode!r}, device_refresh="
+               f"{self.device_refresh!r}): leave it 1")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "

@@ -98,10 +98,16 @@ class AsyncRefresher(WorkerRefresher):
             self.snapshots.append(snapshots)
             self.results.append(results)
             self.ids.append(ids)
-        self.lane = DeviceLane(self.engine, sets, self.ids, config.timeout_s) if device_lane else None
+        try:
+            self.lane = (DeviceLane(self.engine, sets, self.ids, config.timeout_s, config.device_sms,
+                                    config.device_threads) if device_lane else None)
+        except BaseException:  # (a green context the driver refuses): no worker outlives the refusal
+            self._stop_workers()
+            raise
         self.balancer = None
         if self.lane is not None and not config.deterministic:
-            self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"], config.device_share,
+            self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"],
+                                         config.device_share * config.device_threads,
                                          cpu_prior([fset.dim for fset in self.sets]))
         self.lanes = [CPU] * len(sets)  # the side of each set's newest version
         self._lane_of: dict[tuple[int, int], str] = {}  # (set, version) in flight -> its side

@@ -2,17 +2,18 @@
 measured to take.
 
 Per interval of ``interval`` steps (T seconds of training: ``interval`` times the median step of the last
-interval), the workers can give ``workers * T * WORKER_UTILIZATION`` CPU-seconds and the device lane
-``T * device_share`` seconds. A set costs its blocks' refresh time on each side: the workers' mean seconds per block
-of its size (the engine times every job; before any, a prior from one timed root of a small block, scaled by
-n^3), and the lane's (it times every set; the start-up refreshes run there, so every size has a figure before
-the first plan). The plan puts every set on the workers; while they cannot finish them within the interval, it
-moves to the lane the sets where the lane is most ahead of the workers, one at a time, as long as the lane's
-share of the interval holds them; the large blocks go to the device first, where an eigendecomposition gains
-most. Work the workers can do stays with them: the device's time is the training's (a refresh on the GPU
-beside training lengthens the steps by about its own time), and ``device_share`` caps it; what neither side
-can finish is deferred, set by set. It is made again every interval, so it follows the measured step time and
-throughputs; a set changes sides only between two of its versions.
+interval), the workers can give ``workers * T * WORKER_UTILIZATION`` CPU-seconds and the device lane ``T *
+device_share`` seconds (``RuntimeConfig.device_share`` times the lane's threads, whose measured seconds per block
+are those of refreshes running side by side). A set costs its blocks' refresh time on each side: the workers' mean
+seconds per block of its size (the engine times every job; before any, a prior from one timed root of a small
+block, scaled by n^3), and the lane's (it times every set; the start-up refreshes run there, so every size has a
+figure before the first plan). The plan puts every set on the workers; while they cannot finish them within the
+interval, it moves to the lane the sets where the lane is most ahead of the workers, one at a time, as long as the
+lane's share of the interval holds them; the large blocks go to the device first, where an eigendecomposition gains
+most. Work the workers can do stays with them: the device's time is the training's (a refresh on the GPU beside
+training lengthens the steps by about its own time), and ``device_share`` caps it; what neither side can finish is
+deferred, set by set. It is made again every interval, so it follows the measured step time and throughputs; a set
+changes sides only between two of its versions.
 """
 
 from __future__ import annotations

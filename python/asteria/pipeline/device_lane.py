@@ -6,7 +6,7 @@ Life of version k of a set on the lane:
    that the one coherence registry decides when k comes into use, bounds its staleness and counts its
    failures as it does for the workers' versions. The factors are copied on the refresher's side stream
    into a device snapshot (the main stream waits for that copy only, before it updates the factors).
-2. The lane's thread takes the job, makes its own low-priority stream wait for the snapshot, computes the
+2. One of the lane's threads takes the job, makes its own low-priority stream wait for the snapshot, computes the
    refresh there with the native mode's math (``refresh_math.refresh_set``), waits for it, and reports the
    blocks' outcome to the registry (``finish_external``). An eigenbasis warm-starts from the bases in use:
    a set has one version in flight at a time, so those are the previous version's.
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.refresh_math import Refreshed, refresh_set
+from asteria.pipeline.streams import PartitionStream
 
 
 @dataclass
@@ -44,30 +45,46 @@ class LaneJob:
 
 
 class DeviceLane:
-    """Refreshes factor sets on their device off the training thread (see the module docstring).
+    """Refreshes factor sets on their device off the training thread (see the module docstring), with
+    ``threads`` threads, each on its own stream (in the green context of ``sms`` SMs where given): a GPU's
+    ``eigh`` is a long chain of small kernels, so concurrent refreshes can overlap where one alone leaves the
+    SMs idle between its kernels. A job is a whole set's version, reading only its snapshot and the bases in
+    use (never another job's result), so jobs may run in any order and side by side.
 
     Thread safety: ``start``, ``take``, ``release``, ``stats`` and ``close`` are called by the training thread;
-    the lane's own thread only computes and reports to the engine, which is safe to call concurrently."""
+    the lane's own threads only compute and report to the engine, which is safe to call concurrently."""
 
-    def __init__(self, engine: Any, sets: list[FactorSet], ids: list[list[int]], timeout_s: float) -> None:
+    def __init__(self, engine: Any, sets: list[FactorSet], ids: list[list[int]], timeout_s: float,
+                 sms: int | None = None, threads: int = 1) -> None:
         self.engine = engine
         self.sets = sets
         self.ids = ids
         self.timeout_s = timeout_s
+        self.threads = threads
         devices = {fset.device for fset in sets}
-        self.streams = {d: torch.cuda.Stream(d, priority=0) if d.type == "cuda" else None for d in devices}
+        if sms is not None and any(d.type != "cuda" for d in devices):
+            raise ValueError(f"Invalid RuntimeConfig.device_sms={sms}: it partitions a GPU's SMs, and the device "
+                             f"lane here computes on {sorted(str(d) for d in devices)}: leave it None")
+        # CUDA priorities are 0 (the lowest, also the default stream's) down to negative numbers.
+        self.partitions = {d: PartitionStream(d, sms, threads) for d in devices if sms is not None}
+        self.streams: dict[torch.device, list[torch.cuda.Stream | None]] = {
+            d: self.partitions[d].streams if d in self.partitions
+            else [torch.cuda.Stream(d, priority=0) if d.type == "cuda" else None for _ in range(threads)]
+            for d in devices}
         self._lock = threading.Condition()
         self._jobs: collections.deque[LaneJob] = collections.deque()       # guarded by _lock
         self._results: dict[tuple[int, int], Refreshed] = {}               # guarded by _lock
         self._snapshots: dict[tuple[int, int], Tensor] = {}                # guarded by _lock; kept for checkpoints
         self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
         self._busy_seconds = 0.0                                           # guarded by _lock
-        self._running = False                                              # guarded by _lock: a job is computing
+        self._running = 0                                                  # guarded by _lock: jobs computing
         self._stopping = False                                             # guarded by _lock
         self._started = time.monotonic()
         self._stopped: float | None = None                                 # guarded by _lock: when close() joined
-        self._thread = threading.Thread(target=self._run, name="asteria-device-lane", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(slot,), name=f"asteria-device-lane-{slot}",
+                                          daemon=True) for slot in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     # ---- training thread -------------------------------------------------------------------------
     def start(self, index: int, version: int, due: int, request: RootRequest,
@@ -114,9 +131,11 @@ class DeviceLane:
             return {n: (seconds, int(blocks)) for n, (seconds, blocks) in self._by_dim.items()}
 
     def stats(self) -> dict[str, Any]:
+        """``device_refresh_seconds``: the jobs' seconds summed over the threads; ``device_busy_fraction``: that
+        over the threads' whole life (each thread's wall time since the start, until ``close``)."""
         with self._lock:
             end = time.monotonic() if self._stopped is None else self._stopped  # the busy fraction of the lane's life
-            wall = max(end - self._started, 1e-9)
+            wall = max(end - self._started, 1e-9) * self.threads
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
                     "device_jobs_queued": len(self._jobs)}
 
@@ -129,19 +148,20 @@ class DeviceLane:
                                    f"within timeout_s={timeout_s}")
 
     def close(self) -> None:
-        """Stops the thread after the job it runs (queued jobs are dropped). Idempotent."""
+        """Stops the threads after the jobs they run (queued jobs are dropped). Idempotent."""
         with self._lock:
             self._stopping = True
             self._jobs.clear()
             self._lock.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.timeout_s)
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(self.timeout_s)
         with self._lock:
             if self._stopped is None:
                 self._stopped = time.monotonic()
 
     # ---- the lane's thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, slot: int) -> None:
         while True:
             with self._lock:
                 while not self._jobs and not self._stopping:
@@ -149,19 +169,19 @@ class DeviceLane:
                 if self._stopping:
                     return
                 job = self._jobs.popleft()
-                self._running = True
+                self._running += 1
             try:
-                self._compute(job)
+                self._compute(job, slot=slot)
             finally:
                 with self._lock:
-                    self._running = False
+                    self._running -= 1
                     self._lock.notify_all()
 
-    def _compute(self, job: LaneJob, inline: bool = False) -> None:
+    def _compute(self, job: LaneJob, inline: bool = False, slot: int = 0) -> None:
         """Refreshes the job's set and reports the outcome; ``inline``: on the current stream and thread (the
-        training thread's, which waits for it), else on the lane's stream."""
+        training thread's, which waits for it), else on the stream of the lane's thread ``slot``."""
         fset = self.sets[job.index]
-        stream = None if inline else self.streams[fset.device]
+        stream = None if inline else self.streams[fset.device][slot]
         started = time.perf_counter()
         refreshed: Refreshed | None = None
         ok = [False] * fset.batch

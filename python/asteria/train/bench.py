@@ -115,18 +115,25 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
     refreshes every set at 0, async mode spreads the sets' snapshots over the interval), the quietest position's,
     and how many seconds an interval's positions add above the quietest: in an async run, the window where the
     device lane's refreshes and the installs land, set apart from the floor that every step pays (the optimizer's
-    own step math, the workers' contention). None where a position has fewer than two steady steps."""
+    own step math, the workers' contention). Where the records hold the host's time to queue each step, also its
+    median by position: a host time near the step's says the host, not the GPU, set the pace there. None where a
+    position has fewer than two steady steps."""
     if frequency < 2:
         return None
     by_position: list[list[float]] = [[] for _ in range(frequency)]
+    host: list[list[float]] = [[] for _ in range(frequency)]
     for record in records[warmup:]:
         by_position[record["step"] % frequency].append(record["step_time"])
+        if "host_step_time" in record:
+            host[record["step"] % frequency].append(record["host_step_time"])
     if min(len(times) for times in by_position) < 2:
         return None
     medians = [statistics.median(times) for times in by_position]
     quietest = min(medians)
+    complete = all(len(h) == len(t) for h, t in zip(host, by_position, strict=True))
     return {"median_seconds": medians, "quietest_seconds": quietest,
-            "above_quietest_seconds": sum(medians) - frequency * quietest}
+            "above_quietest_seconds": sum(medians) - frequency * quietest,
+            "host_median_seconds": [statistics.median(h) for h in host] if complete else None}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -282,6 +289,9 @@ def format_table(results: dict[str, Any]) -> str:
         for label, p in profiles.items():
             lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
                          f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
+            if p.get("host_median_seconds"):  # absent from results written before it was measured
+                lines.append(f"  {'  host queued':<18} {' '.join(f'{1e3 * t:.0f}' for t in p['host_median_seconds'])}"
+                             " (the host's time to queue the step, step()'s waits included)")
     lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])

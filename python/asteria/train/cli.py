@@ -42,7 +42,7 @@ from asteria.train.run_config import (
 
 OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
-                  "first_basis": str}
+                  "first_basis": str, "device_sms": int}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "precondition_1d"}
 HELP = {
@@ -77,6 +77,12 @@ HELP = {
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
                     "keep up (lower: shorter steps, more deferred refreshes)",
+    "stream_priority": "the CUDA priority of the stream the run trains on: 0, the default stream's, is CUDA's lowest, "
+                       "the device lane's too; a negative number starts training's kernels ahead of the lane's",
+    "device_threads": "the GPU refresh work's threads, each on its own stream, so that the small kernels of "
+                      "concurrent refreshes overlap (default: 1)",
+    "device_sms": "the GPU's SMs that its refresh work may occupy, through a CUDA green context (default: all of "
+                  "them, shared with training)",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
                        "its last activation, so refreshes finished meanwhile are used a step sooner (default: on "
                        "for --no-deterministic async runs)",
@@ -132,7 +138,8 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
-ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share")
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share",
+              "device_sms", "device_threads")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
 

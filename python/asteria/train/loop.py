@@ -90,7 +90,9 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                                     else None,
                                     memory=memory, local_world_size=local_world_size, **(dict(
                                         in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
-                                        device_share=float(cfg.device_share)) if cfg.mode == "async" else {}))
+                                        device_share=float(cfg.device_share), device_sms=cfg.device_sms,
+                                        device_threads=cfg.device_threads)
+                                        if cfg.mode == "async" else {}))
     kind = ASTERIA_CLASSES[cfg.optimizer]
     # the settings whose None leaves the optimizer's own default
     chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d", "first_basis")
@@ -249,12 +251,33 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
     refused checkpoint, a failed step or Ctrl-C leaves no workers, pinned buffers or torch thread cap."""
     made: list[torch.optim.Optimizer] = []
     try:
-        return _train_run(cfg, out, progress, resume, run, profile_steps, made)
+        with training_stream(cfg, run):
+            return _train_run(cfg, out, progress, resume, run, profile_steps, made)
     except BaseException:
         for opt in made:
             if hasattr(opt, "close"):
                 opt.close()
         raise
+
+
+@contextlib.contextmanager
+def training_stream(cfg: RunConfig, run: DistributedRun | None) -> Iterator[None]:
+    """Runs the body, model and optimizer made in it included, on a stream of ``cfg.stream_priority`` (the
+    current stream, the default one, where it is 0): the device lane's stream has CUDA's lowest priority, which
+    the default stream shares, so only a higher one lets the block scheduler start training's kernels first."""
+    if cfg.stream_priority == 0:
+        yield
+        return
+    device = run.device if run is not None else torch.device(cfg.device)
+    previous = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device, priority=cfg.stream_priority)
+    stream.wait_stream(previous)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        previous.wait_stream(stream)
+        torch.cuda.set_stream(previous)
 
 
 @dataclass
@@ -336,7 +359,8 @@ def _resume(cfg: RunConfig, out: Path, resume: bool, run: DistributedRun | None,
 def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int, position: int,
                 energy: EnergyMeter, timer: StepTimer, profiler: StepProfiler) -> dict[str, Any]:
     """One step on the batch of sequences from ``position``: its loss (on several processes the mean over
-    ranks), learning rate, wall and CUDA-event time and energy (None where not measured)."""
+    ranks), learning rate, wall and CUDA-event time, the host's time to queue it (before waiting for the GPU to
+    end it: where it nears the wall time, the host sets the pace) and energy (None where not measured)."""
     t0 = time.perf_counter()
     # The range ends after the step's synchronization, so each profiled step holds its GPU work.
     with profiler.step(step):  # a no-op outside --profile-steps
@@ -354,7 +378,8 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
             group["lr"] = lr
         parts.opt.step()
         parts.opt.zero_grad(set_to_none=True)
-        gpu_seconds = timer.finish()
+        host_seconds = time.perf_counter() - t0  # the host has queued the step; on a GPU it may still run
+        gpu_seconds = timer.finish()  # waits for the GPU
         step_joules = None
         if run is None:
             loss_value = loss.item()  # synchronizes, so the step time below is the whole step
@@ -363,7 +388,8 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
         step_time = time.perf_counter() - t0
     if run is None and joules is not None:
         step_joules = energy.joules() - joules
-    return {"loss": loss_value, "lr": lr, "step_time": step_time, "gpu_seconds": gpu_seconds, "joules": step_joules}
+    return {"loss": loss_value, "lr": lr, "step_time": step_time, "host_seconds": host_seconds,
+            "gpu_seconds": gpu_seconds, "joules": step_joules}
 
 
 def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int, wall: float,
@@ -372,7 +398,8 @@ def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int
     steps and at the last, the validation loss."""
     device = parts.device
     record: dict[str, Any] = {"step": step, "loss": measured["loss"], "lr": measured["lr"],
-                              "step_time": measured["step_time"], "wall": wall, "rss_bytes": rss_bytes()}
+                              "step_time": measured["step_time"], "host_step_time": measured["host_seconds"],
+                              "wall": wall, "rss_bytes": rss_bytes()}
     if measured["gpu_seconds"] is not None:
         record["gpu_step_time"] = measured["gpu_seconds"]
         record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)

@@ -99,6 +99,9 @@ class RunConfig:
     in_flight: int = 1
     device_refresh: bool | None = None
     device_share: float = 1.0
+    device_sms: int | None = None
+    device_threads: int = 1
+    stream_priority: int = 0
     peer_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +123,9 @@ class RunConfig:
         check(isinstance(self.device_share, (int, float)) and not isinstance(self.device_share, bool)
               and 0 < self.device_share <= 1, "device_share", "must be a number in (0, 1]")
         check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
+        check(self.device_sms is None or (is_int(self.device_sms) and self.device_sms >= 1), "device_sms",
+              "must be None (the whole GPU) or an int >= 1")
+        check(is_int(self.device_threads) and self.device_threads >= 1, "device_threads", "must be an int >= 1")
         check(self.beta2 is None or (isinstance(self.beta2, (int, float)) and not isinstance(self.beta2, bool)
                                      and 0 < self.beta2 < 1), "beta2", "must be None (the optimizer's own) or a "
               "number in (0, 1)")
@@ -154,6 +160,10 @@ class RunConfig:
               "local_world_size", "must be an int >= 1 that divides the number of processes (default: torchrun's "
               "LOCAL_WORLD_SIZE)")
         check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(is_int(self.stream_priority) and -64 <= self.stream_priority <= 0
+              and (self.stream_priority == 0 or self.device == "cuda"), "stream_priority",
+              "must be an int in [-64, 0] (CUDA stream priorities: 0 the lowest; torch clamps to the GPU's range), "
+              "and 0 with device='cpu'")
         for name in ("data", "tokenizer"):  # "" would be the current folder
             value = getattr(self, name)
             check(value is None or (isinstance(value, str) and value.strip() != ""), name,
