@@ -12,16 +12,17 @@ and the accuracy of the QR refreshes against eigh on factors that drift between 
 beta2 = 0.999 over 10 steps of fresh low-rank gradients): the off-diagonal ratio of Q^T F Q and the
 relative error of the inverse fourth root built from the refreshed basis and its Rayleigh quotients.
 
-Then a training-like loop (bf16 matrix products and elementwise work on the main stream) is timed alone
-and beside Python threads that refresh blocks, each on its own stream, for each method, SM partition and
-thread count: the step-time inflation, and the refreshes per second achieved beside it and with nothing
-beside it. A partition (``--green-sms``, 0: none) is a CUDA green context holding the threads' streams:
-their kernels may occupy only its SMs, while training keeps every SM. It asks whether the device lane
-(``RuntimeConfig.device_sms``) can refresh beside training without lengthening its steps by the refresh
-time, as it does on a plain stream, since ``eigh``'s kernels are small and many (26 ms a 2048 block,
-batched or not). ``--train-priority -1`` runs the training-like loop on a high-priority stream instead of
-the default stream, whose priority is CUDA's lowest, the refresh streams' too: the block scheduler then
-starts the refreshes' thread blocks only where training's have none waiting.
+Then a training-like loop (bf16 matrix products and elementwise work on the main stream) is timed alone and
+beside Python threads that refresh blocks, each on its own stream, for each method, SM partition and thread
+count: the step-time inflation, the refreshes per second achieved beside it and with nothing beside it, and
+the training time lost per block refreshed (the lost share of the wall clock over the rate). A partition
+(``--green-sms``, 0: none) is a CUDA green context holding the threads' streams: their kernels may occupy only
+its SMs, while training keeps every SM. It asks whether the device lane (``RuntimeConfig.device_sms``) can
+refresh beside training without lengthening its steps by the refresh time, as it does on a plain stream, since
+``eigh``'s kernels are small and many (26 ms a 2048 block, batched or not). ``--train-priority -1`` runs the
+training-like loop on a high-priority stream instead of the default stream, whose priority is CUDA's lowest,
+the refresh streams' too: the block scheduler then starts the refreshes' thread blocks only where training's
+have none waiting.
 
     python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 1 16 --out results/gpu_refresh_math.json
     python3 bench/gpu_refresh_math.py --no-methods-table --green-sms 0 16 32 66 --lane-threads 1 2 \
@@ -237,10 +238,14 @@ def interference(device: torch.device, n: int, batch: int, steps: int, partition
                 streams, green = side_streams(device, sms, count)
                 rate_alone, _ = refresh_threads(fn, streams, batch, lambda: time.sleep(2.0))
                 rate, times = refresh_threads(fn, streams, batch, timed_steps)
+                mean = statistics.mean(times)
+                lost = 1 - rows[0]["mean_step_s"] / mean  # the share of the wall clock training lost
                 rows.append({"method": name, "sms": sms, "threads": count, "train_priority": train_priority,
-                             "median_step_s": statistics.median(times),
-                             "mean_step_s": statistics.mean(times), "max_step_s": max(times), "blocks_per_s": rate,
-                             "blocks_per_s_alone": rate_alone})
+                             "median_step_s": statistics.median(times), "mean_step_s": mean, "max_step_s": max(times),
+                             "blocks_per_s": rate, "blocks_per_s_alone": rate_alone,
+                             # training time lost per block refreshed beside it (a plain stream's eigh: about
+                             # its own duration)
+                             "training_ms_lost_per_block": 1e3 * lost / rate if rate > 0 else None})
                 print(rows[-1], flush=True)
                 del streams, green
     return rows

@@ -60,8 +60,10 @@ pip install -qq numpy "transformers>=4.48" tqdm matplotlib tensorboard "nanobind
 stage_done
 
 if [ $with_test = 1 ]; then  # the test and fuzz extras
-  stage "pytest, hypothesis, atheris"
+  stage "pytest, hypothesis, heavyball, atheris"
   pip install -qq "pytest>=8" hypothesis
+  # heavyball: the bench's peer (hb-soap, hb-kl-shampoo); without it its tests skip.
+  pip install -qq heavyball >/dev/null 2>&1 || echo -n "(heavyball unavailable: its peer tests skip) "
   # The fuzz target prefers atheris (libFuzzer); without a wheel for this Python it falls back to hypothesis.
   if pip install -qq atheris >/dev/null 2>&1; then stage_done; else stage_done "ok, atheris unavailable: fuzzing uses hypothesis"; fi
 fi

@@ -460,6 +460,19 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         assert (tmp_path / png).stat().st_size > 1000, png
 
 
+def test_heavyballs_peers_train_beside_the_others_in_the_bench_eagerly_on_the_cpu(tmp_path):
+    """hb-soap and hb-kl-shampoo run in the bench on the same model and batches; on the CPU heavyball's steps
+    run eagerly (its max-autotune compile fails in torch's CPU inductor), and the loss falls."""
+    heavyball = pytest.importorskip("heavyball")
+    assert main(["bench", "--out", str(tmp_path), "--steps", "8", "--eval-every", "8", "--configs", "hb-soap",
+                 "hb-kl-shampoo", *TINY]) == 0
+    assert heavyball.utils.compile_mode is None
+    for label in ("hb-soap", "hb-kl-shampoo"):
+        losses = [r["loss"] for r in records(tmp_path / label)]
+        assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses)
+        assert losses[-1] < losses[0]
+
+
 def test_stagger_reaches_the_optimizer():
     from asteria.train.cli import build_parser, run_config_from_args
     from asteria.train.loop import make_optimizer

@@ -4,7 +4,8 @@ names with ``--peer-path``; never vendored) and heavyball's SOAP and KL-Shampoo 
 installed). Each is set up with the hyperparameters of the Asteria optimizer it stands beside (the
 defaults of ``asteria.Shampoo``, ``asteria.SOAP`` and ``asteria.KLShampoo``, with the run's beta2 where it
 sets one), the run's learning rate, weight decay, refresh interval and block size; both refresh every block
-at its interval, inside ``step()``.
+at its interval, inside ``step()``. On the CPU heavyball runs eagerly: its default compile mode (max-autotune)
+fails in torch 2.13's CPU inductor, and compiling takes longer than a short CPU bench; on a GPU it keeps it.
 """
 
 from __future__ import annotations
@@ -75,8 +76,24 @@ def make_peer(name: str, params: Any, lr: float, weight_decay: float, frequency:
     except ImportError as error:
         raise ValueError(f"Invalid optimizer={name!r}: heavyball is not installed ({error}); pip install heavyball") \
             from None
+    params = list(params)
+    heavyball_compile(heavyball, on_cpu=all(p.device.type == "cpu" for p in params))
     if name == "hb-soap":
         return heavyball.SOAP(params, lr=lr, betas=betas, shampoo_beta=betas[1], eps=1e-8,
                               weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)
     return heavyball.KLShampoo(params, lr=lr, betas=betas, shampoo_beta=betas[1], eps=1e-8,
                                weight_decay=weight_decay, precondition_frequency=frequency, max_precond_dim=max_dim)
+
+
+_HEAVYBALL_COMPILE: list[Any] = []  # heavyball's own compile mode, read once before it is changed
+
+
+def heavyball_compile(heavyball: Any, on_cpu: bool) -> None:
+    """Sets heavyball's (module-wide) compile mode for the run: none on the CPU (see the module docstring), its
+    own elsewhere. A heavyball without the setting is left as it is."""
+    utils = getattr(heavyball, "utils", None)
+    if utils is None or not hasattr(utils, "compile_mode"):
+        return
+    if not _HEAVYBALL_COMPILE:
+        _HEAVYBALL_COMPILE.append(utils.compile_mode)
+    utils.compile_mode = None if on_cpu else _HEAVYBALL_COMPILE[0]
