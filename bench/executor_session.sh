@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the refresh executor's measurements (the device tool gives short leases). Stages, chosen by
 # $STAGES (default: build cuda small):
-#   build   the package;
+#   build   the package, and the wheels in .peers/wheels (heavyball's peer: the device has no network, so
+#           `pip download heavyball opt-einsum --no-deps -d .peers/wheels` here first; .peers/ is never committed);
 #   cuda    the CUDA tests of the executor and of the paths it touches (stops the call when one fails);
 #   small   asteria bench on olmo-160m at 8 x 1024 tokens a step: AdamW, native Shampoo, Asteria's three at their
 #           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
@@ -29,19 +30,21 @@
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes;
 #   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
 #           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix.
-#   green   whether the device lane's refreshes can stop lengthening the training steps they overlap, by a share
-#           of the GPU's SMs (RuntimeConfig.device_sms, a CUDA green context) or by training on a stream of higher
-#           priority than the lane's (--stream-priority -1; the default stream has CUDA's lowest, the lane's):
-#           with $GREEN_MATH (default 1), bench/gpu_refresh_math.py's training-like loop beside refresh threads on
-#           partitions of $GREEN_SMS (default: 0 16 32; 0 is a plain stream) with $GREEN_THREADS threads (default:
-#           1 2 4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at
-#           training priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain sms16
-#           sms16-t2; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority
-#           -1, nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble
-#           where the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
-#           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS
-#           ($GREEN_STEPS, default 150; about 1.5 minutes a variant). A second call: GREEN_MATH=0
-#           GREEN_RUNS="prio prio-sms16 nolate nolane".
+#   hb      heavyball's SOAP and KL-Shampoo beside Asteria's and AdamW on olmo-160m at 8 x 1024 ($HB_STEPS,
+#           default 150; heavyball compiles its step with max-autotune on a GPU, which may take minutes at first);
+#   green   whether the device lane's refreshes can stop lengthening the training steps they overlap, by a share of
+#           the GPU's SMs (RuntimeConfig.device_sms, a CUDA green context) or by training on a stream of higher
+#           priority than the lane's (--stream-priority -1; the default stream has CUDA's lowest, the lane's): with
+#           $GREEN_MATH (default 1), bench/gpu_refresh_math.py's training-like loop beside refresh threads on
+#           partitions of $GREEN_SMS (default: 0 16 32; 0 is a plain stream) with $GREEN_THREADS threads (default: 1 2
+#           4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at training
+#           priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain sms16
+#           sms16-t2; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority -1,
+#           nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
+#           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
+#           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
+#           default 150; about 1.5 minutes a variant). A second call: GREEN_MATH=0 GREEN_RUNS="prio prio-sms16 nolate
+#           nolane".
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
@@ -56,6 +59,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
 if has build; then
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
+  if compgen -G ".peers/wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-deps .peers/wheels/*.whl 2>&1 | tail -2
+  fi
 fi
 if has cuda; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda.txt"
@@ -123,6 +129,7 @@ if has phases; then
       | tee -a "$OUT/phases.txt"
   done
 fi
+has hb && bench hb olmo-160m 8 "${HB_STEPS:-150}" ${HB_CONFIGS:-adamw hb-soap hb-kl-shampoo soap-async kl-shampoo-async}
 if has green; then
   if [[ ${GREEN_MATH:-1} == 1 ]]; then
     for priority in 0 -1; do
