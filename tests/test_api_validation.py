@@ -288,8 +288,8 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
     ({"device_sms": 16.0}, "Invalid device_sms=16.0: must be None or an int"),
     ({"device_sms": 16, "mode": "sync"}, r"Invalid device_sms=16: partitions the GPU for the device lane, which "
                                          r"runs in mode='async' unless device_refresh=False \(here mode='sync'"),
-    ({"device_threads": 0}, r"Invalid device_threads=0: must be an int in \[1, 64\]"),
-    ({"device_threads": 2.0}, r"Invalid device_threads=2.0: must be an int in \[1, 64\]"),
+    ({"device_threads": 0}, r"Invalid device_threads=0: must be an int in \[1, 16\]"),
+    ({"device_threads": 2.0}, r"Invalid device_threads=2.0: must be an int in \[1, 16\]"),
     ({"device_threads": 2, "device_refresh": False}, r"Invalid device_threads=2: sets the device lane's threads, "
                                                      r"and the lane runs in mode='async' unless device_refresh=False"),
     ({"device_sms": 16, "device_refresh": False}, r"Invalid device_sms=16: .*\(here mode='async', "
@@ -304,16 +304,23 @@ def test_runtime_config_arguments(kwargs, match):
 @pytest.mark.parametrize("runtime", [{}, {"device_refresh": True}])
 def test_a_partition_of_the_gpu_without_a_device_lane_on_one_is_refused_before_anything_starts(optimizer, runtime):
     """device_sms partitions a GPU for the device lane: with the parameters on the CPU (the lane off, or on the
-    CPU) it would do nothing, so construction refuses it by name (tests/test_cuda.py: the other cases)."""
+    CPU) it would do nothing, so construction refuses it by name, as it refuses device_threads where no lane
+    thread would run (tests/test_cuda.py: the other cases)."""
     model = torch.nn.Linear(8, 4)
     threads = threading.active_count()
-    with pytest.raises(ValueError, match=r"Invalid device_sms=16: partitions a GPU for the device lane, which does "
-                                         r"not run on one here"):
+    why = "computes on the CPU here" if runtime else "does not run here"
+    with pytest.raises(ValueError, match=rf"Invalid device_sms=16: partitions a GPU for the device lane, and the "
+                                         rf"lane {why}\b.*: leave it None"):
         optimizer(model.parameters(), runtime=asteria.RuntimeConfig(device_sms=16, **runtime))
     if not runtime:  # no lane on CPU parameters unless device_refresh=True
         with pytest.raises(ValueError, match=r"Invalid device_threads=2: sets the device lane's threads, and the "
                                              r"lane does not run here"):
             optimizer(model.parameters(), runtime=asteria.RuntimeConfig(device_threads=2))
+    else:  # the deterministic rule's lane computes the start-up refreshes only, inline
+        with pytest.raises(ValueError, match=r"Invalid device_threads=2: sets the device lane's threads, and under "
+                                             r"the deterministic rule the lane computes only the start-up refreshes"):
+            optimizer(model.parameters(), runtime=asteria.RuntimeConfig(device_threads=2, deterministic=True,
+                                                                        **runtime))
     assert threading.active_count() == threads  # no worker was started
 
 

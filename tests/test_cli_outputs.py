@@ -190,7 +190,7 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--stream-priority", "-1"], "Invalid stream_priority=-1: must be an int in [-64, 0] (CUDA stream priorities: "
                                   "0 the lowest; torch clamps to the GPU's range), and 0 with device='cpu'"),
     (["--device-sms", "0"], "Invalid device_sms=0: must be None (the whole GPU) or an int >= 1"),
-    (["--device-sms", "16"], "Invalid device_sms=16: partitions a GPU for the device lane, which does not run"),
+    (["--device-sms", "16"], "Invalid device_sms=16: partitions a GPU for the device lane, and the lane does not run"),
     (["--optimizer", "adamw", "--prefetch", "step"], "Invalid --prefetch step with --optimizer adamw"),
     (["--optimizer", "adamw", "--max-preconditioner-dim", "64"], "Invalid --max-preconditioner-dim 64 with"),
     (["--optimizer", "adamw", "--start-preconditioning-step", "1"], "Invalid --start-preconditioning-step 1 with"),

@@ -14,6 +14,7 @@ import asteria
 from asteria import testing
 from asteria.pipeline import streams
 from asteria.pipeline.async_refresh import AsyncRefresher
+from asteria.pipeline.partition import granularity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -372,6 +373,7 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms,
         if partition is not None:
             assert refresher.lane.streams[device] == partition.streams and partition.sms == sms
         assert len({stream.cuda_stream for stream in refresher.lane.streams[device]}) == threads
+        assert all(bool(green_context_of(stream)) == (sms is not None) for stream in refresher.lane.streams[device])
 
         def steps(count: int) -> None:
             for _ in range(count):
@@ -407,15 +409,29 @@ def test_the_start_up_refreshes_run_on_the_gpu_and_match_native_mode():
     assert stats["device_versions"] >= 1
 
 
+def green_context_of(stream: torch.cuda.Stream) -> int:
+    """The driver's green context of ``stream`` (0 for a stream of the primary context): cuStreamGetGreenCtx."""
+    import ctypes
+
+    context = ctypes.c_void_p()
+    code = ctypes.CDLL("libcuda.so.1").cuStreamGetGreenCtx(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(context))
+    assert code == 0, f"cuStreamGetGreenCtx failed: CUresult {code}"
+    return context.value or 0
+
+
 def test_a_partition_of_more_sms_than_the_gpu_has_or_without_a_lane_is_refused_by_name():
-    """device_sms beyond the GPU's SMs names the count it has, before any worker starts; with the
+    """A count that the architecture's granularity rounds up beyond the GPU's SMs is refused too.
+    device_sms beyond the GPU's SMs names the count it has, before any worker starts; with the
     preconditioners in host memory the lane cannot run, and the partition is refused rather than ignored."""
     model = small_mlp(sizes=SIZES).cuda()
     threads = threading.active_count()
     count = torch.cuda.get_device_properties(0).multi_processor_count
-    too_many = asteria.RuntimeConfig(workers=1, device_sms=count + 8)
-    with pytest.raises(ValueError, match=rf"Invalid RuntimeConfig.device_sms={count + 8}: .* has {count} SMs"):
-        asteria.Shampoo(model.parameters(), runtime=too_many)
+    step = granularity(torch.device("cuda", 0))
+    for sms in (count + 8, count - count % step + 1):  # beyond the GPU; at most its SMs, but rounded up beyond
+        too_many = asteria.RuntimeConfig(workers=1, device_sms=sms)
+        with pytest.raises(ValueError, match=rf"Invalid RuntimeConfig.device_sms={sms}: .* has {count} SMs, in "
+                                             rf"partitions of multiples of \d+ .*give at most"):
+            asteria.Shampoo(model.parameters(), runtime=too_many)
     host = asteria.RuntimeConfig(workers=1, device_sms=16, memory=asteria.MemoryConfig(placement="host"))
     with pytest.raises(ValueError, match="Invalid device_sms=16: partitions a GPU for the device lane"):
         asteria.Shampoo(model.parameters(), runtime=host)
@@ -442,6 +458,7 @@ def test_the_device_lane_on_a_partition_computes_what_the_training_stream_comput
     try:
         request = RootRequest(scale=1.0, eps=1e-6)
         snapshot = fset.factors.clone()
+        torch.cuda.synchronize()  # the lane's stream does not wait for the default stream: the inputs are made
         lane.start(0, 1, 1, request, lambda f: (snapshot, None))
         engine.activate(1, 60.0)  # waits for the lane's report
         got = lane.take(0, 1)
@@ -471,3 +488,22 @@ def test_a_run_on_a_high_priority_stream_computes_what_the_default_stream_comput
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert losses[0] == losses[1]
+
+
+def test_the_training_stream_has_the_runs_priority_and_the_side_streams_take_it():
+    """``--stream-priority`` makes the run's stream current (autograd runs the backward on the forward's
+    stream); the side streams made meanwhile share its priority, since training waits for their copies; the
+    default stream is current again afterwards, after a failure too."""
+    from asteria.train.loop import RunConfig, training_stream
+
+    least, greatest = torch.cuda.current_stream().priority_range()
+    with training_stream(RunConfig(device="cuda", stream_priority=-1), None):
+        current = torch.cuda.current_stream()
+        assert current != torch.cuda.default_stream() and current.priority == max(-1, greatest) < least
+        assert streams.SideStream(torch.device("cuda")).stream.priority == current.priority
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    with pytest.raises(RuntimeError, match="inside the run"), \
+            training_stream(RunConfig(device="cuda", stream_priority=-1), None):
+        raise RuntimeError("inside the run")
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert streams.SideStream(torch.device("cuda")).stream.priority == least

@@ -331,6 +331,32 @@ def test_the_lanes_threads_refresh_two_sets_at_once_each_as_native_mode_does(mon
         engine.close()
 
 
+def test_the_lanes_own_timings_replace_the_inline_start_up_ones():
+    """The balancer's device figures: a start-up refresh computed inline (on the training stream, with the whole
+    GPU) stands in for its block size until the lane's threads have refreshed one; then theirs alone count."""
+    from asteria import _core
+    from asteria.pipeline.device_lane import DeviceLane
+    from asteria.pipeline.factors import RootRequest
+
+    sets, _ = lane_sets("root")
+    engine = _core.RefreshEngine(workers=1, deterministic=True)
+    ids = [[engine.add_block(torch.zeros(2, 21), torch.zeros(2, 6, 6), kind="root") for _ in range(2)]]
+    lane = DeviceLane(engine, sets, ids, timeout_s=30.0)
+    try:
+        request = RootRequest(scale=1.0, eps=1e-6)
+        lane.start(0, 1, 1, request, None)  # inline, on this thread
+        assert lane.seconds_by_dim()[6][1] == 2
+        inline = lane.seconds_by_dim()[6][0]
+        lane.start(0, 2, 2, request, lambda fset: (fset.factors.clone(), None))
+        lane.drain(30.0)
+        seconds, blocks = lane.seconds_by_dim()[6]
+        assert blocks == 2 and seconds > 0  # the thread's job only, not the inline one beside it
+        assert lane.stats()["device_refresh_seconds"] == pytest.approx(inline + seconds)
+    finally:
+        lane.close()
+        engine.close()
+
+
 def test_a_failing_device_refresh_keeps_the_previous_version_and_raises_past_the_bound(monkeypatch):
     """A refresh on the lane that raises is the blocks' failure in the registry, as a worker's would be: the
     previous version stays in use, and past ``max_consecutive_failures`` the step raises naming the cause."""
@@ -366,9 +392,9 @@ def green_contexts_supported() -> bool:
 def test_a_partition_of_the_gpu_names_what_this_torch_lacks():
     """device_sms needs torch's green-context streams; a torch built without them is refused by name, before
     anything touches a GPU."""
-    from asteria.pipeline.streams import PartitionStream
+    from asteria.pipeline.partition import Partition
 
     version = re.escape(torch.__version__)
     with pytest.raises(ValueError, match=rf"Invalid RuntimeConfig.device_sms=16: it needs CUDA green contexts with "
                                          rf"their streams .*which torch {version} .* lacks: leave it None"):
-        PartitionStream(torch.device("cuda"), 16)
+        Partition(torch.device("cuda"), 16, 1)

@@ -16,7 +16,8 @@ PLACEMENTS = ("auto", "device", "host", "device_view")
 MAX_STALENESS = 1000  # async mode keeps up to S + 1 host snapshots of each block
 MAX_FREQUENCY = 10**6  # precondition_frequency: the schedule keeps per-step tables of an interval
 MAX_SMS = 1024  # beyond any GPU's streaming multiprocessors
-MAX_LANE_THREADS = 64  # the device lane's threads: far beyond what overlapping refreshes can use
+MAX_LANE_THREADS = 16  # the device lane's threads: beyond what overlapping refreshes can use, within torch's
+# pool of 32 streams a priority (and a green context's), from which each thread takes its own
 MAX_THREADS = 1024  # workers, blas_threads: beyond any host's cores
 MAX_TIMEOUT_S = 1e7  # about 115 days; the core counts waits in int64 nanoseconds
 MIN_TIMEOUT_S = 1e-6  # a microsecond: the core's waits are whole nanoseconds

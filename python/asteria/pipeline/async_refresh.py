@@ -80,6 +80,31 @@ class AsyncRefresher(WorkerRefresher):
         super().__init__(sets, config, interval)
         self._start_workers(config.deterministic, config.max_consecutive_failures)
         self.side = self.stager.side
+        self.lane: DeviceLane | None = None
+        self.balancer: LaneBalancer | None = None
+        try:
+            self._build(sets, config, interval, device_lane)
+        except BaseException:  # (pinned memory or a green context refused): no thread outlives the refusal
+            if self.lane is not None:
+                self.lane.close()
+            self._stop_workers()
+            raise
+        self.lanes = [CPU] * len(sets)  # the side of each set's newest version
+        self._lane_of: dict[tuple[int, int], str] = {}  # (set, version) in flight -> its side
+        self._open: dict[int, list[int]] = {}  # set -> its versions in flight (newest-finished rule)
+        self._last_version = [0] * len(sets)  # per set: the newest version snapshotted or deferred
+        self._next_plan = 0
+        self._deferred = 0
+        self._moves = 0
+        self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
+        self._bytes_to_host = 0
+        self._bytes_to_device = 0
+        # Versions snapshotted but not yet activated: (set index, version, activation step, request).
+        self._scheduled: list[tuple[int, int, int, RootRequest]] = []
+        self.backlog = BacklogMonitor(config, interval)
+
+    def _build(self, sets: list[FactorSet], config: RuntimeConfig, interval: int, device_lane: bool) -> None:
+        """The pinned host buffers and the engine's blocks of every set, then the device lane and its balancer."""
         self.snapshots: list[torch.Tensor] = []  # per set (depth, B, n (n + 1) / 2): packed
         self.results: list[torch.Tensor] = []
         self.ids: list[list[int]] = []
@@ -98,30 +123,13 @@ class AsyncRefresher(WorkerRefresher):
             self.snapshots.append(snapshots)
             self.results.append(results)
             self.ids.append(ids)
-        try:
-            self.lane = (DeviceLane(self.engine, sets, self.ids, config.timeout_s, config.device_sms,
-                                    config.device_threads) if device_lane else None)
-        except BaseException:  # (a green context the driver refuses): no worker outlives the refusal
-            self._stop_workers()
-            raise
-        self.balancer = None
+        if device_lane:
+            self.lane = DeviceLane(self.engine, sets, self.ids, config.timeout_s, config.device_sms,
+                                   config.device_threads)
         if self.lane is not None and not config.deterministic:
             self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"],
                                          config.device_share * config.device_threads,
                                          cpu_prior([fset.dim for fset in self.sets]))
-        self.lanes = [CPU] * len(sets)  # the side of each set's newest version
-        self._lane_of: dict[tuple[int, int], str] = {}  # (set, version) in flight -> its side
-        self._open: dict[int, list[int]] = {}  # set -> its versions in flight (newest-finished rule)
-        self._last_version = [0] * len(sets)  # per set: the newest version snapshotted or deferred
-        self._next_plan = 0
-        self._deferred = 0
-        self._moves = 0
-        self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
-        self._bytes_to_host = 0
-        self._bytes_to_device = 0
-        # Versions snapshotted but not yet activated: (set index, version, activation step, request).
-        self._scheduled: list[tuple[int, int, int, RootRequest]] = []
-        self.backlog = BacklogMonitor(config, interval)
 
     # ---- refresh and activation -------------------------------------------------------------------
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:

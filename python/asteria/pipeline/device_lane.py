@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.partition import Partition
 from asteria.pipeline.refresh_math import Refreshed, refresh_set
-from asteria.pipeline.streams import PartitionStream
 
 
 @dataclass
@@ -66,7 +66,7 @@ class DeviceLane:
             raise ValueError(f"Invalid RuntimeConfig.device_sms={sms}: it partitions a GPU's SMs, and the device "
                              f"lane here computes on {sorted(str(d) for d in devices)}: leave it None")
         # CUDA priorities are 0 (the lowest, also the default stream's) down to negative numbers.
-        self.partitions = {d: PartitionStream(d, sms, threads) for d in devices if sms is not None}
+        self.partitions = {d: Partition(d, sms, threads) for d in devices if sms is not None}
         self.streams: dict[torch.device, list[torch.cuda.Stream | None]] = {
             d: self.partitions[d].streams if d in self.partitions
             else [torch.cuda.Stream(d, priority=0) if d.type == "cuda" else None for _ in range(threads)]
@@ -76,15 +76,21 @@ class DeviceLane:
         self._results: dict[tuple[int, int], Refreshed] = {}               # guarded by _lock
         self._snapshots: dict[tuple[int, int], Tensor] = {}                # guarded by _lock; kept for checkpoints
         self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
+        self._inline_by_dim: dict[int, list[float]] = {}                   # guarded by _lock: the same, inline
         self._busy_seconds = 0.0                                           # guarded by _lock
         self._running = 0                                                  # guarded by _lock: jobs computing
         self._stopping = False                                             # guarded by _lock
         self._started = time.monotonic()
         self._stopped: float | None = None                                 # guarded by _lock: when close() joined
-        self._threads = [threading.Thread(target=self._run, args=(slot,), name=f"asteria-device-lane-{slot}",
-                                          daemon=True) for slot in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+        try:
+            for slot in range(threads):
+                self._threads.append(threading.Thread(target=self._run, args=(slot,),
+                                                      name=f"asteria-device-lane-{slot}", daemon=True))
+                self._threads[-1].start()
+        except BaseException:  # (the system refused a thread): those started stop
+            self.close()
+            raise
 
     # ---- training thread -------------------------------------------------------------------------
     def start(self, index: int, version: int, due: int, request: RootRequest,
@@ -126,9 +132,13 @@ class DeviceLane:
             return self._snapshots.get((index, version))
 
     def seconds_by_dim(self) -> dict[int, tuple[float, int]]:
-        """Per block size n: the lane's seconds and blocks refreshed (its measured throughput)."""
+        """Per block size n: the lane's seconds and blocks refreshed (its measured throughput), from its threads'
+        jobs; where it has none of a size yet, from the inline ones (the start-up refreshes, computed on the
+        training stream with the whole GPU, one set at a time: faster than on a partition or beside other
+        jobs, so they stand in only until the lane's own figures come)."""
         with self._lock:
-            return {n: (seconds, int(blocks)) for n, (seconds, blocks) in self._by_dim.items()}
+            timings = {**self._inline_by_dim, **self._by_dim}
+            return {n: (seconds, int(blocks)) for n, (seconds, blocks) in timings.items()}
 
     def stats(self) -> dict[str, Any]:
         """``device_refresh_seconds``: the jobs' seconds summed over the threads; ``device_busy_fraction``: that
@@ -137,7 +147,7 @@ class DeviceLane:
             end = time.monotonic() if self._stopped is None else self._stopped  # the busy fraction of the lane's life
             wall = max(end - self._started, 1e-9) * self.threads
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
-                    "device_jobs_queued": len(self._jobs)}
+                    "device_jobs_queued": len(self._jobs), "device_threads": self.threads}
 
     def drain(self, timeout_s: float) -> None:
         """Blocks until every queued job has ended (the engine's ``drain`` covers the workers' jobs only);
@@ -197,15 +207,15 @@ class DeviceLane:
                 ok = refreshed.usable.tolist()  # waits for this stream only
         except Exception as failure:  # noqa: BLE001 - reported to the registry as the blocks' failure
             error = f"device refresh failed: {type(failure).__name__}: {failure}"
-        self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error)
+        self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error, inline)
 
     def _finish(self, index: int, version: int, refreshed: Refreshed | None, ok: list[bool], seconds: float,
-                error: str) -> None:
+                error: str, inline: bool) -> None:
         fset = self.sets[index]
         with self._lock:
             if refreshed is not None:
                 self._results[(index, version)] = refreshed
-            timing = self._by_dim.setdefault(fset.dim, [0.0, 0])
+            timing = (self._inline_by_dim if inline else self._by_dim).setdefault(fset.dim, [0.0, 0])
             timing[0] += seconds
             timing[1] += fset.batch
             self._busy_seconds += seconds

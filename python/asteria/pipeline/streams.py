@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
 
 class SideStream:
-    """A low-priority CUDA stream for state staging, or nothing on the CPU."""
+    """A CUDA stream for state staging, or nothing on the CPU. Its priority is that of the stream current when
+    it is made (the training stream's: CUDA's lowest, 0, on the default stream): the training stream waits for
+    its copies, so a lower priority than training's would let the device lane's kernels delay them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         # CUDA priorities are 0 (the lowest, also the default's) down to negative numbers.
-        self.stream = torch.cuda.Stream(device, priority=0) if self.cuda else None
+        self.stream = (torch.cuda.Stream(device, priority=torch.cuda.current_stream(device).priority) if self.cuda
+                       else None)
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:
@@ -168,39 +169,3 @@ def _clear_cuda_error(device: torch.device) -> None:
         except RuntimeError:
             continue
 
-
-class PartitionStream:
-    """``count`` CUDA streams whose kernels run on at most ``sms`` of the GPU's streaming multiprocessors, all
-    together: streams of one green context (``torch.cuda.green_contexts``), which the device lane computes on
-    so that its refreshes, whose kernels are small and many, cannot take SMs from more than a bounded share of
-    training's kernels. Other streams, training's included, keep every SM. Holds the green context for the
-    streams' life."""
-
-    def __init__(self, device: torch.device, sms: int, count: int = 1) -> None:
-        green = check_partition(device, sms)
-        self.sms = sms
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.context = green.GreenContext.create(num_sms=sms, device_id=index)
-        self.streams = [self.context.Stream() for _ in range(count)]
-        if len({stream.cuda_stream for stream in self.streams}) < count:
-            raise ValueError(f"Invalid RuntimeConfig.device_threads={count}: torch {torch.__version__}'s green "
-                             f"context gave {len({s.cuda_stream for s in self.streams})} distinct streams for "
-                             f"{count} threads; use fewer threads with device_sms={sms}")
-
-
-def check_partition(device: torch.device, sms: int) -> Any:
-    """Refuses by name a partition of ``sms`` SMs that ``device`` cannot give (more SMs than it has, or a torch
-    without green-context streams); returns the ``torch.cuda.green_contexts`` module."""
-    try:
-        green = importlib.import_module("torch.cuda.green_contexts")
-    except ImportError:
-        green = None
-    if green is None or not getattr(green, "SUPPORTED", False) or not hasattr(green.GreenContext, "Stream"):
-        raise ValueError(f"Invalid RuntimeConfig.device_sms={sms}: it needs CUDA green contexts with their "
-                         f"streams (torch.cuda.green_contexts.GreenContext.Stream, CUDA 12.8 or newer), which "
-                         f"torch {torch.__version__} (CUDA {torch.version.cuda}) lacks: leave it None")
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms > total:
-        raise ValueError(f"Invalid RuntimeConfig.device_sms={sms}: {torch.cuda.get_device_name(device)} "
-                         f"({device}) has {total} SMs; give at most {total}, or None for all of them")
-    return green

@@ -92,8 +92,8 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     runtime stats (None for other runs): the workers' job seconds per interval (core-seconds; the refreshes
     dropped, superseded or deferred, counted at the mean job's time, since the schedule asked for them) against
     the workers x the interval's time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW,
-    ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time.
-    A ratio above 1 is work that one side cannot finish in its interval."""
+    ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time times
+    its threads. A ratio above 1 is work that one side cannot finish in its interval."""
     workers = stats.get("workers")
     if not workers:
         return None
@@ -105,9 +105,10 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     worker = per_job * (jobs + dropped) / intervals
     device = (stats.get("device_refresh_seconds") or 0.0) / intervals
     capacity = workers * interval
+    threads = stats.get("device_threads") or 1  # absent from runs without a lane, and from older ones
     return {"pace": pace, "interval_seconds": interval, "workers": workers, "worker_core_seconds": worker,
             "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
-            "device_seconds": device, "device_ratio": device / interval}
+            "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads)}
 
 
 def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int) -> dict[str, Any] | None:
@@ -281,7 +282,9 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"  {label:<18} workers {w['worker_core_seconds']:.3g} of "
                          f"{w['worker_capacity_core_seconds']:.3g} core-s ({w['worker_ratio']:.2f}x; "
                          f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}); device lane "
-                         f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s ({w['device_ratio']:.2f}x)")
+                         f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s"
+                         + (f" x {w['device_threads']} threads" if w.get("device_threads", 1) > 1 else "")
+                         + f" ({w['device_ratio']:.2f}x)")
     profiles = {label: r["interval_profile"] for label, r in results["runs"].items() if r.get("interval_profile")}
     if profiles:
         lines.append("median steady step by position in the interval (step mod f, ms; native mode refreshes at 0), "

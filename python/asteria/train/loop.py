@@ -275,9 +275,11 @@ def training_stream(cfg: RunConfig, run: DistributedRun | None) -> Iterator[None
     torch.cuda.set_stream(stream)
     try:
         yield
-    finally:
-        previous.wait_stream(stream)
-        torch.cuda.set_stream(previous)
+    except BaseException:
+        torch.cuda.set_stream(previous)  # (what the stream still runs is no one's now: no wait to fail in)
+        raise
+    previous.wait_stream(stream)
+    torch.cuda.set_stream(previous)
 
 
 @dataclass
