@@ -45,7 +45,8 @@
 #           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
 #           default 150; about 1.5 minutes a variant). A second call: GREEN_MATH=0 GREEN_RUNS="prio prio-sms16 nolate
 #           nolane".
-# $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders.
+# $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
+# each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,22 +56,34 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 quiet() { tr '\r' '\n' | grep -av "it/s\|s/it\|USDT"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
+dry() { [[ ${DRY_RUN:-0} == 1 ]]; }
+run() { if dry; then echo "$*"; else "$@"; fi; }  # a command, or with DRY_RUN=1 its line
+if ! dry; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
+fi
 if has build; then
-  python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
+  run python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
   if compgen -G ".peers/wheels/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-deps .peers/wheels/*.whl 2>&1 | tail -2
+    run python3 -m pip install -q --no-deps .peers/wheels/*.whl 2>&1 | tail -2
   fi
 fi
 if has cuda; then
-  python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda.txt"
-  grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt" || { echo "CUDA tests failed"; exit 1; }
+  run python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda.txt"
+  if ! dry && ! { grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt"; }; then
+    echo "CUDA tests failed"
+    exit 1
+  fi
 fi
 CLI="python3 -m asteria.train.cli"
 COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
 bench() {  # name, model, batch, steps, configs
   local name=$1${TAG:-} model=$2 batch=$3 steps=$4; shift 4
+  if dry; then
+    echo $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
+      ${STAGE_ARGS:-} --configs "$@" --out "runs/$name"
+    return
+  fi
   $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
     ${STAGE_ARGS:-} --configs "$@" --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
   tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
@@ -122,10 +135,10 @@ if has seeds; then
   done
 fi
 if has phases; then
-  g++ -O3 -march=native -std=c++20 bench/eigh_variants.cpp -I cpp cpp/asteria/linalg/lapack.cpp \
+  run g++ -O3 -march=native -std=c++20 bench/eigh_variants.cpp -I cpp cpp/asteria/linalg/lapack.cpp \
     cpp/asteria/linalg/inverse_root.cpp cpp/asteria/common/errors.cpp -lopenblas -lpthread -o /tmp/eigh_variants
   for threads in 1 16; do
-    OPENBLAS_CORETYPE=SkylakeX /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" 2048 2>&1 \
+    OPENBLAS_CORETYPE=SkylakeX run /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" 2048 2>&1 \
       | tee -a "$OUT/phases.txt"
   done
 fi
@@ -133,7 +146,7 @@ has hb && bench hb olmo-160m 8 "${HB_STEPS:-150}" ${HB_CONFIGS:-adamw hb-soap hb
 if has green; then
   if [[ ${GREEN_MATH:-1} == 1 ]]; then
     for priority in 0 -1; do
-      python3 bench/gpu_refresh_math.py --no-methods-table --green-sms ${GREEN_SMS:-0 16 32} \
+      run python3 bench/gpu_refresh_math.py --no-methods-table --green-sms ${GREEN_SMS:-0 16 32} \
         --lane-threads ${GREEN_THREADS:-1 2 4} \
         --interference-methods eigh power_qr --train-priority "$priority" --out "$OUT/green-math$priority.json" \
         2>&1 | tail -24 | tee -a "$OUT/green-math.txt"
@@ -154,6 +167,6 @@ if has green; then
       ${GREEN_CONFIGS:-adamw shampoo-async soap-async}
   done
 fi
-has math && python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
+has math && run python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
   | tail -12 | tee "$OUT/math.txt"
 exit 0

@@ -251,7 +251,7 @@ def interference(device: torch.device, n: int, batch: int, steps: int, partition
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[768, 2048])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -270,7 +270,11 @@ def main() -> None:
     parser.add_argument("--methods-table", action=argparse.BooleanOptionalAction, default=True,
                         help="time the methods alone first (--no-methods-table: the interference only)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)

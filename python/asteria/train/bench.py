@@ -67,17 +67,22 @@ def _profile(values: list[float], warmup: int = 1) -> dict[str, float]:
             "slowest_steps": sorted(((v, i + 1) for i, v in enumerate(values) if i >= warmup), reverse=True)[:5]}
 
 
+def run_config_of(base: RunConfig, label: str) -> RunConfig:
+    """The settings of config ``label`` with ``base``'s others (``RunConfig`` checks them; ``config_of`` also
+    builds the optimizer once)."""
+    optimizer, mode, frequency = parse_config(label)
+    return RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode, "lr": base.lr or DEFAULT_LR[optimizer],
+                                        "precondition_frequency": frequency or base.precondition_frequency}))
+
+
 def config_of(base: RunConfig, label: str) -> RunConfig:
     """The run of config ``label`` (e.g. ``soap-async-f5``) with ``base``'s other settings, checked before
     any run: its optimizer is built over a one-layer stand-in on the run's device and closed, so that a
     setting the optimizer refuses (a host placement for CPU parameters, a lag above one config's bound)
     stops the bench before its first run rather than after the configs before it."""
-    optimizer, mode, frequency = parse_config(label)
     try:
-        cfg = RunConfig(**(asdict(base) | {"optimizer": optimizer, "mode": mode,
-                                           "lr": base.lr or DEFAULT_LR[optimizer],
-                                           "precondition_frequency": frequency or base.precondition_frequency}))
-        if optimizer != "adamw":
+        cfg = run_config_of(base, label)
+        if cfg.optimizer != "adamw":
             made = make_optimizer(cfg, torch.nn.Linear(4, 4, device=cfg.device))
             if hasattr(made, "close"):  # an Asteria optimizer's workers; a peer holds none
                 made.close()

@@ -81,25 +81,30 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
     if cfg.optimizer in PEERS:
         return make_peer(cfg.optimizer, model.parameters(), cfg.learning_rate, cfg.weight_decay,
                          cfg.precondition_frequency, cfg.max_preconditioner_dim, cfg.peer_path, cfg.beta2)
-    memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
-    runtime = asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
-                                    lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
-                                    sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
-                                    # where the schedule is staggered: async mode, or native with --stagger
-                                    stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
-                                    else None,
-                                    memory=memory, local_world_size=local_world_size, **(dict(
-                                        in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
-                                        device_share=float(cfg.device_share), device_sms=cfg.device_sms,
-                                        device_threads=cfg.device_threads)
-                                        if cfg.mode == "async" else {}))
     kind = ASTERIA_CLASSES[cfg.optimizer]
     # the settings whose None leaves the optimizer's own default
     chosen = {name: getattr(cfg, name) for name in ("start_preconditioning_step", "precondition_1d", "first_basis")
               if getattr(cfg, name) is not None}
     return kind(model.named_parameters(), lr=cfg.learning_rate, betas=betas_with(kind, cfg.beta2),
                 weight_decay=cfg.weight_decay, precondition_frequency=cfg.precondition_frequency,
-                max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime, **chosen)
+                max_preconditioner_dim=cfg.max_preconditioner_dim, runtime=runtime_config(cfg, local_world_size),
+                **chosen)
+
+
+def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> asteria.RuntimeConfig:
+    """The ``asteria.RuntimeConfig`` of a second-order run (the async-only settings in async mode only)."""
+    memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
+    return asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
+                                 lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
+                                 sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
+                                 # where the schedule is staggered: async mode, or native with --stagger
+                                 stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
+                                 else None,
+                                 memory=memory, local_world_size=local_world_size, **(dict(
+                                     in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
+                                     device_share=float(cfg.device_share), device_sms=cfg.device_sms,
+                                     device_threads=cfg.device_threads)
+                                     if cfg.mode == "async" else {}))
 
 
 def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -1,0 +1,72 @@
+"""bench/executor_session.sh, the script of the device calls, in its DRY_RUN mode: every command a stage would
+run on the GPU machine parses with the parser of the program it calls, and every bench config makes a valid
+run and runtime configuration, so that a mistyped option fails here rather than in a device call, whose
+minutes are few."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from asteria.train.bench import run_config_of
+from asteria.train.cli import bench_base, build_parser
+from asteria.train.loop import runtime_config
+from asteria.train.peers import PEERS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "executor_session.sh"
+STAGES = "build cuda small large 1b dims sweep first soapgap workers seeds phases hb green math"
+GREEN_RUNS = "plain sms16 sms16-t2 prio prio-sms16 nolate nolane"
+CLI = ["python3", "-m", "asteria.train.cli", "bench"]
+
+
+def dry_run(out: Path, **env: str) -> list[list[str]]:
+    """The commands the script would run, one argv each."""
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=dict(os.environ, DRY_RUN="1", OUT=str(out), **env),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def refresh_math_parser():
+    spec = importlib.util.spec_from_file_location("gpu_refresh_math", ROOT / "bench" / "gpu_refresh_math.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
+def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_path, monkeypatch):
+    commands = dry_run(tmp_path, STAGES=STAGES, GREEN_RUNS=GREEN_RUNS)
+    benches = [argv[len(CLI):] for argv in commands if argv[:len(CLI)] == CLI]
+    maths = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/gpu_refresh_math.py"]]
+    # small, large, 1b, 2 dims, 4 sweep points, 4 first-basis runs, 2 soapgap, 4 workers, 3 seeds, hb, 7 green
+    assert len(benches) == 1 + 1 + 1 + 2 + 4 + 4 + 2 + 4 + 3 + 1 + len(GREEN_RUNS.split())
+    assert len(maths) == 3  # green's two training priorities, and math
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device's runs, checked on this machine
+    for argv in benches:
+        args = build_parser().parse_args(["bench", *argv, "--device", "cuda"])  # argparse exits on a bad option
+        base = bench_base(args)
+        for label in args.configs:
+            cfg = run_config_of(base, label)
+            if cfg.optimizer != "adamw" and cfg.optimizer not in PEERS:
+                runtime_config(cfg)  # the settings asteria.RuntimeConfig refuses
+    parser = refresh_math_parser()
+    for argv in maths:
+        parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("variant, flags", [
+    ("plain", []), ("sms16", ["--device-sms", "16"]), ("sms32-t4", ["--device-sms", "32", "--device-threads", "4"]),
+    ("prio-sms16", ["--stream-priority", "-1", "--device-sms", "16"]), ("nolate", ["--no-late-activation"]),
+    ("nolane", ["--no-device-refresh"])])
+def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
+    (argv,) = dry_run(tmp_path, STAGES="green", GREEN_MATH="0", GREEN_RUNS=variant)
+    args = argv[argv.index("--peer-path") + 2:argv.index("--configs")]
+    assert args == flags
+    assert argv[argv.index("--out") + 1] == f"runs/green-{variant}"
