@@ -176,18 +176,23 @@ def refresh_threads(fn, streams: list[torch.cuda.Stream], batch: int, body) -> t
     refreshed per second over the body's run, and the body's result."""
     stop = threading.Event()
     done = [0] * len(streams)
+    warm = threading.Barrier(len(streams) + 1, timeout=300)  # each thread has its solver handle and workspace
 
     def work(i: int) -> None:
         with torch.cuda.stream(streams[i]):
+            fn()
+            streams[i].synchronize()
+            warm.wait()
             while not stop.is_set():
                 fn()
                 streams[i].synchronize()
                 done[i] += batch
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(streams))]
-    started = time.perf_counter()
     for thread in threads:
         thread.start()
+    warm.wait()
+    started = time.perf_counter()
     result = body()
     stop.set()
     for thread in threads:
