@@ -420,9 +420,9 @@ def green_context_of(stream: torch.cuda.Stream) -> int:
 
 
 def test_a_partition_of_more_sms_than_the_gpu_has_or_without_a_lane_is_refused_by_name():
-    """A count that the architecture's granularity rounds up beyond the GPU's SMs is refused too.
-    device_sms beyond the GPU's SMs names the count it has, before any worker starts; with the
-    preconditioners in host memory the lane cannot run, and the partition is refused rather than ignored."""
+    """device_sms beyond the GPU's SMs, or rounded up beyond them by the architecture's granularity, is refused
+    naming the count the GPU has, before any worker starts; with the preconditioners in host memory the lane
+    cannot run, and the partition is refused rather than ignored."""
     model = small_mlp(sizes=SIZES).cuda()
     threads = threading.active_count()
     count = torch.cuda.get_device_properties(0).multi_processor_count
