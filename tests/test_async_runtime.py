@@ -185,3 +185,36 @@ def test_workers_behind_under_the_newest_finished_rule_defer_and_warn_once():
         stats = opt.runtime_stats()
     assert stats["refreshes_deferred"] > 0 and stats["refreshes_superseded"] == 0
     assert stats["max_staleness_seen"] <= 5
+
+
+class Reached:
+    """A CUDA event's stand-in for the accounting of ``BackwardMarks`` (no GPU here): reached at ``at`` ms."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: Reached) -> float:
+        return end.at - self.at
+
+
+def test_the_late_activation_wait_is_accounted_step_by_step():
+    """``BackwardMarks.stats()``: per step that waited and whose end the GPU reached, the host's and the GPU's
+    time after the wait; a step whose GPU time exceeds the host's by less than a millisecond ran out of work.
+    On the CPU nothing is marked, so nothing waits and nothing is counted."""
+    from asteria.pipeline.streams import BackwardMarks
+
+    marks = BackwardMarks()
+    marks.mark(torch.device("cpu"))
+    marks.wait()
+    marks.clear()
+    assert marks.stats() == {"late_activation_steps": 0, "late_activation_host_seconds": None,
+                             "late_activation_gpu_seconds": None, "late_activation_tight_steps": 0}
+    # host 4 ms, GPU 10 ms (6 to spare); host 8 ms, GPU 8.5 ms (tight)
+    marks._pending.extend([(Reached(0.0), Reached(10.0), 0.004), (Reached(5.0), Reached(13.5), 0.008)])
+    stats = marks.stats()
+    assert stats["late_activation_steps"] == 2 and stats["late_activation_tight_steps"] == 1
+    assert stats["late_activation_host_seconds"] == pytest.approx(0.006)
+    assert stats["late_activation_gpu_seconds"] == pytest.approx(0.00925)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -51,27 +53,69 @@ class BackwardMarks:
     """How far the backward pass has been queued: events recorded on the stream of the gradients by the
     backward hooks of ``asteria.attach`` (nothing on the CPU, where every kernel has run when it returns).
     ``wait()`` lets the host wait until the GPU has reached the next-to-last mark, so the host's next
-    decision is taken as late as the GPU's work allows while the last stretch of the backward still runs."""
+    decision is taken as late as the GPU's work allows while the last stretch of the backward still runs.
+
+    What the wait costs is measured (``stats()``): after it the host queues the rest of the step while the GPU
+    runs what was queued before it; the GPU's time from the mark waited for to the step's end, against the
+    host's time from the wait's return to the step's end, says whether the GPU had work to spare. Where the
+    GPU's time exceeds the host's by less than ``TIGHT_SECONDS`` the GPU ran out of work: it waited for the
+    host to queue the step."""
+
+    TIGHT_SECONDS = 1e-3
+    MAX_PENDING = 64  # steps whose end the GPU has not reached yet (a loop that never waits for the GPU)
 
     def __init__(self) -> None:
         self._events: collections.deque[torch.cuda.Event] = collections.deque(maxlen=2)
+        self._device: torch.device | None = None
+        self._waited: tuple[torch.cuda.Event, float] | None = None  # this step's: the mark, the host's time after
+        self._pending: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event, float]] = collections.deque(
+            maxlen=self.MAX_PENDING)
+        self._steps, self._host, self._gpu, self._tight = 0, 0.0, 0.0, 0
 
     def mark(self, device: torch.device) -> None:
         """Records the point the current stream of ``device`` has been queued to."""
         if device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             self._events.append(event)
+            self._device = device
 
     def wait(self) -> None:
         """Blocks until the GPU has passed the next-to-last mark (the only one, if one), then forgets the
         marks; returns at once when there are none."""
         if self._events:
             self._events[0].synchronize()
+            self._waited = (self._events[0], time.perf_counter())
         self._events.clear()
 
     def clear(self) -> None:
+        """The step's end: forgets its marks, and where it waited, notes how the rest of the step went."""
+        if self._waited is not None and self._device is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self._device))
+            self._pending.append((self._waited[0], end, time.perf_counter() - self._waited[1]))
+        self._waited = None
         self._events.clear()
+        self._settle()
+
+    def _settle(self) -> None:
+        while self._pending and self._pending[0][1].query():  # (the GPU has reached that step's end)
+            mark, end, host = self._pending.popleft()
+            gpu = mark.elapsed_time(end) / 1e3
+            self._steps += 1
+            self._host += host
+            self._gpu += gpu
+            self._tight += gpu - host < self.TIGHT_SECONDS
+
+    def stats(self) -> dict[str, Any]:
+        """Over the steps that waited and whose end the GPU has reached: how many, the host's and the GPU's mean
+        seconds from the wait to the step's end, and the steps where the GPU ran out of work meanwhile."""
+        self._settle()
+        steps = self._steps
+        return {"late_activation_steps": steps,
+                "late_activation_host_seconds": self._host / steps if steps else None,
+                "late_activation_gpu_seconds": self._gpu / steps if steps else None,
+                "late_activation_tight_steps": self._tight}
 
 
 def done(event: torch.cuda.Event | None) -> bool:

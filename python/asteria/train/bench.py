@@ -194,6 +194,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "refreshes_deferred": stats.get("refreshes_deferred"),
             "sets_on_device": stats.get("sets_on_device"),
             "device_busy_fraction": stats.get("device_busy_fraction"),
+            "late_activation": {key: stats.get(f"late_activation_{key}") for key in ("steps", "host_seconds",
+                                                                                     "gpu_seconds", "tight_steps")},
         }
         pace = ref_profile["mean"] if ref_profile else wall["mean"]
         row["interval_profile"] = interval_profile(records, warmup, cfgs[label].precondition_frequency)
@@ -300,6 +302,14 @@ def format_table(results: dict[str, Any]) -> str:
             if p.get("host_median_seconds"):  # absent from results written before it was measured
                 lines.append(f"  {'  host queued':<18} {' '.join(f'{1e3 * t:.0f}' for t in p['host_median_seconds'])}"
                              " (the host's time to queue the step, step()'s waits included)")
+    late = {label: r["late_activation"] for label, r in results["runs"].items()
+            if (r.get("late_activation") or {}).get("steps")}
+    if late:
+        lines.append("after step()'s late-activation wait, to the step's end (mean ms; tight: steps whose GPU ran out "
+                     "of work, waiting for the host to queue the step):")
+        for label, w in late.items():
+            lines.append(f"  {label:<18} host queued {1e3 * w['host_seconds']:.1f}, GPU ran "
+                         f"{1e3 * w['gpu_seconds']:.1f}; tight {w['tight_steps']} of {w['steps']} steps")
     lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():
         slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
