@@ -213,15 +213,15 @@ class RuntimeConfig:
                "must be a number in (0, 1], the share of an interval the device lane's work may fill")
         _check(self.device_sms is None or (is_int(self.device_sms) and 1 <= self.device_sms <= MAX_SMS), "device_sms",
                self.device_sms, f"must be None or an int in [1, {MAX_SMS}] (SMs the device lane may occupy)")
-        _check(self.device_sms is None or (self.mode == "async" and self.device_refresh is not False), "device_sms",
-               self.device_sms, "partitions the GPU for the device lane, which runs in mode='async' unless "
-               f"device_refresh=False (here mode={self.mode!r}, device_refresh={self.device_refresh!r}): leave it None")
         _check(is_int(self.device_threads) and 1 <= self.device_threads <= MAX_LANE_THREADS, "device_threads",
                self.device_threads, f"must be an int in [1, {MAX_LANE_THREADS}] (the device lane's threads)")
-        _check(self.device_threads == 1 or (self.mode == "async" and self.device_refresh is not False),
-               "device_threads", self.device_threads, "sets the device lane's threads, and the lane runs in "
-               f"mode='async' unless device_refresh=False (here mode={self.mode!r}, device_refresh="
-               f"{self.device_refresh!r}): leave it 1")
+        lane = self.mode == "async" and self.device_refresh is not False
+        runs = ("the lane runs in mode='async' unless device_refresh=False (here mode="
+                f"{self.mode!r}, device_refresh={self.device_refresh!r})")
+        _check(self.device_sms is None or lane, "device_sms", self.device_sms,
+               f"partitions the GPU for the device lane, which {runs.removeprefix('the lane ')}: leave it None")
+        _check(self.device_threads == 1 or lane, "device_threads", self.device_threads,
+               f"sets the device lane's threads, and {runs}: leave it 1")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "

@@ -65,7 +65,6 @@ class Partition:
         green = check_partition(device, sms)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        self.requested = sms
         self.sms = granted_sms(self.device, sms)
         with _lock:
             if (index, self.sms) not in _contexts:
