@@ -47,11 +47,16 @@
 #           nolane".
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
 # each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
+# $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what
+# it measured: a bench gets the seconds left less $PACK_S (default 30), is asked to stop after its step in progress
+# when they run out (SIGINT; its finished configs keep their metrics.jsonl), and is not started with fewer than
+# $MIN_RUN_S (default 90) left. Without it, a call cut off at its limit brings back nothing of the bench it was in.
 # Logs and results land in $OUT (the device tool's folder) as one tarball per stage, tables in the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/executor-session}
 STAGES=${STAGES:-"build cuda small"}
+START=$(date +%s)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -77,14 +82,21 @@ if has cuda; then
 fi
 CLI="python3 -m asteria.train.cli"
 COMMON="--precondition-frequency 10 --matmul-precision high --eval-every 100 --eval-batches 8 --peer-path .peers"
+seconds_left() { echo $(( ${DEADLINE_S:-1000000} - ($(date +%s) - START) - ${PACK_S:-30} )); }
 bench() {  # name, model, batch, steps, configs
-  local name=$1${TAG:-} model=$2 batch=$3 steps=$4; shift 4
+  local name=$1${TAG:-} model=$2 batch=$3 steps=$4 left; shift 4
+  left=$(seconds_left)
+  if (( left < ${MIN_RUN_S:-90} )); then
+    echo "$name: not started ($left s left before DEADLINE_S)" >&2
+    return
+  fi
   if dry; then
     echo $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
       ${STAGE_ARGS:-} --configs "$@" --out "runs/$name"
     return
   fi
-  $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
+  timeout -s INT -k 15 "$left" \
+    $CLI bench --model "$model" --batch-size "$batch" --seq-len 1024 --steps "$steps" $COMMON ${EXTRA_ARGS:-} \
     ${STAGE_ARGS:-} --configs "$@" --out "runs/$name" 2>&1 | quiet | grep -v "^\s*$" | tail -40 | tee "$OUT/$name.txt"
   tar -czf "$OUT/$name.tgz" -C runs "$name" --exclude="*.pt" --exclude="checkpoints" 2>/dev/null
 }

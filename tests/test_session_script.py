@@ -70,3 +70,13 @@ def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
     args = argv[argv.index("--peer-path") + 2:argv.index("--configs")]
     assert args == flags
     assert argv[argv.index("--out") + 1] == f"runs/green-{variant}"
+
+
+def test_a_deadline_starts_no_bench_without_the_time_for_one(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), STAGES="small green", GREEN_MATH="0", GREEN_RUNS="plain")
+    late = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=dict(env, DEADLINE_S="100", MIN_RUN_S="90"),
+                          capture_output=True, text=True, timeout=60)
+    assert late.returncode == 0 and late.stdout == ""
+    assert "small: not started" in late.stderr and "green-plain: not started" in late.stderr
+    assert len(dry_run(tmp_path, STAGES="small green", GREEN_MATH="0", GREEN_RUNS="plain", DEADLINE_S="200",
+                       MIN_RUN_S="90")) == 2
