@@ -38,13 +38,14 @@
 #           $GREEN_MATH (default 1), bench/gpu_refresh_math.py's training-like loop beside refresh threads on
 #           partitions of $GREEN_SMS (default: 0 16 32; 0 is a plain stream) with $GREEN_THREADS threads (default: 1 2
 #           4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at training
-#           priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain sms16
-#           sms16-t2; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority -1,
+#           priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain prio
+#           prio-t4; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority -1,
 #           nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
 #           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
 #           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
-#           default 150; about 1.5 minutes a variant). A second call: GREEN_MATH=0 GREEN_RUNS="prio prio-sms16 nolate
-#           nolane".
+#           default 150; about 1.5 minutes a variant). On the loop, priority -1 with 4 threads cost training the least
+#           per block (results.md, "The lane beside training"); a second call: GREEN_MATH=0 GREEN_RUNS="prio-t2
+#           prio-sms16 nolate nolane".
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
 # each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
 # $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what
@@ -164,7 +165,7 @@ if has green; then
         2>&1 | tail -24 | tee -a "$OUT/green-math.txt"
     done
   fi
-  for variant in ${GREEN_RUNS:-plain sms16 sms16-t2}; do
+  for variant in ${GREEN_RUNS:-plain prio prio-t4}; do
     args=""
     for part in ${variant//-/ }; do
       case $part in

@@ -64,7 +64,8 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
 @pytest.mark.parametrize("variant, flags", [
     ("plain", []), ("sms16", ["--device-sms", "16"]), ("sms32-t4", ["--device-sms", "32", "--device-threads", "4"]),
     ("prio-sms16", ["--stream-priority", "-1", "--device-sms", "16"]), ("nolate", ["--no-late-activation"]),
-    ("nolane", ["--no-device-refresh"])])
+    ("nolane", ["--no-device-refresh"]),
+    ("prio-t4", ["--stream-priority", "-1", "--device-threads", "4"])])
 def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
     (argv,) = dry_run(tmp_path, STAGES="green", GREEN_MATH="0", GREEN_RUNS=variant)
     args = argv[argv.index("--peer-path") + 2:argv.index("--configs")]
