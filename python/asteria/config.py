@@ -216,12 +216,12 @@ class RuntimeConfig:
         _check(is_int(self.device_threads) and 1 <= self.device_threads <= MAX_LANE_THREADS, "device_threads",
                self.device_threads, f"must be an int in [1, {MAX_LANE_THREADS}] (the device lane's threads)")
         lane = self.mode == "async" and self.device_refresh is not False
-        runs = ("the lane runs in mode='async' unless device_refresh=False (here mode="
-                f"{self.mode!r}, device_refresh={self.device_refresh!r})")
+        runs = f"runs in mode='async' unless device_refresh=False (here mode={self.mode!r}, device_refresh=" \
+               f"{self.device_refresh!r})"
         _check(self.device_sms is None or lane, "device_sms", self.device_sms,
-               f"partitions the GPU for the device lane, which {runs.removeprefix('the lane ')}: leave it None")
+               f"partitions the GPU for the device lane, which {runs}: leave it None")
         _check(self.device_threads == 1 or lane, "device_threads", self.device_threads,
-               f"sets the device lane's threads, and {runs}: leave it 1")
+               f"sets the device lane's threads, and the lane {runs}: leave it 1")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "

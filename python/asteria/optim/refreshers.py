@@ -49,9 +49,9 @@ def check_lane_settings(config: RuntimeConfig, lane: bool, on_gpus: bool) -> Non
         why = ("under the deterministic rule the lane computes only the start-up refreshes, inline on the "
                "training stream (deterministic=False gives it the sets the workers cannot finish)")
     else:
-        why = "the lane computes on the CPU here" if not on_gpus else ""
-    check_arg(config.device_sms is None or not why, "device_sms", config.device_sms,
-              f"partitions a GPU for the device lane, and {why}: leave it None")
-    threads_why = why if (not lane or config.deterministic) else ""
-    check_arg(config.device_threads == 1 or not threads_why, "device_threads", config.device_threads,
-              f"sets the device lane's threads, and {threads_why}: leave it 1")
+        why = ""
+    sms_why = why or ("the lane computes on the CPU here" if not on_gpus else "")
+    check_arg(config.device_sms is None or not sms_why, "device_sms", config.device_sms,
+              f"partitions a GPU for the device lane, and {sms_why}: leave it None")
+    check_arg(config.device_threads == 1 or not why, "device_threads", config.device_threads,
+              f"sets the device lane's threads, and {why}: leave it 1")
