@@ -528,3 +528,25 @@ def test_a_state_dict_with_an_unusable_step_or_tensor_is_refused_at_load(mutatio
         with pytest.raises(ValueError, match=named):
             fresh.load_state_dict(saved)
         assert fresh._step == 0
+
+
+@pytest.mark.parametrize("priority", [1, -65, 0.5, True, "high"])
+def test_training_stream_refuses_a_priority_cuda_cannot_take(priority):
+    with pytest.raises(ValueError, match=rf"Invalid priority={priority!r}: must be an int in \[-64, 0\]"), \
+            asteria.training_stream(priority=priority):
+        pass
+
+
+def test_training_stream_runs_the_body_plainly_without_a_gpu():
+    """A loop written for the GPU runs unchanged on a CPU-only machine, and a CUDA device named where there is
+    none is refused by name."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with asteria.training_stream():
+        done = torch.ones(2).sum().item()
+    with asteria.training_stream("cpu", priority=-3):
+        done += 1
+    assert done == 3
+    with pytest.raises(ValueError, match=r"Invalid device='cuda:0': CUDA is not available"), \
+            asteria.training_stream("cuda:0"):
+        pass

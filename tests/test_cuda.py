@@ -497,6 +497,28 @@ def test_a_run_on_a_high_priority_stream_computes_what_the_default_stream_comput
     assert losses[0] == losses[1]
 
 
+def test_asteria_training_stream_orders_the_body_between_the_current_streams_work():
+    """The public training stream starts after what the current stream queued and the current stream resumes
+    after what the body queued: a long product queued before it and a read queued after it see each other's
+    results without a synchronize; an optimizer built and stepped inside works there."""
+    least, greatest = torch.cuda.current_stream().priority_range()
+    a = torch.randn(2048, 2048, device="cuda")
+    before = a @ a @ a  # (still running when the body starts)
+    with asteria.training_stream(priority=-1):
+        current = torch.cuda.current_stream()
+        assert current.priority == max(-1, greatest) < least
+        inside = before.sum() * 0 + before[0, 0]
+        model = torch.nn.Linear(8, 8, device="cuda")
+        opt = asteria.Shampoo(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 8, device="cuda")).square().sum().backward()
+        opt.step()
+        opt.close()
+        assert streams.SideStream(torch.device("cuda")).stream.priority == current.priority
+    after = inside.clone()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.testing.assert_close(after, (a @ a @ a)[0, 0])
+
+
 def test_the_training_stream_has_the_runs_priority_and_the_side_streams_take_it():
     """``--stream-priority`` makes the run's stream current (autograd runs the backward on the forward's
     stream); the side streams made meanwhile share its priority, since training waits for their copies; the

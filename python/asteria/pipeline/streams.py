@@ -49,6 +49,41 @@ class SideStream:
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
+@contextlib.contextmanager
+def training_stream(device: torch.device | str | int | None = None, priority: int = -1) -> Iterator[None]:
+    """Runs the body on a new CUDA stream of ``priority`` (a no-op on the CPU), after what the current stream has
+    queued, and makes the current stream wait for the body's work at the end.
+
+    Build the model and the optimizer inside it, and train there: the device lane refreshes on streams of CUDA's
+    lowest priority, which the default stream shares, so at equal priority the GPU's block scheduler interleaves
+    the lane's thousands of small kernels with training's; one priority above lets training's start first. The
+    optimizer's staging streams take the priority current when it is built. With ``device=None`` it runs on the
+    current CUDA device, or plainly where there is none."""
+    if priority is True or priority is False or not isinstance(priority, int) or not -64 <= priority <= 0:
+        raise ValueError(f"Invalid priority={priority!r}: must be an int in [-64, 0] (CUDA stream priorities: 0 is "
+                         "the lowest, the default stream's and the device lane's; CUDA clamps below its highest)")
+    if device is None and not torch.cuda.is_available():
+        yield  # (nothing shares a CPU's kernels with a lane)
+        return
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    if device.type != "cuda":
+        yield
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"Invalid device={str(device)!r}: CUDA is not available on this machine")
+    previous = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device, priority=priority)
+    stream.wait_stream(previous)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    except BaseException:
+        torch.cuda.set_stream(previous)  # (what the stream still runs is no one's now: no wait to fail in)
+        raise
+    previous.wait_stream(stream)
+    torch.cuda.set_stream(previous)
+
+
 class BackwardMarks:
     """How far the backward pass has been queued: events recorded on the stream of the gradients by the
     backward hooks of ``asteria.attach`` (nothing on the CPU, where every kernel has run when it returns).

@@ -265,26 +265,12 @@ def _train(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Distrib
         raise
 
 
-@contextlib.contextmanager
-def training_stream(cfg: RunConfig, run: DistributedRun | None) -> Iterator[None]:
-    """Runs the body, model and optimizer made in it included, on a stream of ``cfg.stream_priority`` (the
-    current stream, the default one, where it is 0): the device lane's stream has CUDA's lowest priority, which
-    the default stream shares, so only a higher one lets the block scheduler start training's kernels first."""
+def training_stream(cfg: RunConfig, run: DistributedRun | None) -> contextlib.AbstractContextManager[None]:
+    """The run's training stream (``asteria.training_stream``): its priority is ``cfg.stream_priority``, and
+    at 0, the default stream's, the body runs on the current stream."""
     if cfg.stream_priority == 0:
-        yield
-        return
-    device = run.device if run is not None else torch.device(cfg.device)
-    previous = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device, priority=cfg.stream_priority)
-    stream.wait_stream(previous)
-    torch.cuda.set_stream(stream)
-    try:
-        yield
-    except BaseException:
-        torch.cuda.set_stream(previous)  # (what the stream still runs is no one's now: no wait to fail in)
-        raise
-    previous.wait_stream(stream)
-    torch.cuda.set_stream(previous)
+        return contextlib.nullcontext()
+    return asteria.training_stream(run.device if run is not None else torch.device(cfg.device), cfg.stream_priority)
 
 
 @dataclass
