@@ -5,6 +5,7 @@ beside the workers."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -276,6 +277,23 @@ def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(
     assert stats["refresh_failures"] == 0
     assert min(versions) >= 6
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is Linux's")
+def test_the_lanes_threads_run_at_the_workers_nice_and_the_training_thread_keeps_its_own():
+    """A lane thread waiting for its GPU work spins on a core, so it must yield the cores kept for the training
+    thread: the lane's threads take ``worker_nice`` (never raising a thread that starts lower)."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if own > 7:
+        pytest.skip(f"this process runs at nice {own}, above the nice tested")
+    for nice, expected in ((7, 7), (0, own)):
+        model = small_mlp()
+        runtime = asteria.RuntimeConfig(workers=1, device_refresh=True, device_threads=2, worker_nice=nice)
+        with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
+            threads = opt._refresher.lane._threads
+            assert len(threads) == 2
+            assert [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads] == [expected] * 2
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -92,7 +92,8 @@ class RuntimeConfig:
             to the thread that launches GPU kernels, see ``asteria.cpus``); ``"any"``; or logical CPUs.
         torch_threads: torch's intra-op threads while the workers run (restored by ``close()``).
             ``"auto"``: with pinned workers, at most the cores left to training; ``"keep"``; or an int.
-        worker_nice: 0..19, the workers' CPU priority below the training thread's (Linux nice).
+        worker_nice: 0..19, the workers' and the device lane's threads' CPU priority below the training thread's
+            (Linux nice).
         blas_threads: BLAS threads per job. Results do not depend on ``workers``, only on this.
         deterministic: ``True``: versions come into use by schedule alone, ``lag_steps`` after their
             snapshot (bitwise reproducible, the same version on every rank at the same step). ``False``:

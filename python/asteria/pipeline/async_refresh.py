@@ -125,7 +125,7 @@ class AsyncRefresher(WorkerRefresher):
             self.ids.append(ids)
         if device_lane:
             self.lane = DeviceLane(self.engine, sets, self.ids, config.timeout_s, config.device_sms,
-                                   config.device_threads)
+                                   config.device_threads, config.worker_nice)
         if self.lane is not None and not config.deterministic:
             self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"],
                                          config.device_share * config.device_threads,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -55,8 +56,9 @@ class DeviceLane:
     the lane's own threads only compute and report to the engine, which is safe to call concurrently."""
 
     def __init__(self, engine: Any, sets: list[FactorSet], ids: list[list[int]], timeout_s: float,
-                 sms: int | None = None, threads: int = 1) -> None:
+                 sms: int | None = None, threads: int = 1, nice: int = 0) -> None:
         self.engine = engine
+        self.nice = nice
         self.sets = sets
         self.ids = ids
         self.timeout_s = timeout_s
@@ -83,11 +85,14 @@ class DeviceLane:
         self._started = time.monotonic()
         self._stopped: float | None = None                                 # guarded by _lock: when close() joined
         self._threads: list[threading.Thread] = []
+        self._configured = threading.Semaphore(0)  # released by each thread once its priority is set
         try:
             for slot in range(threads):
                 self._threads.append(threading.Thread(target=self._run, args=(slot,),
                                                       name=f"asteria-device-lane-{slot}", daemon=True))
                 self._threads[-1].start()
+            for _ in range(threads):  # (so that none spins at the training thread's priority, even briefly)
+                self._configured.acquire()
         except BaseException:  # (the system refused a thread): those started stop
             self.close()
             raise
@@ -172,6 +177,10 @@ class DeviceLane:
 
     # ---- the lane's thread -------------------------------------------------------------------------
     def _run(self, slot: int) -> None:
+        try:
+            lower_priority(self.nice)
+        finally:
+            self._configured.release()
         while True:
             with self._lock:
                 while not self._jobs and not self._stopping:
@@ -202,8 +211,11 @@ class DeviceLane:
                     if job.ready is not None:
                         stream.wait_event(job.ready)
                     job.snapshot.record_stream(stream)  # made on the side stream, read on this one
+                    sleep_until_done(stream)  # (the math's first reads of the host then find it ready)
                 refreshed = refresh_set(fset, job.snapshot, job.request, fset.preconditioners, fset.installed,
                                         in_thread=not inline)
+                if stream is not None:
+                    sleep_until_done(stream)
                 ok = refreshed.usable.tolist()  # waits for this stream only
         except Exception as failure:  # noqa: BLE001 - reported to the registry as the blocks' failure
             error = f"device refresh failed: {type(failure).__name__}: {failure}"
@@ -226,3 +238,25 @@ class DeviceLane:
             if not getattr(self.engine, "closed", False):
                 raise
 
+
+def lower_priority(nice: int) -> None:
+    """Lowers the calling thread's CPU priority to at least ``nice`` (Linux per-thread nice; best effort, as the
+    workers'). A lane thread waiting for its GPU work spins on a core (CUDA's default for a process with fewer
+    contexts than CPUs, and torch's ``eigh`` waits so for its result), and at the training thread's own
+    priority it would take the cores kept for launching training's kernels."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:  # (refused: the thread keeps its priority)
+        pass
+
+
+def sleep_until_done(stream: torch.cuda.Stream) -> None:
+    """Blocks the calling thread until ``stream`` has run what is queued on it, asleep rather than spinning (a
+    blocking-sync event), so that a lane thread's wait leaves its core to others."""
+    done = torch.cuda.Event(blocking=True)
+    done.record(stream)
+    done.synchronize()

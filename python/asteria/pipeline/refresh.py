@@ -147,8 +147,8 @@ class SyncRefresher(Refresher):
         for index, version, request in items:
             fset = self.sets[index]
             refreshed = refresh_set(fset, fset.factors, request, fset.preconditioners, fset.installed)
-            self._skipped += refreshed.skipped
             results.append((index, version, refreshed, refreshed.usable.cpu().numpy()))
+            self._skipped += int(refreshed.skipped)
         # Check every bound before changing anything, so that a raise leaves all state as it was.
         for index, version, _, ok in results:
             consecutive = self._consecutive[index]

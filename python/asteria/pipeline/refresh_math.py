@@ -16,12 +16,13 @@ from asteria.pipeline.factors import FactorSet, RootRequest
 class Refreshed:
     """A set's new preconditioners: ``new`` (B, n, n), ``usable`` (B,) bool (the others keep theirs),
     ``order`` (B, n) the old basis' column order each new eigenbasis follows (None for roots, and where
-    no block was warm-started), and how many blocks kept their basis under ``skip_tol``."""
+    no block was warm-started), and how many blocks kept their basis under ``skip_tol`` (a 0-d count on the
+    set's device, so that no one waits for it before reading ``usable``)."""
 
     new: Tensor
     usable: Tensor
     order: Tensor | None
-    skipped: int
+    skipped: Tensor
 
 
 def refresh_set(fset: FactorSet, factors: Tensor, request: RootRequest, current: Tensor, installed: Tensor,
@@ -59,7 +60,7 @@ def _roots(fset: FactorSet, factors: Tensor, request: RootRequest, widen: bool) 
     new, usable = F.inverse_root(factors, fset.exponent, request.eps, scale, widen, request.relative_eps)
     eye = torch.eye(fset.dim, dtype=new.dtype, device=new.device)
     new = torch.where(F.batch_view(F.zero_rows(factors), new), eye, new)
-    return Refreshed(new, usable, None, 0)
+    return Refreshed(new, usable, None, usable.new_zeros((), dtype=torch.long))
 
 
 def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Tensor, widen: bool,
@@ -72,12 +73,12 @@ def _eigenbases(factors: Tensor, skip_tol: float, current: Tensor, installed: Te
         eye = torch.eye(current.shape[-1], dtype=current.dtype, device=current.device).expand_as(current)
         start = torch.where(F.batch_view(warm, current), current, eye)
         refreshed, order, usable, skipped = F.qr_refresh(factors, start, skip_tol, widen, cholesky)
-        return Refreshed(refreshed, usable, order, int(skipped.sum()))
+        return Refreshed(refreshed, usable, order, skipped.sum())
     if not bool(warm.any()):
         bases, usable = F.eigenbasis(factors)
-        return Refreshed(bases, usable, None, 0)
+        return Refreshed(bases, usable, None, usable.new_zeros((), dtype=torch.long))
     refreshed, order, usable, skipped = F.qr_refresh(factors, current, skip_tol, widen, cholesky)
-    skipped_count = int((skipped & warm).sum())
+    skipped_count = (skipped & warm).sum()
     if bool(warm.all()):
         return Refreshed(refreshed, usable, order, skipped_count)
     fresh, fresh_usable = F.eigenbasis(factors)
