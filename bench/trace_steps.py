@@ -49,7 +49,9 @@ def launched(kernel: dict[str, Any], before: dict[str, Any], launches: dict[int,
 
 
 def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One summary per ``step N`` range, GPU work assigned by time (each profiled step is synchronized)."""
+    """One summary per ``step N`` range, GPU work assigned by time (each profiled step is synchronized). The
+    main stream is the one where the training thread (the range's) launched the most kernels, not the busiest
+    one: a device lane's threads may keep their own streams busier."""
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step ")),
                     key=lambda e: e["ts"])
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
@@ -64,8 +66,14 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_stream: dict[Any, list[dict[str, Any]]] = defaultdict(list)
         for e in mine:
             by_stream[e.get("args", {}).get("stream", "?")].append(e)
+        ours: dict[Any, int] = defaultdict(int)  # kernels by stream that the training thread launched
+        for e in mine:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if e["cat"] == "kernel" and launch is not None and launch.get("tid") == r.get("tid"):
+                ours[e.get("args", {}).get("stream", "?")] += 1
         kernel_time = {s: sum(e["dur"] for e in es if e["cat"] == "kernel") for s, es in by_stream.items()}
-        main = max(kernel_time, key=kernel_time.get) if kernel_time else None
+        main = (max(ours, key=ours.get) if ours else max(kernel_time, key=kernel_time.get) if kernel_time
+                else None)
         copies: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         for e in mine:
             if e["cat"] == "gpu_memcpy":
@@ -82,8 +90,9 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     others = [e["name"][:50] for e in mine if e.get("args", {}).get("stream") != main
                               and e["ts"] < b["ts"] and e["ts"] + e["dur"] > a["ts"] + a["dur"]]
                     gaps.append((gap, a["name"][:60], b["name"][:60], others[:4] + [launched(b, a, launches, ops)]))
-        slow_calls = sorted(((e["dur"], e["name"]) for e in runtime if lo <= e["ts"] < hi and e["dur"] > 500),
-                            reverse=True)
+        slow_calls = sorted(((e["dur"], e["name"] + (" (training thread)" if e.get("tid") == r.get("tid")
+                                                     else f" (thread {e.get('tid')})"))
+                             for e in runtime if lo <= e["ts"] < hi and e["dur"] > 500), reverse=True)
         out.append({
             "step": int(r["name"].split()[1]), "wall_ms": r["dur"] / 1e3, "main_stream": main,
             "stream_busy_ms": {s: busy([(e["ts"], e["ts"] + e["dur"]) for e in es]) / 1e3
