@@ -93,8 +93,14 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         slow_calls = sorted(((e["dur"], e["name"] + (" (training thread)" if e.get("tid") == r.get("tid")
                                                      else f" (thread {e.get('tid')})"))
                              for e in runtime if lo <= e["ts"] < hi and e["dur"] > 500), reverse=True)
+        calls = [e for e in runtime if lo <= e["ts"] < hi and e.get("tid") == r.get("tid")]
+        launch_calls = [e["dur"] for e in calls if "Launch" in e["name"]]
         out.append({
             "step": int(r["name"].split()[1]), "wall_ms": r["dur"] / 1e3, "main_stream": main,
+            "training_calls": {"n": len(calls), "ms": sum(e["dur"] for e in calls) / 1e3,
+                               "launches": len(launch_calls),
+                               "launch_mean_us": statistics.fmean(launch_calls) if launch_calls else 0.0,
+                               "launch_max_us": max(launch_calls, default=0.0)},
             "stream_busy_ms": {s: busy([(e["ts"], e["ts"] + e["dur"]) for e in es]) / 1e3
                                for s, es in by_stream.items()},
             "copies": {k: {"n": v[0], "MB": v[1] / 1e6, "ms": v[2] / 1e3} for k, v in copies.items()},
@@ -109,7 +115,14 @@ def report(rows: list[dict[str, Any]], show: int = 3) -> str:
         return "  (no 'step N' ranges in the trace)"
     median = statistics.median(r["wall_ms"] for r in rows)
     lines = [f"  traced steps {rows[0]['step']}..{rows[-1]['step']}: wall median {median:.1f} ms; "
-             f"per step: " + " ".join(f"{r['step']}:{r['wall_ms']:.0f}" for r in rows)]
+             f"per step: " + " ".join(f"{r['step']}:{r['wall_ms']:.0f}" for r in rows),
+             "  the training thread's CUDA runtime calls per step (step: wall ms, main stream busy ms, calls, ms in "
+             "them, kernel launches at mean / max us):"]
+    for r in rows:
+        c = r["training_calls"]
+        lines.append(f"    {r['step']}: {r['wall_ms']:.0f}, {r['stream_busy_ms'].get(r['main_stream'], 0.0):.0f}, "
+                     f"{c['n']}, {c['ms']:.1f}, {c['launches']} at {c['launch_mean_us']:.0f} / "
+                     f"{c['launch_max_us']:.0f}")
     typical = min(rows, key=lambda r: abs(r["wall_ms"] - median))
     for label, r in [("typical", typical)] + [("slow", r) for r in sorted(rows, key=lambda r: -r["wall_ms"])[:show]]:
         lines.append(f"  [{label}] step {r['step']}: wall {r['wall_ms']:.1f} ms, main stream {r['main_stream']}, "

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from trace_steps import load, report, steps  # noqa: E402
 
@@ -45,7 +47,10 @@ def test_the_main_stream_is_the_training_threads_not_the_busiest(tmp_path):
     assert (round(gap, 3), before, after) == (4.0, "k1", "k2")
     assert row["slow_runtime_calls_ms"] == [(3.0, f"cudaMemcpyAsync (thread {LANE})"),
                                             (1.2, "cudaStreamSynchronize (training thread)")]
+    assert row["training_calls"] == pytest.approx({"n": 3, "ms": 1.21, "launches": 2, "launch_mean_us": 5.0,
+                                                   "launch_max_us": 5.0})
     text = report([row])
+    assert "    5: 10, 1, 3, 1.2, 2 at 5 / 5" in text
     assert f"main stream {MAIN}" in text
     assert "main idle 4.00 ms after 'k1' before 'k2'" in text
     assert "launched +3.88 ms from the gap's start" in text  # (the host was late: 4400 - 520 us)
