@@ -44,8 +44,9 @@
 #           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
 #           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
 #           default 150; about 1.5 minutes a variant). On the loop, priority -1 with 4 threads cost training the least
-#           per block (results.md, "The lane beside training"); a second call: GREEN_MATH=0 GREEN_RUNS="prio-t2
-#           prio-sms16 nolate nolane".
+#           per block; on olmo-160m no variant did much (results.md, "The lane beside training"): there the interval
+#           profile's "host CPU" line against its "host queued" one says whether the training thread waits or computes
+#           in the lane-busy positions.
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
 # each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
 # $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what

@@ -196,6 +196,9 @@ class Reached:
     def query(self) -> bool:
         return True
 
+    def synchronize(self) -> None:  # (reached already)
+        pass
+
     def elapsed_time(self, end: Reached) -> float:
         return end.at - self.at
 
@@ -210,8 +213,14 @@ def test_the_late_activation_wait_is_accounted_step_by_step():
     marks.mark(torch.device("cpu"))
     marks.wait()
     marks.clear()
-    assert marks.stats() == {"late_activation_steps": 0, "late_activation_host_seconds": None,
-                             "late_activation_gpu_seconds": None, "late_activation_tight_steps": 0}
+    assert marks.stats() == {"late_activation_steps": 0, "late_activation_wait_seconds": None,
+                             "late_activation_host_seconds": None, "late_activation_gpu_seconds": None,
+                             "late_activation_tight_steps": 0}
+    # a mark the GPU has passed: the wait is counted (the mean over the waits), its step once the GPU ends it
+    marks._events.append(Reached(0.0))
+    marks.wait()
+    assert marks.stats()["late_activation_wait_seconds"] >= 0 and marks._waits == 1
+    marks.clear()
     # host 4 ms, GPU 10 ms (6 to spare); host 8 ms, GPU 8.5 ms (tight)
     marks._pending.extend([(Reached(0.0), Reached(10.0), 0.004), (Reached(5.0), Reached(13.5), 0.008)])
     stats = marks.stats()

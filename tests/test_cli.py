@@ -438,6 +438,7 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         capacity = work["worker_capacity_core_seconds"]
         assert work["worker_ratio"] == pytest.approx(work["worker_core_seconds"] / capacity)
         assert work["device_seconds"] == 0.0 and work["device_ratio"] == 0.0  # no device lane on the CPU
+        assert work["device_cpu_seconds"] is None
     # The median step by position in the interval: 11 steps leave too few steady ones for f = 3 (steps 10-11),
     # and enough for f = 2 (steps 7-11).
     assert kl["interval_profile"] is None and adamw["interval_profile"] is None
@@ -450,9 +451,19 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert all(0 < host <= wall for host, wall in zip(f2_host, f2_times, strict=True))  # queued before it ended
     host_medians = [statistics.median([f2_host[s - 1] for s in (8, 10)]), statistics.median(f2_host[6::2])]
     assert profile["host_median_seconds"] == pytest.approx(host_medians)
+    # The part of the host's time in step(), and the training thread's CPU time (which may exceed the wall time
+    # only by the clocks' granularity).
+    f2_records = records(tmp_path / "soap-async-f2")
+    assert all(0 < r["host_optimizer_time"] < r["host_step_time"] for r in f2_records)
+    assert all(0 < r["host_cpu_time"] <= r["host_step_time"] + 0.01 for r in f2_records)
+    for key, name in (("host_optimizer_time", "host_optimizer_median_seconds"),
+                      ("host_cpu_time", "host_cpu_median_seconds")):
+        assert profile[name] == pytest.approx([statistics.median([r[key] for r in f2_records[6:] if r["step"] % 2 == p])
+                                               for p in (0, 1)]), key
     table = capsys.readouterr().out
     assert "  soap-async-f2      " + " ".join(f"{1e3 * m:.0f}" for m in medians) + " | quietest " in table
     assert "    host queued      " + " ".join(f"{1e3 * m:.0f}" for m in host_medians) + " (the host's" in table
+    assert "    in step()        " in table and "    host CPU         " in table
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

@@ -315,7 +315,7 @@ def test_the_start_up_refreshes_on_the_lane_match_native_mode_bit_for_bit(name):
 def test_the_lanes_threads_refresh_two_sets_at_once_each_as_native_mode_does(monkeypatch):
     """With two threads, two sets' refreshes run at the same time (each waits at a barrier for the other: one
     thread alone would time out there), and each result is native mode's for its snapshot; the lane's busy
-    fraction counts both threads' time."""
+    fraction counts both threads' time, and their CPU time counts the computing, not the waiting."""
     from asteria import _core
     from asteria.pipeline import device_lane
     from asteria.pipeline.factors import RootRequest
@@ -343,7 +343,10 @@ def test_the_lanes_threads_refresh_two_sets_at_once_each_as_native_mode_does(mon
                                    in_thread=True)
             assert torch.equal(lane.take(index, 1).new, expected.new)
         assert len(engine.activate(1, 30.0)) == 4 and not both.broken
-        assert 0 < lane.stats()["device_busy_fraction"] <= 1
+        stats = lane.stats()
+        assert 0 < stats["device_busy_fraction"] <= 1
+        # the threads' CPU time: computing on the CPU here, asleep at the barrier (so below their seconds)
+        assert 0 < stats["device_cpu_seconds"] < stats["device_refresh_seconds"]
     finally:
         lane.close()
         engine.close()

@@ -80,6 +80,7 @@ class DeviceLane:
         self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
         self._inline_by_dim: dict[int, list[float]] = {}                   # guarded by _lock: the same, inline
         self._busy_seconds = 0.0                                           # guarded by _lock
+        self._cpu_seconds = 0.0                                            # guarded by _lock: the threads' CPU
         self._running = 0                                                  # guarded by _lock: jobs computing
         self._stopping = False                                             # guarded by _lock
         self._started = time.monotonic()
@@ -147,12 +148,15 @@ class DeviceLane:
 
     def stats(self) -> dict[str, Any]:
         """``device_refresh_seconds``: the jobs' seconds summed over the threads; ``device_busy_fraction``: that
-        over the threads' whole life (each thread's wall time since the start, until ``close``)."""
+        over the threads' whole life (each thread's wall time since the start, until ``close``);
+        ``device_cpu_seconds``: the CPU time the threads' jobs took (near their seconds where a thread spins
+        while its GPU work runs, and far below where it sleeps)."""
         with self._lock:
             end = time.monotonic() if self._stopped is None else self._stopped  # the busy fraction of the lane's life
             wall = max(end - self._started, 1e-9) * self.threads
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
-                    "device_jobs_queued": len(self._jobs), "device_threads": self.threads}
+                    "device_jobs_queued": len(self._jobs), "device_threads": self.threads,
+                    "device_cpu_seconds": self._cpu_seconds}
 
     def drain(self, timeout_s: float) -> None:
         """Blocks until every queued job has ended (the engine's ``drain`` covers the workers' jobs only);
@@ -201,7 +205,7 @@ class DeviceLane:
         training thread's, which waits for it), else on the stream of the lane's thread ``slot``."""
         fset = self.sets[job.index]
         stream = None if inline else self.streams[fset.device][slot]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         refreshed: Refreshed | None = None
         ok = [False] * fset.batch
         error = ""
@@ -219,10 +223,11 @@ class DeviceLane:
                 ok = refreshed.usable.tolist()  # waits for this stream only
         except Exception as failure:  # noqa: BLE001 - reported to the registry as the blocks' failure
             error = f"device refresh failed: {type(failure).__name__}: {failure}"
-        self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error, inline)
+        self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error, inline,
+                     0.0 if inline else time.thread_time() - cpu)
 
     def _finish(self, index: int, version: int, refreshed: Refreshed | None, ok: list[bool], seconds: float,
-                error: str, inline: bool) -> None:
+                error: str, inline: bool, cpu_seconds: float) -> None:
         fset = self.sets[index]
         with self._lock:
             if refreshed is not None:
@@ -231,6 +236,7 @@ class DeviceLane:
             timing[0] += seconds
             timing[1] += fset.batch
             self._busy_seconds += seconds
+            self._cpu_seconds += cpu_seconds
         reason = error or "the device refresh's result is not finite (the previous version stays in use)"
         try:
             self.engine.finish_external(self.ids[index], version, ok, reason)

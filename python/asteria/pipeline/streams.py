@@ -106,6 +106,7 @@ class BackwardMarks:
         self._pending: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event, float]] = collections.deque(
             maxlen=self.MAX_PENDING)
         self._steps, self._host, self._gpu, self._tight = 0, 0.0, 0.0, 0
+        self._waits, self._wait_seconds = 0, 0.0  # the waits themselves (the training thread spins in them)
 
     def mark(self, device: torch.device) -> None:
         """Records the point the current stream of ``device`` has been queued to."""
@@ -119,8 +120,11 @@ class BackwardMarks:
         """Blocks until the GPU has passed the next-to-last mark (the only one, if one), then forgets the
         marks; returns at once when there are none."""
         if self._events:
+            started = time.perf_counter()
             self._events[0].synchronize()
             self._waited = (self._events[0], time.perf_counter())
+            self._waits += 1
+            self._wait_seconds += self._waited[1] - started
         self._events.clear()
 
     def clear(self) -> None:
@@ -144,10 +148,12 @@ class BackwardMarks:
 
     def stats(self) -> dict[str, Any]:
         """Over the steps that waited and whose end the GPU has reached: how many, the host's and the GPU's mean
-        seconds from the wait to the step's end, and the steps where the GPU ran out of work meanwhile."""
+        seconds from the wait to the step's end, and the steps where the GPU ran out of work meanwhile; and the
+        mean seconds of the waits themselves, over all of them."""
         self._settle()
         steps = self._steps
         return {"late_activation_steps": steps,
+                "late_activation_wait_seconds": self._wait_seconds / self._waits if self._waits else None,
                 "late_activation_host_seconds": self._host / steps if steps else None,
                 "late_activation_gpu_seconds": self._gpu / steps if steps else None,
                 "late_activation_tight_steps": self._tight}

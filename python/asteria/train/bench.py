@@ -98,7 +98,8 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     dropped, superseded or deferred, counted at the mean job's time, since the schedule asked for them) against
     the workers x the interval's time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW,
     ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time times
-    its threads. A ratio above 1 is work that one side cannot finish in its interval."""
+    its threads, with the CPU seconds the lane's threads took meanwhile (None where not measured). A ratio above 1
+    is work that one side cannot finish in its interval."""
     workers = stats.get("workers")
     if not workers:
         return None
@@ -109,11 +110,17 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     per_job = stats["refresh_seconds_on_workers"] / jobs if jobs else 0.0  # every set on the lane: no worker job
     worker = per_job * (jobs + dropped) / intervals
     device = (stats.get("device_refresh_seconds") or 0.0) / intervals
+    device_cpu = stats.get("device_cpu_seconds")
     capacity = workers * interval
     threads = stats.get("device_threads") or 1  # absent from runs without a lane, and from older ones
     return {"pace": pace, "interval_seconds": interval, "workers": workers, "worker_core_seconds": worker,
             "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
-            "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads)}
+            "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads),
+            "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals}
+
+
+HOST_TIMES = {"host_step_time": "host_median_seconds", "host_optimizer_time": "host_optimizer_median_seconds",
+              "host_cpu_time": "host_cpu_median_seconds"}  # a record's key -> the interval profile's
 
 
 def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int) -> dict[str, Any] | None:
@@ -122,24 +129,31 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
     and how many seconds an interval's positions add above the quietest: in an async run, the window where the
     device lane's refreshes and the installs land, set apart from the floor that every step pays (the optimizer's
     own step math, the workers' contention). Where the records hold the host's time to queue each step, also its
-    median by position: a host time near the step's says the host, not the GPU, set the pace there. None where a
-    position has fewer than two steady steps."""
+    median by position: a host time near the step's says the host, not the GPU, set the pace there; likewise the
+    part of it in ``step()``, and the training thread's CPU time (well below the host's time where it waited). None
+    where a position has fewer than two steady steps."""
     if frequency < 2:
         return None
     by_position: list[list[float]] = [[] for _ in range(frequency)]
-    host: list[list[float]] = [[] for _ in range(frequency)]
+    extra = {key: [[] for _ in range(frequency)] for key in HOST_TIMES}
     for record in records[warmup:]:
         by_position[record["step"] % frequency].append(record["step_time"])
-        if "host_step_time" in record:
-            host[record["step"] % frequency].append(record["host_step_time"])
+        for key, lists in extra.items():
+            if key in record:
+                lists[record["step"] % frequency].append(record[key])
     if min(len(times) for times in by_position) < 2:
         return None
     medians = [statistics.median(times) for times in by_position]
     quietest = min(medians)
-    complete = all(len(h) == len(t) for h, t in zip(host, by_position, strict=True))
+
+    def by_position_of(key: str) -> list[float] | None:  # (None: records written before it was measured)
+        lists = extra[key]
+        complete = all(len(h) == len(t) for h, t in zip(lists, by_position, strict=True))
+        return [statistics.median(h) for h in lists] if complete else None
+
     return {"median_seconds": medians, "quietest_seconds": quietest,
             "above_quietest_seconds": sum(medians) - frequency * quietest,
-            "host_median_seconds": [statistics.median(h) for h in host] if complete else None}
+            **{name: by_position_of(key) for key, name in HOST_TIMES.items()}}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -194,8 +208,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "refreshes_deferred": stats.get("refreshes_deferred"),
             "sets_on_device": stats.get("sets_on_device"),
             "device_busy_fraction": stats.get("device_busy_fraction"),
-            "late_activation": {key: stats.get(f"late_activation_{key}") for key in ("steps", "host_seconds",
-                                                                                     "gpu_seconds", "tight_steps")},
+            "late_activation": {key: stats.get(f"late_activation_{key}") for key in (
+                "steps", "host_seconds", "gpu_seconds", "tight_steps", "wait_seconds")},
         }
         pace = ref_profile["mean"] if ref_profile else wall["mean"]
         row["interval_profile"] = interval_profile(records, warmup, cfgs[label].precondition_frequency)
@@ -291,7 +305,9 @@ def format_table(results: dict[str, Any]) -> str:
                          f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}); device lane "
                          f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s"
                          + (f" x {w['device_threads']} threads" if w.get("device_threads", 1) > 1 else "")
-                         + f" ({w['device_ratio']:.2f}x)")
+                         + f" ({w['device_ratio']:.2f}x)"
+                         + (f", its threads' CPU {w['device_cpu_seconds']:.3g} s" if w.get("device_cpu_seconds")
+                            else ""))
     profiles = {label: r["interval_profile"] for label, r in results["runs"].items() if r.get("interval_profile")}
     if profiles:
         lines.append("median steady step by position in the interval (step mod f, ms; native mode refreshes at 0), "
@@ -299,16 +315,22 @@ def format_table(results: dict[str, Any]) -> str:
         for label, p in profiles.items():
             lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
                          f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
-            if p.get("host_median_seconds"):  # absent from results written before it was measured
-                lines.append(f"  {'  host queued':<18} {' '.join(f'{1e3 * t:.0f}' for t in p['host_median_seconds'])}"
-                             " (the host's time to queue the step, step()'s waits included)")
+            for key, name, what in (("host_median_seconds", "host queued", "the host's time to queue the step, "
+                                     "step()'s waits included"),
+                                    ("host_optimizer_median_seconds", "in step()", "the part of it in step()"),
+                                    ("host_cpu_median_seconds", "host CPU", "the training thread's CPU time "
+                                     "meanwhile")):
+                if p.get(key):  # absent from results written before it was measured
+                    lines.append(f"  {'  ' + name:<18} {' '.join(f'{1e3 * t:.0f}' for t in p[key])} ({what})")
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:
-        lines.append("after step()'s late-activation wait, to the step's end (mean ms; tight: steps whose GPU ran out "
-                     "of work, waiting for the host to queue the step):")
+        lines.append("step()'s late-activation wait, and after it to the step's end (mean ms; tight: steps whose GPU "
+                     "ran out of work, waiting for the host to queue the step):")
         for label, w in late.items():
-            lines.append(f"  {label:<18} host queued {1e3 * w['host_seconds']:.1f}, GPU ran "
+            spun = w.get("wait_seconds")  # (absent from results written before it was measured)
+            waited = f"waited {1e3 * spun:.1f} (spinning), then " if spun is not None else ""
+            lines.append(f"  {label:<18} {waited}host queued {1e3 * w['host_seconds']:.1f}, GPU ran "
                          f"{1e3 * w['gpu_seconds']:.1f}; tight {w['tight_steps']} of {w['steps']} steps")
     lines.append("slowest steady steps (step: ms):")
     for label, r in results["runs"].items():

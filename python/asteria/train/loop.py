@@ -353,8 +353,9 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
                 energy: EnergyMeter, timer: StepTimer, profiler: StepProfiler) -> dict[str, Any]:
     """One step on the batch of sequences from ``position``: its loss (on several processes the mean over
     ranks), learning rate, wall and CUDA-event time, the host's time to queue it (before waiting for the GPU to
-    end it: where it nears the wall time, the host sets the pace) and energy (None where not measured)."""
-    t0 = time.perf_counter()
+    end it: where it nears the wall time, the host sets the pace), the part of that in ``step()``, the training
+    thread's CPU time meanwhile (well below the host's time where it waited) and energy (None where not measured)."""
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     # The range ends after the step's synchronization, so each profiled step holds its GPU work.
     with profiler.step(step):  # a no-op outside --profile-steps
         joules = energy.joules()
@@ -369,9 +370,11 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
         lr = cfg.lr_at(step)
         for group in parts.opt.param_groups:
             group["lr"] = lr
+        t_step = time.perf_counter()
         parts.opt.step()
         parts.opt.zero_grad(set_to_none=True)
         host_seconds = time.perf_counter() - t0  # the host has queued the step; on a GPU it may still run
+        host_step_seconds, host_cpu_seconds = t0 + host_seconds - t_step, time.thread_time() - cpu0
         gpu_seconds = timer.finish()  # waits for the GPU
         step_joules = None
         if run is None:
@@ -382,6 +385,7 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
     if run is None and joules is not None:
         step_joules = energy.joules() - joules
     return {"loss": loss_value, "lr": lr, "step_time": step_time, "host_seconds": host_seconds,
+            "host_step_seconds": host_step_seconds, "host_cpu_seconds": host_cpu_seconds,
             "gpu_seconds": gpu_seconds, "joules": step_joules}
 
 
@@ -392,7 +396,8 @@ def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int
     device = parts.device
     record: dict[str, Any] = {"step": step, "loss": measured["loss"], "lr": measured["lr"],
                               "step_time": measured["step_time"], "host_step_time": measured["host_seconds"],
-                              "wall": wall, "rss_bytes": rss_bytes()}
+                              "host_optimizer_time": measured["host_step_seconds"],
+                              "host_cpu_time": measured["host_cpu_seconds"], "wall": wall, "rss_bytes": rss_bytes()}
     if measured["gpu_seconds"] is not None:
         record["gpu_step_time"] = measured["gpu_seconds"]
         record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
