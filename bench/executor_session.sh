@@ -45,8 +45,9 @@
 #           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
 #           default 150; about 1.5 minutes a variant). On the loop, priority -1 with 4 threads cost training the least
 #           per block; on olmo-160m no variant did much (results.md, "The lane beside training"): there the interval
-#           profile's "host CPU" line against its "host queued" one says whether the training thread waits or computes
-#           in the lane-busy positions.
+#           profile's "host CPU" line against its "host queued" one says whether the training thread sleeps (the GIL,
+#           a lock) or computes in the lane-busy positions (CUDA's spinning waits count as CPU: the late-activation
+#           line gives step()'s).
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
 # each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
 # $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what

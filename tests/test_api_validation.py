@@ -532,9 +532,15 @@ def test_a_state_dict_with_an_unusable_step_or_tensor_is_refused_at_load(mutatio
 
 @pytest.mark.parametrize("priority", [1, -65, 0.5, True, "high"])
 def test_training_stream_refuses_a_priority_cuda_cannot_take(priority):
-    with pytest.raises(ValueError, match=rf"Invalid priority={priority!r}: must be an int in \[-64, 0\]"), \
-            asteria.training_stream(priority=priority):
-        pass
+    """Refused when called, before any ``with``."""
+    with pytest.raises(ValueError, match=rf"Invalid priority={priority!r}: must be an int in \[-64, 0\]"):
+        asteria.training_stream(priority=priority)
+
+
+@pytest.mark.parametrize("device", [True, -1, 1.5, "no-such-device"])
+def test_training_stream_refuses_what_names_no_device(device):
+    with pytest.raises(ValueError, match=rf"Invalid device={device!r}: must be None, a CUDA device index >= 0"):
+        asteria.training_stream(device)
 
 
 def test_training_stream_runs_the_body_plainly_without_a_gpu():
@@ -544,7 +550,7 @@ def test_training_stream_runs_the_body_plainly_without_a_gpu():
         pytest.skip("needs a machine without CUDA")
     with asteria.training_stream():
         done = torch.ones(2).sum().item()
-    with asteria.training_stream("cpu", priority=-3):
+    with asteria.training_stream("cpu", priority=np.int64(-3)):
         done += 1
     assert done == 3
     with pytest.raises(ValueError, match=r"Invalid device='cuda:0': CUDA is not available"), \

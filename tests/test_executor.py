@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 
@@ -279,7 +280,7 @@ def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is Linux's")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_lanes_threads_run_at_the_workers_nice_and_the_training_thread_keeps_its_own():
     """A lane thread waiting for its GPU work spins on a core, so it must yield the cores kept for the training
     thread: the lane's threads take ``worker_nice`` (never raising a thread that starts lower)."""

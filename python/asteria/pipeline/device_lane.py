@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -93,7 +94,8 @@ class DeviceLane:
                                                       name=f"asteria-device-lane-{slot}", daemon=True))
                 self._threads[-1].start()
             for _ in range(threads):  # (so that none spins at the training thread's priority, even briefly)
-                self._configured.acquire()
+                if not self._configured.acquire(timeout=timeout_s):
+                    raise RuntimeError(f"the device lane's threads did not start within timeout_s={timeout_s}")
         except BaseException:  # (the system refused a thread): those started stop
             self.close()
             raise
@@ -250,7 +252,7 @@ def lower_priority(nice: int) -> None:
     workers'). A lane thread waiting for its GPU work spins on a core (CUDA's default for a process with fewer
     contexts than CPUs, and torch's ``eigh`` waits so for its result), and at the training thread's own
     priority it would take the cores kept for launching training's kernels."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
+    if nice <= 0 or not sys.platform.startswith("linux"):  # (elsewhere the id of a thread names no thread)
         return
     tid = threading.get_native_id()
     try:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from asteria.config import is_int
+
 
 class SideStream:
     """A CUDA stream for state staging, or nothing on the CPU. Its priority is that of the stream current when
@@ -49,28 +51,45 @@ class SideStream:
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
-@contextlib.contextmanager
-def training_stream(device: torch.device | str | int | None = None, priority: int = -1) -> Iterator[None]:
+def training_stream(device: torch.device | str | int | None = None,
+                    priority: int = -1) -> contextlib.AbstractContextManager[None]:
     """Runs the body on a new CUDA stream of ``priority`` (a no-op on the CPU), after what the current stream has
-    queued, and makes the current stream wait for the body's work at the end.
+    queued, and makes the current stream wait for the body's work at the end (after an error too); the current
+    stream and device are as before afterwards.
 
     Build the model and the optimizer inside it, and train there: the device lane refreshes on streams of CUDA's
     lowest priority, which the default stream shares, so at equal priority the GPU's block scheduler interleaves
     the lane's thousands of small kernels with training's; one priority above lets training's start first. The
     optimizer's staging streams take the priority current when it is built. With ``device=None`` it runs on the
     current CUDA device, or plainly where there is none."""
-    if priority is True or priority is False or not isinstance(priority, int) or not -64 <= priority <= 0:
+    if not (is_int(priority) and -64 <= priority <= 0):
         raise ValueError(f"Invalid priority={priority!r}: must be an int in [-64, 0] (CUDA stream priorities: 0 is "
                          "the lowest, the default stream's and the device lane's; CUDA clamps below its highest)")
-    if device is None and not torch.cuda.is_available():
-        yield  # (nothing shares a CPU's kernels with a lane)
-        return
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    given = device
+    if device is None:
+        if not torch.cuda.is_available():
+            return contextlib.nullcontext()  # (nothing shares a CPU's kernels with a lane)
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif is_int(device) and device >= 0:
+        device = torch.device("cuda", int(device))
+    else:
+        try:
+            device = torch.device(device) if isinstance(device, (str, torch.device)) else None
+        except RuntimeError:  # (a string torch cannot parse)
+            device = None
+        if device is None:
+            raise ValueError(f"Invalid device={given!r}: must be None, a CUDA device index >= 0, or a device such "
+                             "as 'cuda:0' or 'cpu'")
     if device.type != "cuda":
-        yield
-        return
+        return contextlib.nullcontext()
     if not torch.cuda.is_available():
         raise ValueError(f"Invalid device={str(device)!r}: CUDA is not available on this machine")
+    return _on_stream(device, int(priority))
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device, priority: int) -> Iterator[None]:
+    original = torch.cuda.current_device()  # (set_stream makes the stream's device current)
     previous = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device, priority=priority)
     stream.wait_stream(previous)
@@ -78,10 +97,14 @@ def training_stream(device: torch.device | str | int | None = None, priority: in
     try:
         yield
     except BaseException:
-        torch.cuda.set_stream(previous)  # (what the stream still runs is no one's now: no wait to fail in)
+        with contextlib.suppress(Exception):  # (the body's error is the one to see)
+            previous.wait_stream(stream)
         raise
-    previous.wait_stream(stream)
-    torch.cuda.set_stream(previous)
+    else:
+        previous.wait_stream(stream)
+    finally:
+        torch.cuda.set_stream(previous)
+        torch.cuda.set_device(original)
 
 
 class BackwardMarks:

@@ -130,8 +130,9 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
     device lane's refreshes and the installs land, set apart from the floor that every step pays (the optimizer's
     own step math, the workers' contention). Where the records hold the host's time to queue each step, also its
     median by position: a host time near the step's says the host, not the GPU, set the pace there; likewise the
-    part of it in ``step()``, and the training thread's CPU time (well below the host's time where it waited). None
-    where a position has fewer than two steady steps."""
+    part of it in ``step()``, and the training thread's CPU time (below the host's time where the thread slept, on
+    the GIL or a lock; CUDA's waits spin and count as CPU time). None where a position has fewer than two steady
+    steps."""
     if frequency < 2:
         return None
     by_position: list[list[float]] = [[] for _ in range(frequency)]
@@ -319,7 +320,7 @@ def format_table(results: dict[str, Any]) -> str:
                                      "step()'s waits included"),
                                     ("host_optimizer_median_seconds", "in step()", "the part of it in step()"),
                                     ("host_cpu_median_seconds", "host CPU", "the training thread's CPU time "
-                                     "meanwhile")):
+                                     "meanwhile, CUDA's spinning waits included")):
                 if p.get(key):  # absent from results written before it was measured
                     lines.append(f"  {'  ' + name:<18} {' '.join(f'{1e3 * t:.0f}' for t in p[key])} ({what})")
     late = {label: r["late_activation"] for label, r in results["runs"].items()

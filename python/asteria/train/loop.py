@@ -354,7 +354,8 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
     """One step on the batch of sequences from ``position``: its loss (on several processes the mean over
     ranks), learning rate, wall and CUDA-event time, the host's time to queue it (before waiting for the GPU to
     end it: where it nears the wall time, the host sets the pace), the part of that in ``step()``, the training
-    thread's CPU time meanwhile (well below the host's time where it waited) and energy (None where not measured)."""
+    thread's CPU time meanwhile (below the host's time where the thread slept: on the GIL, a lock or a blocking
+    event; CUDA's default waits spin, so they count as CPU time) and energy (None where not measured)."""
     t0, cpu0 = time.perf_counter(), time.thread_time()
     # The range ends after the step's synchronization, so each profiled step holds its GPU work.
     with profiler.step(step):  # a no-op outside --profile-steps
@@ -372,9 +373,10 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
             group["lr"] = lr
         t_step = time.perf_counter()
         parts.opt.step()
+        host_step_seconds = time.perf_counter() - t_step
         parts.opt.zero_grad(set_to_none=True)
         host_seconds = time.perf_counter() - t0  # the host has queued the step; on a GPU it may still run
-        host_step_seconds, host_cpu_seconds = t0 + host_seconds - t_step, time.thread_time() - cpu0
+        host_cpu_seconds = time.thread_time() - cpu0
         gpu_seconds = timer.finish()  # waits for the GPU
         step_joules = None
         if run is None:
