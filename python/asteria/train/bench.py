@@ -119,8 +119,14 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
             "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals}
 
 
-HOST_TIMES = {"host_step_time": "host_median_seconds", "host_optimizer_time": "host_optimizer_median_seconds",
-              "host_cpu_time": "host_cpu_median_seconds"}  # a record's key -> the interval profile's
+# A record's host time -> its median by position in the interval profile, and that line's label and meaning.
+HOST_TIMES = {
+    "host_step_time": ("host_median_seconds", "host queued", "the host's time to queue the step, step()'s waits "
+                       "included"),
+    "host_optimizer_time": ("host_optimizer_median_seconds", "in step()", "the part of it in step()"),
+    "host_cpu_time": ("host_cpu_median_seconds", "host CPU", "the training thread's CPU time meanwhile, CUDA's "
+                      "spinning waits included"),
+}
 
 
 def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int) -> dict[str, Any] | None:
@@ -154,7 +160,7 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
 
     return {"median_seconds": medians, "quietest_seconds": quietest,
             "above_quietest_seconds": sum(medians) - frequency * quietest,
-            **{name: by_position_of(key) for key, name in HOST_TIMES.items()}}
+            **{name: by_position_of(key) for key, (name, _, _) in HOST_TIMES.items()}}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -316,11 +322,7 @@ def format_table(results: dict[str, Any]) -> str:
         for label, p in profiles.items():
             lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
                          f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
-            for key, name, what in (("host_median_seconds", "host queued", "the host's time to queue the step, "
-                                     "step()'s waits included"),
-                                    ("host_optimizer_median_seconds", "in step()", "the part of it in step()"),
-                                    ("host_cpu_median_seconds", "host CPU", "the training thread's CPU time "
-                                     "meanwhile, CUDA's spinning waits included")):
+            for key, name, what in HOST_TIMES.values():
                 if p.get(key):  # absent from results written before it was measured
                     lines.append(f"  {'  ' + name:<18} {' '.join(f'{1e3 * t:.0f}' for t in p[key])} ({what})")
     late = {label: r["late_activation"] for label, r in results["runs"].items()
