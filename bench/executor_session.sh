@@ -9,6 +9,8 @@
 #   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
 #   1b      olmo2-1b at 16 x 1024 ($ONEB_CONFIGS, $ONEB_STEPS);
 #   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop;
+#   contention  bench/launch_contention.py: what refresh math in a thread of the training process, or in a process
+#           of its own, costs the training thread's kernel launches (a launch-bound chain, then a GPU-bound one);
 #   dims    olmo-160m at 8 x 1024 once per max_preconditioner_dim in $DIMS (default: 1024 2048), $DIMS_CONFIGS
 #           ($DIMS_STEPS): what smaller blocks cost in loss against the work they save (bench/refresh_demand.py);
 #   sweep   olmo-160m at 8 x 1024 for each beta2 in $BETA2S (default: 0.95 0.999) and lr schedule in $SCHEDULES
@@ -42,7 +44,8 @@
 #           prio-t4; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority -1,
 #           nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
 #           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
-#           --no-device-refresh: the floor with the workers alone, refreshes dropped), $GREEN_CONFIGS ($GREEN_STEPS,
+#           --no-device-refresh: the floor with the workers alone, refreshes dropped; inproc --no-device-process:
+#           the lane's math in the training process, as before it had a process of its own), $GREEN_CONFIGS ($GREEN_STEPS,
 #           default 150; about 1.5 minutes a variant). On the loop, priority -1 with 4 threads cost training the least
 #           per block; on olmo-160m no variant did much (results.md, "The lane beside training"): there the interval
 #           profile's "host CPU" line against its "host queued" one says whether the training thread sleeps (the GIL,
@@ -176,11 +179,17 @@ if has green; then
         t*) args="$args --device-threads ${part#t}" ;;
         nolate) args="$args --no-late-activation" ;;
         nolane) args="$args --no-device-refresh" ;;
+        inproc) args="$args --no-device-process" ;;
       esac
     done
     STAGE_ARGS="$args" bench "green-$variant" olmo-160m 8 "${GREEN_STEPS:-150}" \
       ${GREEN_CONFIGS:-adamw shampoo-async soap-async}
   done
+fi
+if has contention; then  # launch-bound, then GPU-bound training chains beside each side
+  run python3 bench/launch_contention.py 2>&1 | tee "$OUT/contention.txt"
+  run python3 bench/launch_contention.py --big 100 --sides none eigh eigh-process qr qr-process newton none 2>&1 \
+    | tee -a "$OUT/contention.txt"
 fi
 has math && run python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
   | tail -12 | tee "$OUT/math.txt"

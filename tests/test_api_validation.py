@@ -294,6 +294,9 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
                                                      r"and the lane runs in mode='async' unless device_refresh=False"),
     ({"device_sms": 16, "device_refresh": False}, r"Invalid device_sms=16: .*\(here mode='async', "
                                                   r"device_refresh=False\)"),
+    ({"device_process": 1}, "Invalid device_process=1: must be None or a bool"),
+    ({"device_process": True, "mode": "sync"}, r"Invalid device_process=True: moves the device lane into a child "
+                                               r"process, and the lane runs in mode='async'"),
 ])
 def test_runtime_config_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import threading
 
 import pytest
@@ -456,14 +457,18 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     f2_records = records(tmp_path / "soap-async-f2")
     assert all(0 < r["host_optimizer_time"] < r["host_step_time"] for r in f2_records)
     assert all(0 < r["host_cpu_time"] <= r["host_step_time"] + 0.01 for r in f2_records)
-    for key, name in (("host_optimizer_time", "host_optimizer_median_seconds"),
-                      ("host_cpu_time", "host_cpu_median_seconds")):
+    measures = [("host_optimizer_time", "host_optimizer_median_seconds"), ("host_cpu_time", "host_cpu_median_seconds")]
+    if sys.platform == "linux":  # the thread's run-queue wait and sleeps come from /proc/thread-self
+        assert all(0 <= r["host_runq_time"] <= r["host_step_time"] and r["host_sleeps"] >= 0 for r in f2_records)
+        measures += [("host_runq_time", "host_runq_median_seconds"), ("host_sleeps", "host_sleeps_median")]
+    for key, name in measures:
         assert profile[name] == pytest.approx([statistics.median([r[key] for r in f2_records[6:] if r["step"] % 2 == p])
                                                for p in (0, 1)]), key
     table = capsys.readouterr().out
     assert "  soap-async-f2      " + " ".join(f"{1e3 * m:.0f}" for m in medians) + " | quietest " in table
     assert "    host queued      " + " ".join(f"{1e3 * m:.0f}" for m in host_medians) + " (the host's" in table
     assert "    in step()        " in table and "    host CPU         " in table
+    assert sys.platform != "linux" or ("    core wait        " in table and "    sleeps           " in table)
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

@@ -360,27 +360,32 @@ def test_a_late_parameter_on_the_gpu_matches_the_cpu_without_host_waits(optimize
         torch.testing.assert_close(gpu, cpu, rtol=2e-3, atol=2e-4)
 
 
-@pytest.mark.parametrize("sms, threads", [(None, 1), (16, 1), (16, 2)],
-                         ids=["whole-gpu", "16-sms", "16-sms-2-threads"])
+@pytest.mark.parametrize("sms, threads, process", [(None, 1, None), (None, 2, False), (16, 1, False),
+                                                   (16, 2, False), (16, 2, True)],
+                         ids=["whole-gpu", "in-process", "16-sms", "16-sms-2-threads", "16-sms-child"])
 @pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo])
-def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms, threads):
+def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms, threads, process):
     """The start-up refreshes run on the GPU inline; then every set goes to the lane (its plan held there), then
     back to the workers and to the lane again: its versions come from the lane's stream and thread, an
-    eigenbasis set returning to the workers seeds their chain, and nothing fails; with ``device_sms`` the
-    lane's streams are its green context's, one a thread."""
+    eigenbasis set returning to the workers seeds their chain, and nothing fails. The math runs in the lane's
+    child process by default, else on the lane's threads; with ``device_sms`` the streams that compute are a
+    green context's, one a thread (the child's, where it computes)."""
     model = small_mlp(sizes=SIZES).cuda()
     x, y = (t.cuda() for t in regression_data(sizes=SIZES))
-    runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False, device_sms=sms, device_threads=threads)
+    runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False, device_sms=sms, device_threads=threads,
+                                    device_process=process)
     with optimizer(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64, runtime=runtime) as opt:
         refresher = opt._refresher
         assert refresher.lane is not None and refresher.balancer is not None
         device = torch.device("cuda", torch.cuda.current_device())
+        assert (device in refresher.lane.processes) == (process is not False)
         partition = refresher.lane.partitions.get(device)
-        assert (partition is None) == (sms is None)
+        assert (partition is None) == (sms is None or process is not False)
         if partition is not None:
             assert refresher.lane.streams[device] == partition.streams and partition.sms == sms
         assert len({stream.cuda_stream for stream in refresher.lane.streams[device]}) == threads
-        assert all(bool(green_context_of(stream)) == (sms is not None) for stream in refresher.lane.streams[device])
+        streams = refresher.lane.streams[device]
+        assert all(bool(green_context_of(stream)) == (partition is not None) for stream in streams)
 
         def steps(count: int) -> None:
             for _ in range(count):

@@ -113,10 +113,11 @@ def lane_sets(kind: str) -> tuple[list[FactorSet], torch.Tensor]:
     return [fset], factors
 
 
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 @pytest.mark.parametrize("kind", ["root", "eigenbasis"])
-def test_the_device_lane_computes_what_native_mode_computes(kind):
-    """The lane's thread refreshes a set from its snapshot with native mode's torch code: the same bits, and
-    the registry activates the version once the lane reports it."""
+def test_the_device_lane_computes_what_native_mode_computes(kind, process):
+    """The lane's thread refreshes a set from its snapshot with native mode's torch code, itself or in the lane's
+    child process: the same bits, and the registry activates the version once the lane reports it."""
     from asteria import _core
     from asteria.pipeline.device_lane import DeviceLane
     from asteria.pipeline.factors import RootRequest
@@ -125,7 +126,7 @@ def test_the_device_lane_computes_what_native_mode_computes(kind):
     engine = _core.RefreshEngine(workers=1, deterministic=True)
     rings = [(torch.zeros(1, 21), torch.zeros(1, 8 if kind == "eigenbasis" else 6, 6)) for _ in range(2)]
     ids = [[engine.add_block(s, r, kind=kind) for s, r in rings]]
-    lane = DeviceLane(engine, sets, ids, timeout_s=30.0)
+    lane = DeviceLane(engine, sets, ids, timeout_s=30.0, process=process)
     try:
         request = RootRequest(scale=1.0, eps=1e-6)
         lane.start(0, 1, 1, request, lambda fset: (fset.factors.clone(), None))

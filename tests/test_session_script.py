@@ -21,7 +21,7 @@ from asteria.train.peers import PEERS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "executor_session.sh"
-STAGES = "build cuda small large 1b dims sweep first soapgap workers seeds phases hb green math"
+STAGES = "build cuda small large 1b dims sweep first soapgap workers seeds phases hb green math contention"
 GREEN_RUNS = "plain sms16 sms16-t2 prio prio-sms16 nolate nolane"
 CLI = ["python3", "-m", "asteria.train.cli", "bench"]
 
@@ -34,11 +34,11 @@ def dry_run(out: Path, **env: str) -> list[list[str]]:
     return [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
 
 
-def refresh_math_parser():
-    spec = importlib.util.spec_from_file_location("gpu_refresh_math", ROOT / "bench" / "gpu_refresh_math.py")
+def bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.build_parser()
+    return module
 
 
 def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_path, monkeypatch):
@@ -56,15 +56,19 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
             cfg = run_config_of(base, label)
             if cfg.optimizer != "adamw" and cfg.optimizer not in PEERS:
                 runtime_config(cfg)  # the settings asteria.RuntimeConfig refuses
-    parser = refresh_math_parser()
+    parser = bench_module("gpu_refresh_math").build_parser()
     for argv in maths:
         parser.parse_args(argv)
+    contention = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/launch_contention.py"]]
+    assert len(contention) == 2
+    for argv in contention:
+        assert bench_module("launch_contention").arguments().parse_args(argv).sides[0] == "none"
 
 
 @pytest.mark.parametrize("variant, flags", [
     ("plain", []), ("sms16", ["--device-sms", "16"]), ("sms32-t4", ["--device-sms", "32", "--device-threads", "4"]),
     ("prio-sms16", ["--stream-priority", "-1", "--device-sms", "16"]), ("nolate", ["--no-late-activation"]),
-    ("nolane", ["--no-device-refresh"]),
+    ("nolane", ["--no-device-refresh"]), ("inproc", ["--no-device-process"]),
     ("prio-t4", ["--stream-priority", "-1", "--device-threads", "4"])])
 def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
     (argv,) = dry_run(tmp_path, STAGES="green", GREEN_MATH="0", GREEN_RUNS=variant)

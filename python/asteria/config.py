@@ -131,6 +131,9 @@ class RuntimeConfig:
             ``None``: the lane shares every SM with training at equal stream priority.
         device_threads: the device lane's threads, each refreshing one set at a time on its own stream, so that
             the small kernels of concurrent refreshes overlap; ``device_share`` then caps each thread's time.
+        device_process: whether the device lane computes in a child process with a CUDA context of its own
+            (``asteria.pipeline.lane_process``). A GPU ``eigh`` in the training process holds the training
+            thread's kernel launches while it runs; in its own context it cannot. ``None``: on a GPU.
         memory: tier placement and budgets (``MemoryConfig``).
         process_group, local_world_size: the distributed layout (defaults: WORLD and torchrun's
             LOCAL_WORLD_SIZE). A group smaller than the world runs CPU tensors on Gloo; its node size
@@ -158,6 +161,7 @@ class RuntimeConfig:
     device_share: float = 1.0
     device_sms: int | None = None
     device_threads: int = 1
+    device_process: bool | None = None
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     process_group: Any = None
     local_world_size: int | None = None
@@ -223,6 +227,10 @@ class RuntimeConfig:
                f"partitions the GPU for the device lane, which {runs}: leave it None")
         _check(self.device_threads == 1 or lane, "device_threads", self.device_threads,
                f"sets the device lane's threads, and the lane {runs}: leave it 1")
+        _check(self.device_process is None or isinstance(self.device_process, bool), "device_process",
+               self.device_process, "must be None or a bool")
+        _check(not self.device_process or lane, "device_process", self.device_process,
+               f"moves the device lane into a child process, and the lane {runs}: leave it None")
         _check(isinstance(self.memory, MemoryConfig), "memory", self.memory, "must be an asteria.MemoryConfig")
         _check(self.mode == "async" or self.memory.placement in ("auto", "device"), "memory.placement",
                self.memory.placement, "mode='sync' (the native baseline) keeps preconditioners on the device: "

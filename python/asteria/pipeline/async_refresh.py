@@ -124,8 +124,11 @@ class AsyncRefresher(WorkerRefresher):
             self.results.append(results)
             self.ids.append(ids)
         if device_lane:
+            process = config.device_process
+            if process is None:  # (on a GPU: see RuntimeConfig.device_process)
+                process = any(fset.device.type == "cuda" for fset in sets)
             self.lane = DeviceLane(self.engine, sets, self.ids, config.timeout_s, config.device_sms,
-                                   config.device_threads, config.worker_nice)
+                                   config.device_threads, config.worker_nice, process)
         if self.lane is not None and not config.deterministic:
             self.balancer = LaneBalancer(sets, interval, self.engine.stats()["pool"]["workers"],
                                          config.device_share * config.device_threads,

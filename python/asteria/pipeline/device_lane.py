@@ -7,9 +7,11 @@ Life of version k of a set on the lane:
    failures as it does for the workers' versions. The factors are copied on the refresher's side stream
    into a device snapshot (the main stream waits for that copy only, before it updates the factors).
 2. One of the lane's threads takes the job, makes its own low-priority stream wait for the snapshot, computes the
-   refresh there with the native mode's math (``refresh_math.refresh_set``), waits for it, and reports the
-   blocks' outcome to the registry (``finish_external``). An eigenbasis warm-starts from the bases in use:
-   a set has one version in flight at a time, so those are the previous version's.
+   refresh with the native mode's math (``refresh_math.refresh_set``) there or, with ``process``, in the
+   lane's child process (``lane_process``: on a GPU, in a CUDA context that cannot hold training's launches),
+   waits for it, and reports the blocks' outcome to the registry (``finish_external``). An eigenbasis
+   warm-starts from the bases in use: a set has one version in flight at a time, so those are the previous
+   version's.
 3. An activation that picks k installs it from the lane's result on the side stream, releases it in the
    engine, and drops the lane's tensors (their memory stays the side stream's until the copy is done).
 
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.lane_process import LaneProcess, wait_asleep
 from asteria.pipeline.partition import Partition
 from asteria.pipeline.refresh_math import Refreshed, refresh_set
 
@@ -53,11 +56,14 @@ class DeviceLane:
     SMs idle between its kernels. A job is a whole set's version, reading only its snapshot and the bases in
     use (never another job's result), so jobs may run in any order and side by side.
 
+    ``process``: the threads hand the math to a child process (``lane_process``), one per device, and only copy
+    in and out.
+
     Thread safety: ``start``, ``take``, ``release``, ``stats`` and ``close`` are called by the training thread;
     the lane's own threads only compute and report to the engine, which is safe to call concurrently."""
 
     def __init__(self, engine: Any, sets: list[FactorSet], ids: list[list[int]], timeout_s: float,
-                 sms: int | None = None, threads: int = 1, nice: int = 0) -> None:
+                 sms: int | None = None, threads: int = 1, nice: int = 0, process: bool = False) -> None:
         self.engine = engine
         self.nice = nice
         self.sets = sets
@@ -69,7 +75,7 @@ class DeviceLane:
             raise ValueError(f"Invalid RuntimeConfig.device_sms={sms}: it partitions a GPU's SMs, and the device "
                              f"lane here computes on {sorted(str(d) for d in devices)}: leave it None")
         # CUDA priorities are 0 (the lowest, also the default stream's) down to negative numbers.
-        self.partitions = {d: Partition(d, sms, threads) for d in devices if sms is not None}
+        self.partitions = {d: Partition(d, sms, threads) for d in devices if sms is not None and not process}
         self.streams: dict[torch.device, list[torch.cuda.Stream | None]] = {
             d: self.partitions[d].streams if d in self.partitions
             else [torch.cuda.Stream(d, priority=0) if d.type == "cuda" else None for _ in range(threads)]
@@ -88,7 +94,12 @@ class DeviceLane:
         self._stopped: float | None = None                                 # guarded by _lock: when close() joined
         self._threads: list[threading.Thread] = []
         self._configured = threading.Semaphore(0)  # released by each thread once its priority is set
+        self.processes: dict[torch.device, LaneProcess] = {}
         try:
+            if process:  # (its green context, if any, is the child's)
+                for d in sorted(devices, key=str):
+                    self.processes[d] = LaneProcess(d, [s for s in sets if s.device == d], threads, timeout_s, sms,
+                                                    nice)
             for slot in range(threads):
                 self._threads.append(threading.Thread(target=self._run, args=(slot,),
                                                       name=f"asteria-device-lane-{slot}", daemon=True))
@@ -177,6 +188,8 @@ class DeviceLane:
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(self.timeout_s)
+        for child in self.processes.values():
+            child.close()
         with self._lock:
             if self._stopped is None:
                 self._stopped = time.monotonic()
@@ -208,6 +221,7 @@ class DeviceLane:
         fset = self.sets[job.index]
         stream = None if inline else self.streams[fset.device][slot]
         started, cpu = time.perf_counter(), time.thread_time()
+        cpu_child = 0.0  # the child's CPU seconds for the job, where it computed it
         refreshed: Refreshed | None = None
         ok = [False] * fset.batch
         error = ""
@@ -217,16 +231,20 @@ class DeviceLane:
                     if job.ready is not None:
                         stream.wait_event(job.ready)
                     job.snapshot.record_stream(stream)  # made on the side stream, read on this one
-                    sleep_until_done(stream)  # (the math's first reads of the host then find it ready)
-                refreshed = refresh_set(fset, job.snapshot, job.request, fset.preconditioners, fset.installed,
-                                        in_thread=not inline)
+                    wait_asleep(stream)  # (the math's first reads of the host then find it ready)
+                child = None if inline else self.processes.get(fset.device)
+                if child is not None:
+                    refreshed, cpu_child = child.refresh(slot, fset, job.snapshot, job.request, stream)
+                else:
+                    refreshed = refresh_set(fset, job.snapshot, job.request, fset.preconditioners, fset.installed,
+                                            in_thread=not inline)
                 if stream is not None:
-                    sleep_until_done(stream)
+                    wait_asleep(stream)
                 ok = refreshed.usable.tolist()  # waits for this stream only
         except Exception as failure:  # noqa: BLE001 - reported to the registry as the blocks' failure
             error = f"device refresh failed: {type(failure).__name__}: {failure}"
         self._finish(job.index, job.version, refreshed, ok, time.perf_counter() - started, error, inline,
-                     0.0 if inline else time.thread_time() - cpu)
+                     0.0 if inline else time.thread_time() - cpu + cpu_child)
 
     def _finish(self, index: int, version: int, refreshed: Refreshed | None, ok: list[bool], seconds: float,
                 error: str, inline: bool, cpu_seconds: float) -> None:
@@ -261,10 +279,3 @@ def lower_priority(nice: int) -> None:
     except OSError:  # (refused: the thread keeps its priority)
         pass
 
-
-def sleep_until_done(stream: torch.cuda.Stream) -> None:
-    """Blocks the calling thread until ``stream`` has run what is queued on it, asleep rather than spinning (a
-    blocking-sync event), so that a lane thread's wait leaves its core to others."""
-    done = torch.cuda.Event(blocking=True)
-    done.record(stream)
-    done.synchronize()

@@ -119,13 +119,18 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
             "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals}
 
 
-# A record's host time -> its median by position in the interval profile, and that line's label and meaning.
+# A record's host measure -> its median by position in the interval profile, that line's label, its meaning and its
+# scale in the table (ms for times, a plain count for the sleeps).
 HOST_TIMES = {
     "host_step_time": ("host_median_seconds", "host queued", "the host's time to queue the step, step()'s waits "
-                       "included"),
-    "host_optimizer_time": ("host_optimizer_median_seconds", "in step()", "the part of it in step()"),
+                       "included", 1e3),
+    "host_optimizer_time": ("host_optimizer_median_seconds", "in step()", "the part of it in step()", 1e3),
     "host_cpu_time": ("host_cpu_median_seconds", "host CPU", "the training thread's CPU time meanwhile, CUDA's "
-                      "spinning waits included"),
+                      "spinning waits included", 1e3),
+    "host_runq_time": ("host_runq_median_seconds", "core wait", "the training thread's time runnable but not run: "
+                       "every core busy", 1e3),
+    "host_sleeps": ("host_sleeps_median", "sleeps", "the training thread's voluntary context switches: on the GIL, "
+                    "a lock, a blocking event", 1.0),
 }
 
 
@@ -160,7 +165,7 @@ def interval_profile(records: list[dict[str, Any]], warmup: int, frequency: int)
 
     return {"median_seconds": medians, "quietest_seconds": quietest,
             "above_quietest_seconds": sum(medians) - frequency * quietest,
-            **{name: by_position_of(key) for key, (name, _, _) in HOST_TIMES.items()}}
+            **{name: by_position_of(key) for key, (name, _, _, _) in HOST_TIMES.items()}}
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
@@ -322,9 +327,9 @@ def format_table(results: dict[str, Any]) -> str:
         for label, p in profiles.items():
             lines.append(f"  {label:<18} {' '.join(f'{1e3 * t:.0f}' for t in p['median_seconds'])} | quietest "
                          f"{1e3 * p['quietest_seconds']:.1f}, above it {1e3 * p['above_quietest_seconds']:.0f} ms")
-            for key, name, what in HOST_TIMES.values():
-                if p.get(key):  # absent from results written before it was measured
-                    lines.append(f"  {'  ' + name:<18} {' '.join(f'{1e3 * t:.0f}' for t in p[key])} ({what})")
+            for key, name, what, scale in HOST_TIMES.values():
+                if p.get(key):  # absent from results written before it was measured, and off Linux
+                    lines.append(f"  {'  ' + name:<18} {' '.join(f'{scale * t:.0f}' for t in p[key])} ({what})")
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:

@@ -44,7 +44,8 @@ OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tok
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
                   "first_basis": str, "device_sms": int}
 # None (the library's choice), True or False
-OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "precondition_1d"}
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "device_process",
+                  "precondition_1d"}
 HELP = {
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
@@ -81,6 +82,8 @@ HELP = {
                        "the device lane's too; a negative number starts training's kernels ahead of the lane's",
     "device_threads": "the GPU refresh work's threads, each on its own stream, so that the small kernels of "
                       "concurrent refreshes overlap (default: 1)",
+    "device_process": "compute the GPU refresh work in a child process, whose CUDA context cannot hold the training "
+                      "thread's kernel launches as a GPU eigh in the training process does (default: on a GPU)",
     "device_sms": "the GPU's SMs that its refresh work may occupy, through a CUDA green context (default: all of "
                   "them, shared with training)",
     "late_activation": "with --no-deterministic, step() waits until the GPU nearly ends the backward pass before "
@@ -139,7 +142,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
 ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share",
-              "device_sms", "device_threads")
+              "device_sms", "device_threads", "device_process")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
 

@@ -32,7 +32,7 @@ from asteria.train.distributed import (
     local_optimizer_state_to_dtensors,
     resolve_layout,
 )
-from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes
+from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes, thread_sched
 from asteria.train.model import build_model, decoder_layers, next_token_loss, parameter_count
 from asteria.train.peers import ASTERIA_CLASSES, PEERS, betas_with, make_peer
 from asteria.train.profiling import StepProfiler, check_profile_steps
@@ -103,7 +103,7 @@ def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> aster
                                  memory=memory, local_world_size=local_world_size, **(dict(
                                      in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
                                      device_share=float(cfg.device_share), device_sms=cfg.device_sms,
-                                     device_threads=cfg.device_threads)
+                                     device_threads=cfg.device_threads, device_process=cfg.device_process)
                                      if cfg.mode == "async" else {}))
 
 
@@ -355,8 +355,9 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
     ranks), learning rate, wall and CUDA-event time, the host's time to queue it (before waiting for the GPU to
     end it: where it nears the wall time, the host sets the pace), the part of that in ``step()``, the training
     thread's CPU time meanwhile (below the host's time where the thread slept: on the GIL, a lock or a blocking
-    event; CUDA's default waits spin, so they count as CPU time) and energy (None where not measured)."""
-    t0, cpu0 = time.perf_counter(), time.thread_time()
+    event; CUDA's default waits spin, so they count as CPU time), its wait for a core and its sleeps meanwhile
+    (Linux) and energy (None where not measured)."""
+    t0, cpu0, sched0 = time.perf_counter(), time.thread_time(), thread_sched()
     # The range ends after the step's synchronization, so each profiled step holds its GPU work.
     with profiler.step(step):  # a no-op outside --profile-steps
         joules = energy.joules()
@@ -377,6 +378,7 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
         parts.opt.zero_grad(set_to_none=True)
         host_seconds = time.perf_counter() - t0  # the host has queued the step; on a GPU it may still run
         host_cpu_seconds = time.thread_time() - cpu0
+        sched = thread_sched() if sched0 is not None else None
         gpu_seconds = timer.finish()  # waits for the GPU
         step_joules = None
         if run is None:
@@ -388,6 +390,7 @@ def _train_step(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step:
         step_joules = energy.joules() - joules
     return {"loss": loss_value, "lr": lr, "step_time": step_time, "host_seconds": host_seconds,
             "host_step_seconds": host_step_seconds, "host_cpu_seconds": host_cpu_seconds,
+            "host_sched": None if sched is None else (sched[0] - sched0[0], sched[1] - sched0[1]),
             "gpu_seconds": gpu_seconds, "joules": step_joules}
 
 
@@ -400,6 +403,8 @@ def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int
                               "step_time": measured["step_time"], "host_step_time": measured["host_seconds"],
                               "host_optimizer_time": measured["host_step_seconds"],
                               "host_cpu_time": measured["host_cpu_seconds"], "wall": wall, "rss_bytes": rss_bytes()}
+    if measured["host_sched"] is not None:
+        record["host_runq_time"], record["host_sleeps"] = measured["host_sched"]
     if measured["gpu_seconds"] is not None:
         record["gpu_step_time"] = measured["gpu_seconds"]
         record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)

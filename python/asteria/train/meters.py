@@ -81,6 +81,20 @@ class StepTimer:
         return self.start.elapsed_time(self.end) / 1000.0
 
 
+def thread_sched() -> tuple[float, int] | None:
+    """The calling thread's seconds spent runnable but waiting for a core (the scheduler's run-queue delay), and
+    how many times it slept (voluntary context switches: on the GIL, a lock, a blocking event), so far; from
+    Linux's ``/proc/thread-self``, None elsewhere or where the kernel keeps no schedstat."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            waited = int(f.read().split()[1]) / 1e9
+        with open("/proc/thread-self/status") as f:
+            sleeps = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return waited, sleeps
+
+
 def rss_bytes() -> int | None:
     """Resident memory of this process (Linux ``/proc/self/statm``), ``None`` elsewhere."""
     try:

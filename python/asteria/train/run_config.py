@@ -101,6 +101,7 @@ class RunConfig:
     device_share: float = 1.0
     device_sms: int | None = None
     device_threads: int = 1
+    device_process: bool | None = None
     stream_priority: int = 0
     peer_path: str | None = None
 
@@ -130,6 +131,8 @@ class RunConfig:
                                      and 0 < self.beta2 < 1), "beta2", "must be None (the optimizer's own) or a "
               "number in (0, 1)")
         check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
+              "must be None (the library's choice), True or False")
+        check(self.device_process is None or isinstance(self.device_process, bool), "device_process",
               "must be None (the library's choice), True or False")
         check(self.seed < 2**32, "seed", "must be below 2**32 (the data order's generator is seeded from it)")
         check(self.staleness <= MAX_STALENESS, "staleness", f"must be at most {MAX_STALENESS} (each block keeps S + 1 "

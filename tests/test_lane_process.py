@@ -1,0 +1,101 @@
+"""The device lane's child process (``asteria.pipeline.lane_process``), on the CPU: the slot is a shared file
+instead of CUDA IPC memory; the protocol, the math and the failures are those of a GPU's."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import regression_data, small_mlp, train
+
+import asteria
+from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.lane_process import LaneProcess, slot_fields
+from asteria.pipeline.refresh_math import refresh_set
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="POSIX signals stop and resume the child")
+
+
+def eigenbasis_set() -> FactorSet:
+    """Two 8 x 8 blocks whose bases in use are their factors' eigenvectors a step ago (the warm start)."""
+    g = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(4))
+    old = g @ g.mT / 12
+    bases = torch.linalg.eigh(old).eigenvectors.flip(-1)
+    return FactorSet(name="group 0, blocks (8, 8), mode 0", factors=old + 0.05 * torch.eye(8), preconditioners=bases,
+                     installed=torch.ones(2, dtype=torch.bool), exponent=-0.25, block_params=["w", "w"],
+                     kind="eigenbasis")
+
+
+def test_a_warm_eigenbasis_refresh_in_the_child_is_the_threads_bit_for_bit():
+    """The QR refresh from the bases in use, with per-block scales, the column order and the skip count, comes back
+    from the child as the same bits as computed here; the slot's fields do not overlap."""
+    fset = eigenbasis_set()
+    request = RootRequest(scale=(0.5, 2.0), eps=1e-6, skip_tol=1e-3)
+    expected = refresh_set(fset, fset.factors, request, fset.preconditioners, fset.installed, in_thread=True)
+    assert expected.order is not None
+    child = LaneProcess(torch.device("cpu"), [fset], threads=1, timeout_s=120.0)
+    try:
+        got, cpu_seconds = child.refresh(0, fset, fset.factors, request, None)
+        again, _ = child.refresh(0, fset, fset.factors * 2, RootRequest(scale=(0.25, 1.0), eps=1e-6, skip_tol=1e-3),
+                                 None)
+    finally:
+        child.close()
+    assert torch.equal(got.new, expected.new) and torch.equal(got.usable, expected.usable)
+    assert torch.equal(got.order, expected.order) and int(got.skipped) == int(expected.skipped)
+    assert torch.equal(again.new, expected.new) and cpu_seconds > 0  # 2F at half the scale: the same matrix
+    fields = sorted((offset, offset + dtype.itemsize * torch.Size(shape).numel())
+                    for name, (offset, dtype, shape) in slot_fields("eigenbasis", 2, 8, torch.float32).items()
+                    if name != "end")
+    assert all(end <= start for (_, end), (start, _) in zip(fields, fields[1:]))
+
+
+def test_a_child_that_stops_answering_fails_its_job_after_timeout_s_and_every_later_one_at_once():
+    """A child that ignores Ctrl-C keeps serving; one that stops fails the job waiting for it after timeout_s, and
+    every later job at once (its reply is still owed); closing ends it and removes its shared file."""
+    g = torch.randn(1, 6, 9, generator=torch.Generator().manual_seed(5))
+    fset = FactorSet(name="set", factors=g @ g.mT, preconditioners=torch.eye(6)[None].clone(),
+                     installed=torch.zeros(1, dtype=torch.bool), exponent=-0.25, block_params=["p"])
+    request = RootRequest(scale=1.0, eps=1e-6)
+    child = LaneProcess(torch.device("cpu"), [fset], threads=1, timeout_s=1.0)
+    child.timeout_s = 120.0  # (the child's start, importing torch, may take longer on a loaded machine)
+    try:
+        child.refresh(0, fset, fset.factors, request, None)
+        os.kill(child.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the child too: the parent handles it
+        child.refresh(0, fset, fset.factors, request, None)
+        child.timeout_s = 1.0
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        message = r"did not finish refreshing set within timeout_s=1.0; later device refreshes fail"
+        with pytest.raises(RuntimeError, match=message):
+            child.refresh(0, fset, fset.factors, request, None)
+        with pytest.raises(RuntimeError, match=message):  # at once: the slot's reply is still owed
+            child.refresh(0, fset, fset.factors, request, None)
+        os.kill(child.proc.pid, signal.SIGCONT)
+    finally:
+        child.close()
+    assert child.proc.returncode is not None and child._files == [None]  # ended, its shared file gone
+    child.close()  # idempotent
+
+
+def test_a_dead_lane_process_fails_the_blocks_refresh_and_the_step_names_it():
+    """A child killed mid-run: its jobs fail as the workers' would (the previous versions stay in use), and past
+    ``max_consecutive_failures`` the step raises saying the lane's process ended."""
+    from asteria.errors import RefreshError
+
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, device_process=True,
+                                    max_consecutive_failures=1)
+    data = regression_data()
+    with asteria.Shampoo(model.parameters(), lr=1e-2, eps=1e-4, precondition_frequency=2, start_preconditioning_step=2,
+                         runtime=runtime) as opt:
+        refresher = opt._refresher
+        train(model, opt, 4, data=data)  # versions 1 and 2, inline
+        refresher.balancer.replan = lambda: refresher.balancer.plan  # every set on the lane from here
+        refresher.balancer.plan = [True] * len(refresher.sets)
+        child = refresher.lane.processes[torch.device("cpu")]
+        child.proc.kill()
+        child.proc.wait()
+        with pytest.raises(RefreshError, match=r"device lane's process ended \(exited with code -9\)"):
+            train(model, opt, 6, data=data)
+        assert all(min(fset.versions) == 2 for fset in refresher.sets)
