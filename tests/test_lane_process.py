@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ def eigenbasis_set() -> FactorSet:
 
 def test_a_warm_eigenbasis_refresh_in_the_child_is_the_threads_bit_for_bit():
     """The QR refresh from the bases in use, with per-block scales, the column order and the skip count, comes back
-    from the child as the same bits as computed here; the slot's fields do not overlap."""
+    from the child as the same bits as computed here; the slot's fields do not overlap, but for the result, which
+    takes the snapshot's place."""
     fset = eigenbasis_set()
     request = RootRequest(scale=(0.5, 2.0), eps=1e-6, skip_tol=1e-3)
     expected = refresh_set(fset, fset.factors, request, fset.preconditioners, fset.installed, in_thread=True)
@@ -45,9 +47,10 @@ def test_a_warm_eigenbasis_refresh_in_the_child_is_the_threads_bit_for_bit():
     assert torch.equal(got.new, expected.new) and torch.equal(got.usable, expected.usable)
     assert torch.equal(got.order, expected.order) and int(got.skipped) == int(expected.skipped)
     assert torch.equal(again.new, expected.new) and cpu_seconds > 0  # 2F at half the scale: the same matrix
+    layout = slot_fields("eigenbasis", 2, 8, torch.float32)
+    assert layout["new"] == layout["factors"]  # the result takes the snapshot's place
     fields = sorted((offset, offset + dtype.itemsize * torch.Size(shape).numel())
-                    for name, (offset, dtype, shape) in slot_fields("eigenbasis", 2, 8, torch.float32).items()
-                    if name != "end")
+                    for name, (offset, dtype, shape) in layout.items() if name not in ("end", "new"))
     assert all(end <= start for (_, end), (start, _) in zip(fields, fields[1:]))
 
 
@@ -78,6 +81,29 @@ def test_a_child_that_stops_answering_fails_its_job_after_timeout_s_and_every_la
     child.close()  # idempotent
 
 
+def test_closing_ends_the_child_while_a_forked_process_holds_its_pipes():
+    """A process forked after the lane started (a data loader's worker) holds copies of the pipes, so the child
+    never sees them close: ``close`` tells it to stop instead, and returns at once."""
+    fset = FactorSet(name="set", factors=torch.eye(4)[None].clone(), preconditioners=torch.eye(4)[None].clone(),
+                     installed=torch.zeros(1, dtype=torch.bool), exponent=-0.25, block_params=["p"])
+    child = LaneProcess(torch.device("cpu"), [fset], threads=1, timeout_s=120.0)
+    child.refresh(0, fset, fset.factors, RootRequest(scale=1.0, eps=1e-6), None)
+    read, write = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the forked process: holds everything until its parent lets it go
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        started = time.monotonic()
+        child.close()
+        assert child.proc.returncode == 0 and time.monotonic() - started < 30.0  # not timeout_s
+    finally:
+        os.close(write)  # the forked process ends
+        os.waitpid(holder, 0)
+
+
 def test_a_dead_lane_process_fails_the_blocks_refresh_and_the_step_names_it():
     """A child killed mid-run: its jobs fail as the workers' would (the previous versions stay in use), and past
     ``max_consecutive_failures`` the step raises saying the lane's process ended."""
@@ -99,3 +125,19 @@ def test_a_dead_lane_process_fails_the_blocks_refresh_and_the_step_names_it():
         with pytest.raises(RefreshError, match=r"device lane's process ended \(exited with code -9\)"):
             train(model, opt, 6, data=data)
         assert all(min(fset.versions) == 2 for fset in refresher.sets)
+
+
+def test_the_memory_report_counts_the_lane_processes_slots():
+    """One slot per lane thread, each the size of the largest set's job (in and out), on the parameters' device."""
+    from asteria.pipeline.lane_process import slot_bytes
+
+    model = small_mlp()
+    runtime = asteria.RuntimeConfig(workers=1, device_refresh=True, device_process=True, device_threads=2)
+    with asteria.SOAP(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
+        sets = opt._refresher.sets
+        expected = 2 * slot_bytes(sets)
+        assert expected >= 2 * max(2 * s.batch * s.dim * s.dim * 4 for s in sets)  # factors (then result), bases
+        assert opt.memory_report()["device"]["lane_slots"] == expected
+    runtime = asteria.RuntimeConfig(workers=1, device_refresh=True)  # the lane on the CPU: threads, no slots
+    with asteria.SOAP(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
+        assert "lane_slots" not in opt.memory_report()["device"]

@@ -298,10 +298,10 @@ class Placement:
     def memory_report(self) -> dict[str, Any]:
         """Bytes of optimizer state per tier and per kind of state: ``device`` (the parameters'
         device: factors, moments, and the preconditioners under the device placement, plus the
-        staging ring), ``host`` (pinned host memory: preconditioners under the host placements, the
-        refresh buffers, the NVMe tier's read-ahead buffers), ``nvme`` (the page files of the sets the
-        NVMe tier holds); with the placement, the peak staging bytes and the bytes staged to the device so
-        far (and with the NVMe tier, the bytes it has read and written)."""
+        staging ring and the device lane's slots), ``host`` (pinned host memory: preconditioners under
+        the host placements, the refresh buffers, the NVMe tier's read-ahead buffers), ``nvme`` (the page
+        files of the sets the NVMe tier holds); with the placement, the peak staging bytes and the bytes
+        staged to the device so far (and with the NVMe tier, the bytes it has read and written)."""
         tiers: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
         homes = {id(fset.preconditioners) for fset, _ in self.home_sets}
         for index, group in enumerate(self.groups):
@@ -319,6 +319,9 @@ class Placement:
         if staging:
             tiers["device"]["staging"] = staging
         tiers["host"]["refresh_buffers"] = self.refresher.host_bytes() if self.refresher is not None else 0
+        lane = self.refresher.lane_bytes() if self.refresher is not None else 0
+        if lane:  # (the device lane's process: its CUDA context comes on top, outside torch's allocator)
+            tiers["device"]["lane_slots"] = lane
         paged = self.tier.paged
         if paged is not None:
             tiers["host"]["nvme_buffers"] = paged.host_bytes

@@ -480,6 +480,9 @@ class AsyncRefresher(WorkerRefresher):
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.snapshots + self.results)
 
+    def lane_bytes(self) -> int:
+        return self.lane.slot_bytes() if self.lane is not None else 0
+
     def close(self) -> None:
         # The workers and the lane may still read snapshots and write results: stop them before buffers go.
         if self.lane is not None:

@@ -171,6 +171,10 @@ class DeviceLane:
                     "device_jobs_queued": len(self._jobs), "device_threads": self.threads,
                     "device_cpu_seconds": self._cpu_seconds}
 
+    def slot_bytes(self) -> int:
+        """The bytes of the slots shared with the lane's processes (on their devices; none without them)."""
+        return sum(slot.numel() for child in self.processes.values() for slot in child.slots)
+
     def drain(self, timeout_s: float) -> None:
         """Blocks until every queued job has ended (the engine's ``drain`` covers the workers' jobs only);
         raises TimeoutError after ``timeout_s`` seconds."""

@@ -9,13 +9,15 @@ streams' kernels.
 
 Data crosses once. At the start each of the lane's threads shares a slot with its thread in the child: one flat
 buffer, sized for the largest set, that holds a job's snapshot (and, for eigenbases, the bases in use) on the way
-in and its result on the way out; a CUDA slot crosses as a CUDA IPC handle, a CPU slot as a shared file. A job is
-then one message each way on the thread's own pipe: the parent copies into the slot and waits for the copy, the
-child computes on its own stream with native mode's math (``refresh_math.refresh_set``), writes the result into
-the slot, waits for it and replies; the parent copies the result out.
+in and its result, in the snapshot's place, on the way out; a CUDA slot crosses as a CUDA IPC handle, a CPU slot
+as a shared file. A job is then one message each way on the thread's own pipe: the parent copies into the slot and
+waits for the copy, the child computes on its own stream with native mode's math (``refresh_math.refresh_set``),
+writes the result into the slot, waits for it and replies; the parent copies the result out.
 
 A child that dies or overruns ``timeout_s`` breaks the lane: that job and every later one fail at once with the
 reason, and the coherence registry counts the failures as it counts the workers' (``max_consecutive_failures``).
+The child ignores Ctrl-C (the parent's to handle), stops when the parent says so or closes the pipes, and exits
+when the parent dies, even where a process forked from the parent still holds the pipes.
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 def slot_fields(kind: str, batch: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype, tuple]]:
     """A job's fields in a slot, name -> (byte offset, dtype, shape): the factors' snapshot and (eigenbases) the
     bases in use with which blocks have one, in; the new preconditioners, which are usable and (eigenbases) the
-    column order, out."""
+    column order, out. The new preconditioners take the snapshot's place: the child writes them once its math,
+    queued before on the same stream, has read the snapshot."""
     square = (batch, n, n)
     fields = [("factors", dtype, square)]
     if kind == "eigenbasis":
         fields += [("current", dtype, square), ("installed", torch.bool, (batch,))]
-    fields += [("new", dtype, square), ("usable", torch.bool, (batch,))]
+    fields += [("usable", torch.bool, (batch,))]
     if kind == "eigenbasis":
         fields += [("order", torch.long, (batch, n))]
     layout, offset = {}, 0
@@ -63,6 +66,7 @@ def slot_fields(kind: str, batch: int, n: int, dtype: torch.dtype) -> dict[str, 
         for extent in shape:
             size *= extent
         offset += -(-size // _ALIGN) * _ALIGN
+    layout["new"] = layout["factors"]
     layout["end"] = (offset, torch.uint8, ())
     return layout
 
@@ -103,22 +107,28 @@ class LaneProcess:
                 os.close(fd)
                 self._files[slot] = path
                 self.slots.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-        pairs = [socketpair() for _ in range(threads)]
-        self.conns = [Connection(parent.detach()) for parent, _ in pairs]
-        ends = [child.detach() for _, child in pairs]
-        # The child imports this very asteria, from wherever this process found it.
-        entry = (f"import sys; root = {_PACKAGE_ROOT!r}; root in sys.path or sys.path.insert(0, root); "
-                 "from asteria.pipeline.lane_process import child_main; child_main()")
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", entry, str(device), str(nice), str(sms or 0),
-                                          *map(str, ends)], pass_fds=ends, stdin=subprocess.DEVNULL)
-        finally:
-            for fd in ends:
-                os.close(fd)
         self._ready = [False] * threads
         self._broken: str | None = None
-        for slot, conn in enumerate(self.conns):
-            conn.send(("slot", self.slots[slot] if device.type == "cuda" else self._files[slot], size))
+        self.conns: list[Connection] = []
+        self.proc: subprocess.Popen | None = None
+        try:
+            pairs = [socketpair() for _ in range(threads)]
+            self.conns = [Connection(parent.detach()) for parent, _ in pairs]
+            ends = [child.detach() for _, child in pairs]
+            # The child imports this very asteria, from wherever this process found it.
+            entry = (f"import sys; root = {_PACKAGE_ROOT!r}; root in sys.path or sys.path.insert(0, root); "
+                     "from asteria.pipeline.lane_process import child_main; child_main()")
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-c", entry, str(device), str(nice), str(sms or 0),
+                                              *map(str, ends)], pass_fds=ends, stdin=subprocess.DEVNULL)
+            finally:
+                for fd in ends:
+                    os.close(fd)
+            for slot, conn in enumerate(self.conns):
+                conn.send(("slot", self.slots[slot] if device.type == "cuda" else self._files[slot], size))
+        except BaseException:  # (no child, or one gone at once): nothing is left behind
+            self.close()
+            raise
         atexit.register(self.close)  # (a lane never closed: the child lets go of the slots before this process ends)
 
     def refresh(self, slot: int, fset: FactorSet, factors: Tensor, request: RootRequest,
@@ -156,7 +166,7 @@ class LaneProcess:
         deadline = time.monotonic() + self.timeout_s
         try:
             while not conn.poll(_POLL_S):
-                code = self.proc.poll()
+                code = self.proc.poll()  # (set: only a constructed child's slots are refreshed)
                 if code is not None:
                     raise EOFError(f"exited with code {code}")
                 if time.monotonic() > deadline:
@@ -177,10 +187,13 @@ class LaneProcess:
     def close(self) -> None:
         """Ends the child (its threads stop at the end of their pipes) and frees the slots. Idempotent."""
         atexit.unregister(self.close)
-        for conn in self.conns:
+        for conn in self.conns:  # (a process forked from this one may hold the pipes open: say so, then close)
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
             conn.close()
         try:
-            self.proc.wait(self.timeout_s)
+            if self.proc is not None:
+                self.proc.wait(self.timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -221,8 +234,12 @@ def child_main() -> None:
                for fd, stream in zip(fds, streams, strict=True)]
     for thread in threads:
         thread.start()
+    parent = os.getppid()
     for thread in threads:
-        thread.join()
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            if os.getppid() != parent:  # the parent died (its pipes may live on in a process forked from it)
+                os._exit(1)
 
 
 def _serve(conn: Connection, stream: Any) -> None:
@@ -234,6 +251,8 @@ def _serve(conn: Connection, stream: Any) -> None:
         conn.send(("start",))
         while True:
             message = conn.recv()
+            if message[0] == "stop":
+                return
             cpu = time.thread_time()
             try:
                 reply = _compute(slot, stream, *message[1:])

@@ -113,6 +113,10 @@ class Refresher(ABC):
         """Bytes of host memory held for refreshes."""
         return 0
 
+    def lane_bytes(self) -> int:
+        """Bytes of the parameters' device held by the device lane's process for its slots (0: none)."""
+        return 0
+
     def identity(self) -> dict[str, Any] | None:
         """The rank layout a checkpoint of this refresher belongs to (None: a single process)."""
         return None
