@@ -67,8 +67,9 @@ def chain(reps: int, small: int, big: int) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in rows.items()}
 
 
-def side(kind: str, stop: Any, count: Any) -> None:
-    """Refreshes a 2048 x 2048 symmetric matrix by ``kind`` on a stream of its own until ``stop`` is set."""
+def side(kind: str, stop: Any, count: Any, ready: Any) -> None:
+    """Refreshes a 2048 x 2048 symmetric matrix by ``kind`` on a stream of its own until ``stop`` is set; sets
+    ``ready`` after the first refresh (its context, handles and workspace exist)."""
     stream = torch.cuda.Stream()
     a = torch.randn(2048, 2048, device="cuda")
     a = a @ a.mT / 2048 + torch.eye(2048, device="cuda")
@@ -89,11 +90,7 @@ def side(kind: str, stop: Any, count: Any) -> None:
                     y = 1.5 * y - 0.5 * y @ y @ y
             stream.synchronize()
             count.value += 1
-
-
-def _child(kind: str, stop: Any, count: Any, ready: Any) -> None:
-    ready.set()
-    side(kind, stop, count)
+            ready.set()
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -123,17 +120,16 @@ def main(argv: list[str] | None = None) -> int:
           "side/s")
     base: dict[str, float] | None = None  # the first arm's: 'none'
     for kind in args.sides:
-        stop, count, proc, thread = spawn.Event(), spawn.Value("l", 0), None, None
+        stop, count, ready, proc, thread = spawn.Event(), spawn.Value("l", 0), spawn.Event(), None, None
         if kind.endswith("-process"):
-            ready = spawn.Event()
-            proc = spawn.Process(target=_child, args=(kind.removesuffix("-process"), stop, count, ready))
+            proc = spawn.Process(target=side, args=(kind.removesuffix("-process"), stop, count, ready))
             proc.start()
-            ready.wait()
-            time.sleep(3.0)  # (its CUDA context starts)
         elif kind != "none":
-            thread = threading.Thread(target=side, args=(kind, stop, count))
+            thread = threading.Thread(target=side, args=(kind, stop, count, ready))
             thread.start()
-            time.sleep(1.0)
+        if not (kind == "none" or ready.wait(300.0)):
+            print(f"launch_contention: the side {kind!r} did not refresh once within 300 s", file=sys.stderr)
+            return 1
         start, done = time.perf_counter(), count.value
         got = chain(args.reps, args.small, args.big)
         rate = (count.value - done) / (time.perf_counter() - start)

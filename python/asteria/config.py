@@ -128,7 +128,9 @@ class RuntimeConfig:
         device_sms: the streaming multiprocessors the device lane's refreshes may occupy, through a CUDA green
             context (``torch.cuda.green_contexts``; the driver rounds the count up to its granularity, 8 on
             Hopper). Training keeps the whole GPU; the lane's kernels cannot take more than this share of it.
-            ``None``: the lane shares every SM with training at equal stream priority.
+            ``None``: the lane shares every SM with training at equal stream priority. With ``device_process``
+            (the default on a GPU) the partition is the child's: it bounds the lane's kernels, and its context
+            shares the GPU with training's by time.
         device_threads: the device lane's threads, each refreshing one set at a time on its own stream, so that
             the small kernels of concurrent refreshes overlap; ``device_share`` then caps each thread's time.
         device_process: whether the device lane computes in a child process with a CUDA context of its own

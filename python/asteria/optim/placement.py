@@ -320,7 +320,7 @@ class Placement:
             tiers["device"]["staging"] = staging
         tiers["host"]["refresh_buffers"] = self.refresher.host_bytes() if self.refresher is not None else 0
         lane = self.refresher.lane_bytes() if self.refresher is not None else 0
-        if lane:  # (the device lane's process: its CUDA context comes on top, outside torch's allocator)
+        if lane:  # (the device lane's process: its CUDA context and its allocator's cache come on top)
             tiers["device"]["lane_slots"] = lane
         paged = self.tier.paged
         if paged is not None:

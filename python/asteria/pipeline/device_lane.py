@@ -192,8 +192,9 @@ class DeviceLane:
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(self.timeout_s)
+        running = any(thread.is_alive() for thread in self._threads)  # (a job overran the join)
         for child in self.processes.values():
-            child.close()
+            child.close(force=running)
         with self._lock:
             if self._stopped is None:
                 self._stopped = time.monotonic()

@@ -3,16 +3,17 @@
 Why: cuSOLVER's ``eigh`` (syevd) makes host round trips inside, and while one runs the CUDA driver holds every
 other thread of the same process at its kernel launches. On an H100 a thread queuing 600 small kernels took 9 ms
 alone, 83 ms beside a thread running 2048 x 2048 ``eigh``s (sleeping 425 times), and 11 ms beside the same
-``eigh``s run by another process (docs/results.md, "The lane in a process of its own"). In its own process the lane's
-math never holds training's launches; the GPU shares its time between the two contexts as it would between two
-streams' kernels.
+``eigh``s run by another process (docs/results.md, "The lane in a process of its own"). In its own process the
+lane's math never holds training's launches. The GPU then time-slices between the two contexts (without MPS their
+kernels do not run side by side as two streams' do), so the lane still costs training the GPU time its math takes.
 
 Data crosses once. At the start each of the lane's threads shares a slot with its thread in the child: one flat
 buffer, sized for the largest set, that holds a job's snapshot (and, for eigenbases, the bases in use) on the way
 in and its result, in the snapshot's place, on the way out; a CUDA slot crosses as a CUDA IPC handle, a CPU slot
-as a shared file. A job is then one message each way on the thread's own pipe: the parent copies into the slot and
-waits for the copy, the child computes on its own stream with native mode's math (``refresh_math.refresh_set``),
-writes the result into the slot, waits for it and replies; the parent copies the result out.
+as an open shared file (Linux). A job is then one message each way on the thread's own pipe: the parent copies
+into the slot and waits for the copy, the child computes on its own stream with native mode's math
+(``refresh_math.refresh_set``), writes the result into the slot, waits for it and replies; the parent copies the
+result out.
 
 A child that dies or overruns ``timeout_s`` breaks the lane: that job and every later one fail at once with the
 reason, and the coherence registry counts the failures as it counts the workers' (``max_consecutive_failures``).
@@ -25,7 +26,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from asteria.pipeline.factors import FactorSet, RootRequest
+from asteria.pipeline.partition import Partition, check_partition
 from asteria.pipeline.refresh_math import Refreshed, refresh_set
 
 _ALIGN = 64  # bytes: every field of a slot starts on a multiple (a view as any dtype stays aligned)
@@ -93,41 +94,54 @@ class LaneProcess:
 
     def __init__(self, device: torch.device, sets: list[FactorSet], threads: int, timeout_s: float,
                  sms: int | None = None, nice: int = 0) -> None:
+        if device.type == "cpu" and not os.path.isdir("/proc/self/fd"):
+            raise ValueError("Invalid RuntimeConfig.device_process=True for a device lane on the CPU here: its "
+                             "slots cross as open files named through /proc/self/fd (Linux); leave it None")
+        if sms is not None:  # (refused here by name, before the child would fail on it)
+            check_partition(device, sms)
         self.device = device
         self.timeout_s = timeout_s
-        size = slot_bytes(sets)
-        self._files: list[str | None] = [None] * threads
         self.slots: list[Tensor] = []
-        for slot in range(threads):
-            if device.type == "cuda":
-                self.slots.append(torch.empty(size, dtype=torch.uint8, device=device))
-            else:  # a file both processes map
-                fd, path = tempfile.mkstemp(prefix="asteria-lane-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                            else None)
-                os.close(fd)
-                self._files[slot] = path
-                self.slots.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-        self._ready = [False] * threads
-        self._broken: str | None = None
         self.conns: list[Connection] = []
         self.proc: subprocess.Popen | None = None
+        self._ready = [False] * threads
+        self._broken: str | None = None
+        self._lock = threading.Lock()  # guards _broken against close() beside a lane thread
+        files: list[int] = []  # a CPU slot's open (unlinked) file, passed to the child, closed once it runs
         try:
+            size = slot_bytes(sets)
+            for _ in range(threads):
+                if device.type == "cuda":
+                    self.slots.append(torch.empty(size, dtype=torch.uint8, device=device))
+                    continue
+                fd, path = tempfile.mkstemp(prefix="asteria-lane-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                            else None)
+                try:
+                    self.slots.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+                finally:
+                    os.unlink(path)  # (mapped here, and open for the child: no name to leak)
+                files.append(fd)
             pairs = [socketpair() for _ in range(threads)]
             self.conns = [Connection(parent.detach()) for parent, _ in pairs]
             ends = [child.detach() for _, child in pairs]
-            # The child imports this very asteria, from wherever this process found it.
-            entry = (f"import sys; root = {_PACKAGE_ROOT!r}; root in sys.path or sys.path.insert(0, root); "
+            # The child ignores Ctrl-C from its first line, and imports this very asteria.
+            entry = (f"import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+                     f"sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                      "from asteria.pipeline.lane_process import child_main; child_main()")
             try:
-                self.proc = subprocess.Popen([sys.executable, "-c", entry, str(device), str(nice), str(sms or 0),
-                                              *map(str, ends)], pass_fds=ends, stdin=subprocess.DEVNULL)
+                self.proc = subprocess.Popen([sys.executable, "-c", entry, str(os.getpid()), str(device), str(nice),
+                                              str(sms or 0), *map(str, ends)], pass_fds=ends + files,
+                                             stdin=subprocess.DEVNULL)
             finally:
-                for fd in ends:
+                for fd in ends + files:
                     os.close(fd)
             for slot, conn in enumerate(self.conns):
-                conn.send(("slot", self.slots[slot] if device.type == "cuda" else self._files[slot], size))
-        except BaseException:  # (no child, or one gone at once): nothing is left behind
-            self.close()
+                shared = self.slots[slot] if device.type == "cuda" else f"/proc/self/fd/{files[slot]}"
+                self._exchange(slot, ("slot", shared, size), "starting", reply=False)
+        except BaseException:  # nothing is left behind: no child, no file, no pipe
+            self.close(force=True)
+            for conn in self.conns:  # (no lane thread uses them yet)
+                conn.close()
             raise
         atexit.register(self.close)  # (a lane never closed: the child lets go of the slots before this process ends)
 
@@ -135,16 +149,10 @@ class LaneProcess:
                 stream: torch.cuda.Stream | None) -> tuple[Refreshed, float]:
         """``fset``'s refresh from ``factors``, computed in the child through the calling lane thread's ``slot``
         (the current stream is ``stream``, None on the CPU): the result as tensors of this process on that stream,
-        and the child's CPU seconds for it. Raises RuntimeError once the child is gone or late."""
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-        conn = self.conns[slot]
-        if not self._ready[slot]:
-            self._receive(conn, "starting")
+        and the child's CPU seconds for it. Raises RuntimeError once the child is gone, late or closed."""
+        if not self._ready[slot]:  # the child's first reply on a slot: it runs, and has mapped the slot
+            self._receive(slot, "starting")
             self._ready[slot] = True
-            if self._files[slot] is not None:  # mapped on both sides: the name is no longer needed
-                os.unlink(self._files[slot])
-                self._files[slot] = None
         views = _views(self.slots[slot], fset.kind, fset.batch, fset.dim, fset.factors.dtype)
         views["factors"].copy_(factors)
         if fset.kind == "eigenbasis":
@@ -152,56 +160,80 @@ class LaneProcess:
             views["installed"].copy_(fset.installed)
         if stream is not None:
             wait_asleep(stream)  # the child reads the slot on its own stream, in its own context
-        conn.send(("refresh", fset.name, fset.kind, fset.exponent, fset.first_basis, fset.batch, fset.dim,
-                   str(fset.factors.dtype).removeprefix("torch."), request.saved()))
-        reply = self._receive(conn, f"refreshing {fset.name}")
-        if reply[0] == "error":
-            raise RuntimeError(f"in the lane's process: {reply[1]}")
+        reply = self._exchange(slot, ("refresh", fset.name, fset.kind, fset.exponent, fset.first_basis, fset.batch,
+                                      fset.dim, str(fset.factors.dtype).removeprefix("torch."), request.saved()),
+                               f"refreshing {fset.name}")
         _, has_order, skipped, cpu_seconds = reply
         order = views["order"].clone() if has_order else None
         skipped_count = torch.tensor(skipped, dtype=torch.long, device=factors.device)
         return Refreshed(views["new"].clone(), views["usable"].clone(), order, skipped_count), cpu_seconds
 
-    def _receive(self, conn: Connection, doing: str) -> tuple:
+    def _exchange(self, slot: int, message: tuple, doing: str, reply: bool = True) -> tuple:
+        """Sends ``message`` on ``slot``'s pipe and (``reply``) returns the child's answer; every way the child can
+        be gone or late breaks the lane with the reason."""
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(self._broken)
+        try:
+            self.conns[slot].send(message)
+        except (OSError, ValueError) as gone:  # (a dead child's pipe, or one closed meanwhile)
+            self._break(f"the device lane's process ended ({self._exit_reason(gone)}) while {doing}")
+        return self._receive(slot, doing) if reply else ()
+
+    def _receive(self, slot: int, doing: str) -> tuple:
+        conn = self.conns[slot]
         deadline = time.monotonic() + self.timeout_s
         try:
             while not conn.poll(_POLL_S):
-                code = self.proc.poll()  # (set: only a constructed child's slots are refreshed)
-                if code is not None:
-                    raise EOFError(f"exited with code {code}")
+                if self.proc.poll() is not None:
+                    raise EOFError
                 if time.monotonic() > deadline:
-                    self._broken = (f"the device lane's process did not finish {doing} within "
-                                    f"timeout_s={self.timeout_s}; later device refreshes fail")
-                    raise RuntimeError(self._broken)
-            return conn.recv()
-        except (EOFError, OSError) as gone:
-            why = str(gone)
-            try:  # (its pipe closes as it dies: the exit code says more than the pipe's error)
-                why = f"exited with code {self.proc.wait(_POLL_S)}"
-            except subprocess.TimeoutExpired:
-                pass
-            self._broken = (f"the device lane's process ended ({why}) while {doing}; later device refreshes fail "
-                            "(its error, if any, is on stderr)")
-            raise RuntimeError(self._broken) from None
+                    self.proc.kill()  # (its GPU work stops with it)
+                    self._break(f"the device lane's process did not finish {doing} within timeout_s="
+                                f"{self.timeout_s}")
+            answer = conn.recv()
+        except (EOFError, OSError, ValueError) as gone:
+            self._break(f"the device lane's process ended ({self._exit_reason(gone)}) while {doing}")
+        if answer[0] == "error":
+            if doing == "starting":  # (the child cannot serve this slot: nothing later can work)
+                self._break(f"the device lane's process could not start: {answer[1]}")
+            raise RuntimeError(f"in the lane's process: {answer[1]}")
+        return answer
 
-    def close(self) -> None:
-        """Ends the child (its threads stop at the end of their pipes) and frees the slots. Idempotent."""
-        atexit.unregister(self.close)
-        for conn in self.conns:  # (a process forked from this one may hold the pipes open: say so, then close)
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(("stop",))
-            conn.close()
-        try:
-            if self.proc is not None:
-                self.proc.wait(self.timeout_s)
+    def _exit_reason(self, gone: BaseException) -> str:
+        try:  # (its pipe closes as it dies: the exit code says more than the pipe's error)
+            return f"exited with code {self.proc.wait(_POLL_S)}"
         except subprocess.TimeoutExpired:
+            return str(gone) or type(gone).__name__
+
+    def _break(self, reason: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = f"{reason}; later device refreshes fail (its error, if any, is on stderr)"
+            raise RuntimeError(self._broken)
+
+    def close(self, force: bool = False) -> None:
+        """Ends the child and frees the slots. Idempotent. ``force``: a lane thread may still be inside
+        ``refresh`` (its join timed out), so the child is killed rather than its pipes closed under the thread."""
+        atexit.unregister(self.close)
+        with self._lock:
+            self._broken = self._broken or "the device lane's process was closed"
+        if self.proc is not None and force:
             self.proc.kill()
-            self.proc.wait()
-        for slot, path in enumerate(self._files):
-            if path is not None:
-                os.unlink(path)
-                self._files[slot] = None
-        self._broken = self._broken or "the device lane's process was closed"
+        elif self.proc is not None:
+            for conn in self.conns:  # (a process forked from this one may hold the pipes open: say so)
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("stop",))
+        if self.proc is not None:
+            try:
+                self.proc.wait(self.timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not force:
+            for conn in self.conns:
+                conn.close()
+        self.slots = []  # (the child has let go of them)
 
 
 def wait_asleep(stream: torch.cuda.Stream) -> None:
@@ -214,40 +246,49 @@ def wait_asleep(stream: torch.cuda.Stream) -> None:
 
 # ---- the child ---------------------------------------------------------------------------------------
 def child_main() -> None:
-    """The child's entry (``python -c``): argv holds the device, the nice, the SMs of a green context (0: none)
-    and one pipe per slot. Each pipe gets a thread that serves its slot's jobs until the parent closes it."""
-    device, nice, sms, *fds = sys.argv[1:]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle; it ends the child
+    """The child's entry (``python -c``): argv holds the parent's pid, the device, the nice, the SMs of a green
+    context (0: none) and one pipe per slot. Each pipe gets a thread that serves its slot's jobs until the parent
+    says stop or closes it; the child ends with the parent."""
+    parent, device, nice, sms, *fds = sys.argv[1:]
     if nice != "0" and sys.platform.startswith("linux"):
         os.nice(int(nice))  # before the threads, which inherit it (Linux's nice is per thread)
     torch.set_num_threads(1)  # the math runs on the GPU; the host only waits
     target = torch.device(device)
     streams: list[Any] = [None] * len(fds)
-    if target.type == "cuda":
-        torch.cuda.set_device(target)
-        if int(sms):
-            from asteria.pipeline.partition import Partition
-            streams = Partition(target, int(sms), len(fds)).streams
-        else:
-            streams = [torch.cuda.Stream(target) for _ in fds]
-    threads = [threading.Thread(target=_serve, args=(Connection(int(fd)), stream), daemon=True)
+    failure = None
+    try:
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+            if int(sms):
+                streams = Partition(target, int(sms), len(fds)).streams
+            else:
+                streams = [torch.cuda.Stream(target) for _ in fds]
+    except Exception as error:  # noqa: BLE001 - each slot's first reply says why
+        failure = f"{type(error).__name__}: {error}"
+    threads = [threading.Thread(target=_serve, args=(Connection(int(fd)), stream, failure), daemon=True)
                for fd, stream in zip(fds, streams, strict=True)]
     for thread in threads:
         thread.start()
-    parent = os.getppid()
     for thread in threads:
         while thread.is_alive():
             thread.join(_POLL_S)
-            if os.getppid() != parent:  # the parent died (its pipes may live on in a process forked from it)
+            if os.getppid() != int(parent):  # the parent died (its pipes may live on in a process forked from it)
                 os._exit(1)
 
 
-def _serve(conn: Connection, stream: Any) -> None:
-    """Serves one slot: maps it, then computes each job the parent sends until the parent closes the pipe."""
+def _serve(conn: Connection, stream: Any, failure: str | None) -> None:
+    """Serves one slot: maps it and says so (or why not), then computes each job the parent sends until the
+    parent says stop or closes the pipe."""
     try:
         _, shared, size = conn.recv()
-        slot = torch.from_file(shared, shared=True, size=size, dtype=torch.uint8) if isinstance(shared, str) \
-            else shared
+        try:
+            if failure is not None:
+                raise RuntimeError(failure)
+            slot = torch.from_file(shared, shared=True, size=size, dtype=torch.uint8) if isinstance(shared, str) \
+                else shared
+        except Exception as error:  # noqa: BLE001 - the parent reports it and breaks the lane
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+            return
         conn.send(("start",))
         while True:
             message = conn.recv()
@@ -256,8 +297,8 @@ def _serve(conn: Connection, stream: Any) -> None:
             cpu = time.thread_time()
             try:
                 reply = _compute(slot, stream, *message[1:])
-            except Exception as failure:  # noqa: BLE001 - the parent reports it as the set's failure
-                reply = ("error", f"{type(failure).__name__}: {failure}\n{traceback.format_exc(limit=4)}")
+            except Exception as error:  # noqa: BLE001 - the parent reports it as the set's failure
+                reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
             conn.send(reply if reply[0] == "error" else (*reply, time.thread_time() - cpu))
     except (EOFError, OSError):  # the parent closed the pipe, or is gone
         return
@@ -271,6 +312,8 @@ def _compute(slot: Tensor, stream: Any, name: str, kind: str, exponent: float, f
     installed = views["installed"] if eigenbasis else torch.zeros(batch, dtype=torch.bool, device=slot.device)
     fset = FactorSet(name=name, factors=views["factors"], preconditioners=current, installed=installed,
                      exponent=exponent, block_params=[name] * batch, kind=kind, first_basis=first_basis)
+    # The result overwrites the snapshot ("new" is "factors"): refresh_set returns new tensors, never views of
+    # its input, and the copies below come after its reads on this stream.
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         refreshed = refresh_set(fset, views["factors"], RootRequest.load(request), current, installed,
                                 in_thread=True)
