@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -47,6 +48,7 @@ def test_a_warm_eigenbasis_refresh_in_the_child_is_the_threads_bit_for_bit():
     assert torch.equal(got.new, expected.new) and torch.equal(got.usable, expected.usable)
     assert torch.equal(got.order, expected.order) and int(got.skipped) == int(expected.skipped)
     assert torch.equal(again.new, expected.new) and cpu_seconds > 0  # 2F at half the scale: the same matrix
+    assert child.child_sms is None  # no green context on the CPU
     layout = slot_fields("eigenbasis", 2, 8, torch.float32)
     assert layout["new"] == layout["factors"]  # the result takes the snapshot's place
     fields = sorted((offset, offset + dtype.itemsize * torch.Size(shape).numel())
@@ -146,3 +148,16 @@ def test_the_memory_report_counts_the_lane_processes_slots():
     runtime = asteria.RuntimeConfig(workers=1, device_refresh=True)  # the lane on the CPU: threads, no slots
     with asteria.SOAP(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
         assert "lane_slots" not in opt.memory_report()["device"]
+
+
+def test_a_child_that_cannot_start_leaves_nothing_behind(monkeypatch):
+    """A failed start (here, no Python to run) raises, and leaves no open file, pipe or shared file."""
+    fset = FactorSet(name="set", factors=torch.eye(4)[None].clone(), preconditioners=torch.eye(4)[None].clone(),
+                     installed=torch.zeros(1, dtype=torch.bool), exponent=-0.25, block_params=["p"])
+    before = set(os.listdir("/proc/self/fd"))
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    with pytest.raises(FileNotFoundError, match="/nonexistent/python3"):
+        LaneProcess(torch.device("cpu"), [fset], threads=2, timeout_s=30.0)
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm

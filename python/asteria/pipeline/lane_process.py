@@ -105,6 +105,7 @@ class LaneProcess:
         self.conns: list[Connection] = []
         self.proc: subprocess.Popen | None = None
         self._ready = [False] * threads
+        self.child_sms: int | None = None  # the SMs of the child's green context, once it has said (None: all)
         self._broken: str | None = None
         self._lock = threading.Lock()  # guards _broken against close() beside a lane thread
         files: list[int] = []  # a CPU slot's open (unlinked) file, passed to the child, closed once it runs
@@ -121,6 +122,7 @@ class LaneProcess:
                 finally:
                     os.unlink(path)  # (mapped here, and open for the child: no name to leak)
                 files.append(fd)
+            child_files = list(files)  # (the numbers the child inherits them under)
             pairs = [socketpair() for _ in range(threads)]
             self.conns = [Connection(parent.detach()) for parent, _ in pairs]
             ends = [child.detach() for _, child in pairs]
@@ -135,10 +137,13 @@ class LaneProcess:
             finally:
                 for fd in ends + files:
                     os.close(fd)
+                files.clear()  # (the child holds its own copies)
             for slot, conn in enumerate(self.conns):
-                shared = self.slots[slot] if device.type == "cuda" else f"/proc/self/fd/{files[slot]}"
+                shared = self.slots[slot] if device.type == "cuda" else f"/proc/self/fd/{child_files[slot]}"
                 self._exchange(slot, ("slot", shared, size), "starting", reply=False)
         except BaseException:  # nothing is left behind: no child, no file, no pipe
+            for fd in files:  # (those not yet handed over)
+                os.close(fd)
             self.close(force=True)
             for conn in self.conns:  # (no lane thread uses them yet)
                 conn.close()
@@ -151,7 +156,7 @@ class LaneProcess:
         (the current stream is ``stream``, None on the CPU): the result as tensors of this process on that stream,
         and the child's CPU seconds for it. Raises RuntimeError once the child is gone, late or closed."""
         if not self._ready[slot]:  # the child's first reply on a slot: it runs, and has mapped the slot
-            self._receive(slot, "starting")
+            self.child_sms = self._receive(slot, "starting")[1]
             self._ready[slot] = True
         views = _views(self.slots[slot], fset.kind, fset.batch, fset.dim, fset.factors.dtype)
         views["factors"].copy_(factors)
@@ -255,17 +260,18 @@ def child_main() -> None:
     torch.set_num_threads(1)  # the math runs on the GPU; the host only waits
     target = torch.device(device)
     streams: list[Any] = [None] * len(fds)
-    failure = None
+    failure, granted = None, None
     try:
         if target.type == "cuda":
             torch.cuda.set_device(target)
             if int(sms):
-                streams = Partition(target, int(sms), len(fds)).streams
+                partition = Partition(target, int(sms), len(fds))
+                streams, granted = partition.streams, partition.sms
             else:
                 streams = [torch.cuda.Stream(target) for _ in fds]
     except Exception as error:  # noqa: BLE001 - each slot's first reply says why
         failure = f"{type(error).__name__}: {error}"
-    threads = [threading.Thread(target=_serve, args=(Connection(int(fd)), stream, failure), daemon=True)
+    threads = [threading.Thread(target=_serve, args=(Connection(int(fd)), stream, failure, granted), daemon=True)
                for fd, stream in zip(fds, streams, strict=True)]
     for thread in threads:
         thread.start()
@@ -276,9 +282,9 @@ def child_main() -> None:
                 os._exit(1)
 
 
-def _serve(conn: Connection, stream: Any, failure: str | None) -> None:
-    """Serves one slot: maps it and says so (or why not), then computes each job the parent sends until the
-    parent says stop or closes the pipe."""
+def _serve(conn: Connection, stream: Any, failure: str | None, granted: int | None) -> None:
+    """Serves one slot: maps it and says so, with the SMs its stream's green context ``granted`` (or says why
+    not), then computes each job the parent sends until the parent says stop or closes the pipe."""
     try:
         _, shared, size = conn.recv()
         try:
@@ -289,7 +295,7 @@ def _serve(conn: Connection, stream: Any, failure: str | None) -> None:
         except Exception as error:  # noqa: BLE001 - the parent reports it and breaks the lane
             conn.send(("error", f"{type(error).__name__}: {error}"))
             return
-        conn.send(("start",))
+        conn.send(("start", granted))
         while True:
             message = conn.recv()
             if message[0] == "stop":
