@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -161,3 +162,21 @@ def test_a_child_that_cannot_start_leaves_nothing_behind(monkeypatch):
         LaneProcess(torch.device("cpu"), [fset], threads=2, timeout_s=30.0)
     assert set(os.listdir("/proc/self/fd")) <= before
     assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm
+
+
+def test_slots_beyond_what_the_device_can_give_are_refused_before_the_child_starts(monkeypatch):
+    """The lane's slots are compared with what the device can still give before anything of the lane exists: the
+    error names the bytes and the settings that would fit, and the optimizer leaves no thread or child behind."""
+    from asteria.pipeline import lane_process
+
+    monkeypatch.setattr(lane_process, "device_available", lambda device: 2**20)
+    started = []
+    monkeypatch.setattr(lane_process.subprocess, "Popen", lambda *a, **k: started.append(a))
+    threads = threading.active_count()
+    runtime = asteria.RuntimeConfig(workers=1, device_refresh=True, device_process=True, device_threads=2)
+    model = torch.nn.Linear(512, 512)
+    with pytest.raises(ValueError, match=r"Invalid RuntimeConfig.device_threads=2: the device lane's process needs "
+                                         r"\d+\.\d\d GiB on cpu for its slots .* can still give 0\.00 GiB; fewer "
+                                         r"device_threads, device_process=False"):
+        asteria.Shampoo(model.parameters(), runtime=runtime)
+    assert started == [] and threading.active_count() == threads

@@ -5,7 +5,6 @@ before anything is allocated, the budget checks and the per-tier memory report."
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import Tensor
 
 from asteria.checks import check_arg
 from asteria.config import RuntimeConfig
+from asteria.memory import device_available, device_capacity, gib, host_available
 from asteria.optim.groups import ShapeGroup
 from asteria.pipeline.factors import FactorSet
 from asteria.pipeline.refresh import Refresher
@@ -23,46 +23,6 @@ from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
 HOST_GROUP_BYTES = 32 * 2**20
 #: host buffers of one set's size that the NVMe tier holds per set shape (read-ahead and install scratch)
 PAGED_BUFFERS = 3
-
-
-def device_capacity(device: torch.device) -> int | None:
-    """The bytes of memory ``device`` has in all (a GPU's, or the host's physical memory for the CPU);
-    None where that is not known."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        try:
-            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-        except (ValueError, OSError):
-            return None
-    return None
-
-
-def host_available() -> int | None:
-    """The host memory that can still be given without swapping (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def device_available(device: torch.device) -> int | None:
-    """The bytes ``device`` can still give: a GPU's free memory plus what torch's allocator holds unused, or
-    the host's available memory for the CPU; None where that is not known."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    if device.type == "cpu":
-        return host_available()
-    return None
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeGroup], list[int]],

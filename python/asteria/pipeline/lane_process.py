@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asteria.memory import device_available, gib
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.partition import Partition, check_partition
 from asteria.pipeline.refresh_math import Refreshed, refresh_set
@@ -99,6 +100,14 @@ class LaneProcess:
                              "slots cross as open files named through /proc/self/fd (Linux); leave it None")
         if sms is not None:  # (refused here by name, before the child would fail on it)
             check_partition(device, sms)
+        need, available = threads * slot_bytes(sets), device_available(device)
+        if available is not None and need > available:
+            raise ValueError(
+                f"Invalid RuntimeConfig.device_threads={threads}: the device lane's process needs {gib(need)} on "
+                f"{device} for its slots (one a thread, each the largest factor set's snapshot, bases in use and "
+                f"result), and {device} can still give {gib(available)}; fewer device_threads, "
+                "device_process=False (the lane's math in this process, without slots), a smaller "
+                "max_preconditioner_dim or device_refresh=False would fit")
         self.device = device
         self.timeout_s = timeout_s
         self.slots: list[Tensor] = []
@@ -110,7 +119,7 @@ class LaneProcess:
         self._lock = threading.Lock()  # guards _broken against close() beside a lane thread
         files: list[int] = []  # a CPU slot's open (unlinked) file, passed to the child, closed once it runs
         try:
-            size = slot_bytes(sets)
+            size = need // threads
             for _ in range(threads):
                 if device.type == "cuda":
                     self.slots.append(torch.empty(size, dtype=torch.uint8, device=device))

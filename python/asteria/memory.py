@@ -1,0 +1,49 @@
+"""What memory a device has and can still give: the figures the checks made before anything is allocated compare
+a configuration's needs with (the optimizer's state, the refresh buffers, the device lane's slots)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """The bytes of memory ``device`` has in all (a GPU's, or the host's physical memory for the CPU);
+    None where that is not known."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def host_available() -> int | None:
+    """The host memory that can still be given without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_available(device: torch.device) -> int | None:
+    """The bytes ``device`` can still give: a GPU's free memory plus what torch's allocator holds unused, or
+    the host's available memory for the CPU; None where that is not known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        return host_available()
+    return None
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB with two decimals, for messages."""
+    return f"{nbytes / 2**30:.2f} GiB"
