@@ -32,16 +32,15 @@ from typing import Any
 
 import torch
 
+from asteria.train.meters import thread_sched
+
 SIDES = ("none", "eigh", "eigh_nocheck", "qr", "matmul", "newton", "eigh-process", "qr-process", "none")
 
 
 def sleeps() -> int:
     """The calling thread's voluntary context switches so far (Linux), 0 elsewhere."""
-    try:
-        with open("/proc/thread-self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
-    except (OSError, StopIteration):
-        return 0
+    sched = thread_sched()
+    return 0 if sched is None else sched[1]
 
 
 def chain(reps: int, small: int, big: int) -> dict[str, float]:

@@ -230,14 +230,15 @@ class DeviceLane:
         refreshed: Refreshed | None = None
         ok = [False] * fset.batch
         error = ""
+        child = None if inline else self.processes.get(fset.device)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
                     if job.ready is not None:
                         stream.wait_event(job.ready)
                     job.snapshot.record_stream(stream)  # made on the side stream, read on this one
-                    wait_asleep(stream)  # (the math's first reads of the host then find it ready)
-                child = None if inline else self.processes.get(fset.device)
+                    if child is None:  # (the math's first reads of the host then find it ready; the child's
+                        wait_asleep(stream)  # copy into its slot waits for the snapshot with the copy)
                 if child is not None:
                     refreshed, cpu_child = child.refresh(slot, fset, job.snapshot, job.request, stream)
                 else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -64,10 +65,7 @@ def slot_fields(kind: str, batch: int, n: int, dtype: torch.dtype) -> dict[str, 
     layout, offset = {}, 0
     for name, field_dtype, shape in fields:
         layout[name] = (offset, field_dtype, shape)
-        size = field_dtype.itemsize
-        for extent in shape:
-            size *= extent
-        offset += -(-size // _ALIGN) * _ALIGN
+        offset += -(-_nbytes(field_dtype, shape) // _ALIGN) * _ALIGN
     layout["new"] = layout["factors"]
     layout["end"] = (offset, torch.uint8, ())
     return layout
@@ -78,15 +76,13 @@ def slot_bytes(sets: list[FactorSet]) -> int:
     return max(slot_fields(s.kind, s.batch, s.dim, s.factors.dtype)["end"][0] for s in sets)
 
 
+def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
+    return dtype.itemsize * math.prod(shape)
+
+
 def _views(slot: Tensor, kind: str, batch: int, n: int, dtype: torch.dtype) -> dict[str, Tensor]:
-    views = {}
-    for name, (offset, field_dtype, shape) in slot_fields(kind, batch, n, dtype).items():
-        if name != "end":
-            size = field_dtype.itemsize
-            for extent in shape:
-                size *= extent
-            views[name] = slot[offset:offset + size].view(field_dtype).view(shape)
-    return views
+    return {name: slot[offset:offset + _nbytes(field_dtype, shape)].view(field_dtype).view(shape)
+            for name, (offset, field_dtype, shape) in slot_fields(kind, batch, n, dtype).items() if name != "end"}
 
 
 class LaneProcess:
