@@ -21,6 +21,12 @@ from asteria.pipeline.refresh_math import refresh_set
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="POSIX signals stop and resume the child")
 
 
+def stopped_state(pid: int) -> str:
+    """The process's state letter in ``/proc/<pid>/stat`` ("T": stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
 def eigenbasis_set() -> FactorSet:
     """Two 8 x 8 blocks whose bases in use are their factors' eigenvectors a step ago (the warm start)."""
     g = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(4))
@@ -72,6 +78,8 @@ def test_a_child_that_stops_answering_fails_its_job_after_timeout_s_and_every_la
         child.refresh(0, fset, fset.factors, request, None)
         child.timeout_s = 1.0
         os.kill(child.proc.pid, signal.SIGSTOP)
+        while stopped_state(child.proc.pid) != "T":  # (the stop lands asynchronously: wait until it has)
+            os.sched_yield()
         message = r"did not finish refreshing set within timeout_s=1.0; later device refreshes fail"
         with pytest.raises(RuntimeError, match=message):
             child.refresh(0, fset, fset.factors, request, None)
@@ -130,7 +138,7 @@ def test_a_dead_lane_process_fails_the_blocks_refresh_and_the_step_names_it():
         child.proc.wait()
         with pytest.raises(RefreshError, match=r"device lane's process ended \(exited with code -9\) while "
                                                r"refreshing .*; later device refreshes fail"):
-            train(model, opt, 6, data=data)
+            train(model, opt, 24, data=data)  # (a failed version is seen when due: within S intervals)
         after = [min(fset.versions) for fset in refresher.sets]
         assert all(a >= b for a, b in zip(after, served, strict=True))  # nothing computed before is lost
 
