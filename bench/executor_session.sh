@@ -80,8 +80,13 @@ if has build; then
   fi
 fi
 if has cuda; then
-  run python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda.txt"
-  if ! dry && ! { grep -q " passed" "$OUT/cuda.txt" && ! grep -q "failed\|error" "$OUT/cuda.txt"; }; then
+  # (written as it runs, so that a call cut off at its limit still brings back how far it got; a test that
+  # hangs prints every thread's stack after 120 s)
+  run python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/test_cuda.py \
+    > "$OUT/cuda.txt" 2>&1
+  tail -25 "$OUT/cuda.txt"
+  summary=$(grep -E "^=+ .* in [0-9.]+s" "$OUT/cuda.txt" | tail -1)  # (-v names tests with "error" in them)
+  if ! dry && ! [[ $summary == *" passed"* && $summary != *failed* && $summary != *error* ]]; then
     echo "CUDA tests failed"
     exit 1
   fi

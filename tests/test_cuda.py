@@ -373,7 +373,7 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms,
     model = small_mlp(sizes=SIZES).cuda()
     x, y = (t.cuda() for t in regression_data(sizes=SIZES))
     runtime = asteria.RuntimeConfig(staleness=2, workers=2, stagger=False, device_sms=sms, device_threads=threads,
-                                    device_process=process)
+                                    device_process=process, timeout_s=60.0)  # (a wait that hangs fails, named)
     with optimizer(model.parameters(), precondition_frequency=3, max_preconditioner_dim=64, runtime=runtime) as opt:
         refresher = opt._refresher
         assert refresher.lane is not None and refresher.balancer is not None

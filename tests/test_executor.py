@@ -405,6 +405,40 @@ def test_a_failing_device_refresh_keeps_the_previous_version_and_raises_past_the
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_failed_device_versions_hold_up_none_of_the_workers_versions(monkeypatch, name):
+    """The lane's versions never hold a buffer of the workers' result ring. A ring's depth of them fail in a
+    row (never used, so never retired), then the sets move to the workers: their first version takes the
+    buffer of the first failed one, and comes into use on time. (It used to wait for that buffer until
+    ``timeout_s``, and the steps past the staleness bound with it: a hang on a GPU whose lane fell behind.)"""
+    from asteria.pipeline import device_lane
+
+    model = small_mlp()
+    data = regression_data()
+    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, deterministic=False,
+                                    timeout_s=20.0, max_consecutive_failures=100)
+    with OPTIMIZERS[name](model.parameters(), runtime) as opt:
+        refresher = opt._refresher
+        train(model, opt, 4, data=data)  # the start-up versions, inline on the lane
+        first = max(refresher._newest_versions) + 1
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected device failure")
+
+        monkeypatch.setattr(device_lane, "refresh_set", broken)
+        for plan in (True, False):
+            refresher.balancer.replan = lambda: refresher.balancer.plan  # held fixed
+            refresher.balancer.plan = [plan] * len(refresher.sets)
+            while plan and min(refresher._newest_versions) < first + refresher.depth - 1:
+                train(model, opt, 1, data=data)
+                refresher.lane.drain(20.0)
+        failed = refresher.stats()["refresh_failures"]
+        assert failed >= refresher.depth * sum(fset.batch for fset in refresher.sets)
+        train(model, opt, 6, data=data)
+        assert all(min(fset.versions) >= first + refresher.depth for fset in refresher.sets)
+        assert refresher.stats()["refresh_failures"] == failed
+
+
 def green_contexts_supported() -> bool:
     import torch.cuda.green_contexts as green
 

@@ -398,6 +398,10 @@ void RefreshEngine::note_external(const std::vector<std::int64_t>& blocks, std::
     Block& b = block(id);
     registry_.note_snapshot(id, version, activation_step);
     b.snapshots.retire_through(version);  // the ring never holds it: its buffer goes to the next version
+    // Nor does the result ring, whose buffer the version `depth` later must not wait for: a failed external
+    // version is never activated, so nothing would retire it, and that worker's job would wait for the buffer
+    // while the training thread waits for the job.
+    b.results.skip(version);
     b.external.insert(version);
     b.newest_submitted = version;
     if (b.kind == RefreshKind::kEigenbasis) {

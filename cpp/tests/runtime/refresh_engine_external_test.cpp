@@ -146,6 +146,35 @@ TEST(ExternalVersions, AFailureKeepsThePreviousVersionAndCounts) {
   EXPECT_EQ(engine.stats().refreshes_failed, 2u);
 }
 
+TEST(ExternalVersions, HoldNoResultBufferThatTheWorkersNextVersionsWaitFor) {
+  // A failed external version is never activated, so nothing retires it. The worker's version a ring's depth
+  // later must still get its buffer; before, its job waited out slot_timeout while the training thread waited
+  // for that job.
+  constexpr int kN = 4;
+  RefreshEngine engine(config(/*deterministic=*/false));
+  Memory memory(2, kN, /*packed=*/true, RefreshKind::kInverseRoot);
+  const auto block = engine.add_block(memory.block);
+  engine.note_external({block}, 1, 1);
+  engine.finish_external({block}, 1, {true}, "");
+  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
+  engine.release(block, 1);
+  engine.note_external({block}, 2, 2);
+  engine.finish_external({block}, 2, {false}, "non-finite result on the device");
+  engine.skip({block}, 3);  // deferred while version 2 was in flight
+  engine.begin_snapshot({block}, 4, 1s);
+  const std::vector<float> lower = lower_triangle(random_spd(kN, 4), kN);
+  std::copy(lower.begin(), lower.end(), memory.snapshot(4));
+  engine.submit({block}, 4, 4, linalg::RootSpec{-0.25, 1e-6, 1.0});
+  engine.drain(5s);
+  EXPECT_EQ(engine.status(block).newest_finished, 4);
+  const auto changes = engine.activate(4, 1s);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].version, 4);
+  engine.release(block, 4);
+  EXPECT_EQ(engine.stats().refreshes_failed, 1u);
+  EXPECT_EQ(engine.status(block).active_version, 4);
+}
+
 TEST(ExternalVersions, AreRefusedOutOfOrderOrUnknown) {
   RefreshEngine engine(config(/*deterministic=*/true));
   Memory memory(1, 4, /*packed=*/false, RefreshKind::kInverseRoot);
