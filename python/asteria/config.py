@@ -131,8 +131,9 @@ class RuntimeConfig:
             ``None``: the lane shares every SM with training at equal stream priority. With ``device_process``
             (the default on a GPU) the partition is the child's: it bounds the lane's kernels, and its context
             shares the GPU with training's by time.
-        device_threads: the device lane's threads, each refreshing one set at a time on its own stream, so that
-            the small kernels of concurrent refreshes overlap; ``device_share`` then caps each thread's time.
+        device_threads: the device lane's threads, each refreshing one set at a time on its own stream;
+            ``device_share`` then caps each thread's time. Measured on an H100, a second thread did not raise the
+            lane's rate: cuSOLVER's ``eigh`` of one thread holds the others' launches (docs/results.md).
         device_process: whether the device lane computes in a child process with a CUDA context of its own
             (``asteria.pipeline.lane_process``). A GPU ``eigh`` in the training process holds the training
             thread's kernel launches while it runs; in its own context it cannot. ``None``: on a GPU.
