@@ -65,6 +65,21 @@ struct Memory {
   BlockMemory block;
 };
 
+// Version `version` of `block`, computed outside the engine and good, comes into use at step `version`.
+void use_external(RefreshEngine& engine, std::int64_t block, std::int64_t version) {
+  engine.note_external({block}, version, version);
+  engine.finish_external({block}, version, {true}, "");
+  ASSERT_EQ(engine.activate(version, 1s).size(), 1u);
+  engine.release(block, version);
+}
+
+// Claims and fills `block`'s packed snapshot of `version` with a random SPD factor (seeded by the version).
+void write_snapshot(RefreshEngine& engine, Memory& memory, std::int64_t block, std::int64_t version, int n) {
+  engine.begin_snapshot({block}, version, 1s);
+  const std::vector<float> lower = lower_triangle(random_spd(n, static_cast<unsigned>(version)), n);
+  std::copy(lower.begin(), lower.end(), memory.snapshot(version));
+}
+
 TEST(PackedSnapshots, GiveTheSameResultsAsFullOnes) {
   constexpr int kN = 7;
   for (const RefreshKind kind : {RefreshKind::kInverseRoot, RefreshKind::kEigenbasis}) {
@@ -131,10 +146,7 @@ TEST(ExternalVersions, AFailureKeepsThePreviousVersionAndCounts) {
   RefreshEngine engine(c);
   Memory memory(1, 4, /*packed=*/true, RefreshKind::kInverseRoot);
   const auto block = engine.add_block(memory.block);
-  engine.note_external({block}, 1, 1);
-  engine.finish_external({block}, 1, {true}, "");
-  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
-  engine.release(block, 1);
+  use_external(engine, block, 1);
   engine.note_external({block}, 2, 2);
   engine.finish_external({block}, 2, {false}, "non-finite result on the device");
   EXPECT_TRUE(engine.activate(2, 1s).empty());  // version 1 stays
@@ -154,16 +166,11 @@ TEST(ExternalVersions, HoldNoResultBufferThatTheWorkersNextVersionsWaitFor) {
   RefreshEngine engine(config(/*deterministic=*/false));
   Memory memory(2, kN, /*packed=*/true, RefreshKind::kInverseRoot);
   const auto block = engine.add_block(memory.block);
-  engine.note_external({block}, 1, 1);
-  engine.finish_external({block}, 1, {true}, "");
-  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
-  engine.release(block, 1);
+  use_external(engine, block, 1);
   engine.note_external({block}, 2, 2);
   engine.finish_external({block}, 2, {false}, "non-finite result on the device");
   engine.skip({block}, 3);  // deferred while version 2 was in flight
-  engine.begin_snapshot({block}, 4, 1s);
-  const std::vector<float> lower = lower_triangle(random_spd(kN, 4), kN);
-  std::copy(lower.begin(), lower.end(), memory.snapshot(4));
+  write_snapshot(engine, memory, block, 4, kN);
   engine.submit({block}, 4, 4, linalg::RootSpec{-0.25, 1e-6, 1.0});
   engine.drain(5s);
   EXPECT_EQ(engine.status(block).newest_finished, 4);
@@ -192,13 +199,8 @@ TEST(ExternalVersions, AnEigenbasisChainNeedsItsBasisBeforeTheWorkersGoOn) {
   RefreshEngine engine(config(/*deterministic=*/true));
   Memory memory(1, kN, /*packed=*/true, RefreshKind::kEigenbasis);
   const auto block = engine.add_block(memory.block);
-  engine.note_external({block}, 1, 1);
-  engine.finish_external({block}, 1, {true}, "");
-  ASSERT_EQ(engine.activate(1, 1s).size(), 1u);
-  engine.release(block, 1);
-  engine.begin_snapshot({block}, 2, 1s);
-  const std::vector<float> lower = lower_triangle(random_spd(kN, 5), kN);
-  std::copy(lower.begin(), lower.end(), memory.snapshot(2));
+  use_external(engine, block, 1);
+  write_snapshot(engine, memory, block, 2, kN);
   EXPECT_THROW(engine.submit({block}, 2, 2, linalg::RootSpec{}), InvalidArgument);
   std::vector<float> identity(kN * kN, 0.0f);
   for (int i = 0; i < kN; ++i) identity[i * kN + i] = 1.0f;
