@@ -41,8 +41,8 @@
 #           partitions of $GREEN_SMS (default: 0 16 32; 0 is a plain stream) with $GREEN_THREADS threads (default: 1 2
 #           4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at training
 #           priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain prio
-#           prio-t4; parts joined by "-": smsN is --device-sms N, tN --device-threads N, prio --stream-priority -1,
-#           nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
+#           prio-t4; parts joined by "-": smsN is --device-sms N, shareX --device-share X (the lane's cap, a share
+#           of the interval), tN --device-threads N, prio --stream-priority -1, nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
 #           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
 #           --no-device-refresh: the floor with the workers alone, refreshes dropped; inproc --no-device-process:
 #           the lane's math in the training process, as before it had a process of its own), $GREEN_CONFIGS ($GREEN_STEPS,
@@ -181,6 +181,7 @@ if has green; then
       case $part in
         prio) args="$args --stream-priority -1" ;;
         sms*) args="$args --device-sms ${part#sms}" ;;
+        share*) args="$args --device-share ${part#share}" ;;
         t*) args="$args --device-threads ${part#t}" ;;
         nolate) args="$args --no-late-activation" ;;
         nolane) args="$args --no-device-refresh" ;;

@@ -69,7 +69,8 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
     ("plain", []), ("sms16", ["--device-sms", "16"]), ("sms32-t4", ["--device-sms", "32", "--device-threads", "4"]),
     ("prio-sms16", ["--stream-priority", "-1", "--device-sms", "16"]), ("nolate", ["--no-late-activation"]),
     ("nolane", ["--no-device-refresh"]), ("inproc", ["--no-device-process"]),
-    ("prio-t4", ["--stream-priority", "-1", "--device-threads", "4"])])
+    ("prio-t4", ["--stream-priority", "-1", "--device-threads", "4"]),
+    ("share0.3-t2", ["--device-share", "0.3", "--device-threads", "2"])])
 def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
     (argv,) = dry_run(tmp_path, STAGES="green", GREEN_MATH="0", GREEN_RUNS=variant)
     args = argv[argv.index("--peer-path") + 2:argv.index("--configs")]
