@@ -42,10 +42,11 @@
 #           4: one eigh leaves the GPU mostly idle, so concurrent ones may multiply the lane's rate), at training
 #           priorities 0 and -1; then olmo-160m at 8 x 1024 for each variant in $GREEN_RUNS (default: plain prio
 #           prio-t4; parts joined by "-": smsN is --device-sms N, shareX --device-share X (the lane's cap, a share
-#           of the interval), tN --device-threads N, prio --stream-priority -1, nolate --no-late-activation, which drops the wait of step() for the backward pass's end, a bubble where
-#           the host queues the optimizer's step more slowly than the GPU ends the backward; nolane
-#           --no-device-refresh: the floor with the workers alone, refreshes dropped; inproc --no-device-process:
-#           the lane's math in the training process, as before it had a process of its own), $GREEN_CONFIGS ($GREEN_STEPS,
+#           of the interval), tN --device-threads N, prio --stream-priority -1, nolate --no-late-activation,
+#           which drops the wait of step() for the backward pass's end, a bubble where the host queues the
+#           optimizer's step more slowly than the GPU ends the backward; nolane --no-device-refresh: the floor
+#           with the workers alone, refreshes dropped; inproc --no-device-process: the lane's math in the training
+#           process, as before it had a process of its own), $GREEN_CONFIGS ($GREEN_STEPS,
 #           default 150; about 1.5 minutes a variant). On the loop, priority -1 with 4 threads cost training the least
 #           per block; on olmo-160m no variant did much (results.md, "The lane beside training"): there the interval
 #           profile's "host CPU" line against its "host queued" one says whether the training thread sleeps (the GIL,
