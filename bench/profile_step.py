@@ -38,9 +38,9 @@ import torch
 import trace_steps
 
 import asteria
-from asteria.train.bench import warmup_steps
 from asteria.train.loop import RunConfig, make_optimizer
 from asteria.train.model import build_model
+from asteria.train.report import steady_warmup
 
 
 def parse(spec: str) -> tuple[str, dict[str, Any]]:
@@ -69,7 +69,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
     hooks = asteria.attach(model, opt) if second_order and o["attach"] else None
     cuda = device.type == "cuda"
-    warmup = warmup_steps(min(o["f"], 10), cfg.sync_refreshes)  # as in ``asteria bench``
+    warmup = steady_warmup(min(o["f"], 10), cfg.sync_refreshes)  # as ``asteria bench`` counts it, f capped
     batches = [torch.randint(0, 256, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
     rows: list[dict[str, float]] = []
 
