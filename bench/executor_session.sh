@@ -3,7 +3,8 @@
 # $STAGES (default: build cuda small):
 #   build   the package, and the wheels in .peers/wheels (heavyball's peer: the device has no network, so
 #           `pip download heavyball opt-einsum --no-deps -d .peers/wheels` here first; .peers/ is never committed);
-#   cuda    the CUDA tests of the executor and of the paths it touches (stops the call when one fails);
+#   cuda    the CUDA tests: tests/test_cuda.py, then the tiers', the pager's and the distributed ones (the first
+#           failure stops the call; the log, $OUT/cuda.txt, is written as the tests run);
 #   small   asteria bench on olmo-160m at 8 x 1024 tokens a step: AdamW, native Shampoo, Asteria's three at their
 #           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
 #   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
@@ -84,7 +85,7 @@ if has cuda; then
   # (written as it runs, so that a call cut off at its limit still brings back how far it got; a test that
   # hangs prints every thread's stack after 120 s)
   run python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/test_cuda.py \
-    > "$OUT/cuda.txt" 2>&1
+    tests/test_cuda_tiers.py tests/test_pager.py tests/distributed/test_cuda_distributed.py > "$OUT/cuda.txt" 2>&1
   tail -25 "$OUT/cuda.txt"
   summary=$(grep -E "^=+ .* in [0-9.]+s" "$OUT/cuda.txt" | tail -1)  # (-v names tests with "error" in them)
   if ! dry && ! [[ $summary == *" passed"* && $summary != *failed* && $summary != *error* ]]; then
