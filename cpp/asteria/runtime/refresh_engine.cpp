@@ -282,6 +282,12 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       output = reinterpret_cast<float*>(b.results.begin_write(version, config_.slot_timeout));
     } catch (...) {
       b.snapshots.release(version);
+      // The version never claimed its result buffer, so nothing would fail or retire it there: the version a
+      // ring's depth later would wait for that buffer as this one did. (Already retired: nothing waits.)
+      try {
+        b.results.skip(version);
+      } catch (const InvalidArgument&) {
+      }
       throw;
     }
     try {
@@ -388,10 +394,19 @@ void RefreshEngine::note_external(const std::vector<std::int64_t>& blocks, std::
   for (const std::int64_t id : blocks) {
     const Block& b = block(id);
     if (version <= b.newest_submitted || (b.kind == RefreshKind::kEigenbasis && activation_step < b.last_activation_step)) {
+      // (only an eigenbasis chain orders its activation steps: a root block has none to name)
+      const std::string step_rule = b.kind == RefreshKind::kEigenbasis
+                                        ? " with an activation step >= " + std::to_string(b.last_activation_step)
+                                        : "";
       throw InvalidArgument("[RefreshEngine::note_external] " + block_name(id) + ": version " + std::to_string(version) +
                             " (activation step " + std::to_string(activation_step) + ") must come after version " +
-                            std::to_string(b.newest_submitted) + " with an activation step >= " +
-                            std::to_string(b.last_activation_step));
+                            std::to_string(b.newest_submitted) + step_rule);
+    }
+    try {  // (its result ring skips it below: a version skipped or retired there already is refused here)
+      b.results.check_open(version);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("[RefreshEngine::note_external] " + block_name(id) + ": version " +
+                            std::to_string(version) + " was deferred or is older than the block's start: " + e.what());
     }
   }
   for (const std::int64_t id : blocks) {

@@ -170,7 +170,8 @@ class RefreshEngine {
   // versions of a block must increase across both kinds. An eigenbasis block's chain then no longer holds
   // its newest basis: its next submit() throws InvalidArgument until set_basis() seeds it. Throws
   // InvalidArgument, before any block is touched, for an unknown block, a version not after the block's
-  // newest or an eigenbasis activation step before its last.
+  // newest, one deferred (skip) or before the block's start (start_at), or an eigenbasis activation step before
+  // its last. The version holds no buffer of the block's rings.
   void note_external(const std::vector<std::int64_t>& blocks, std::int64_t version, std::int64_t activation_step);
   // The external version of `blocks` ended: ok[i] says whether blocks[i]'s result is usable; `error`
   // names the cause of the failures.

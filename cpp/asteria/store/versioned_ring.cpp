@@ -147,6 +147,11 @@ void VersionedRing::skip(std::int64_t version) {
   changed_.notify_all();
 }
 
+void VersionedRing::check_open(std::int64_t version) const {
+  std::lock_guard lock(mutex_);
+  check_writable_version(version);
+}
+
 SlotState VersionedRing::state(std::int64_t version) const {
   std::lock_guard lock(mutex_);
   const Slot& held = slots_[index(version, "state")];

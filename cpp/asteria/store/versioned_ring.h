@@ -64,6 +64,9 @@ class VersionedRing {
   // its buffer may then claim the buffer once v's own predecessor there would have let v claim it, so the
   // buffer still goes to versions in order. Throws InvalidArgument for a version written or retired.
   void skip(std::int64_t version);
+  // Throws InvalidArgument, as begin_write and skip would, unless version v can still be written or skipped
+  // (not retired, written or skipped): an owner checks its rings before it changes any of them.
+  void check_open(std::int64_t version) const;
 
   // State of version v (>= 1, else InvalidArgument): kEmpty if its buffer holds another version.
   SlotState state(std::int64_t version) const;

@@ -173,6 +173,26 @@ TEST(FaultInjection, BoundedHangFailsAfterItsDuration) {
       << engine.status(block.id).last_error;
 }
 
+TEST(FaultInjection, AVersionThatNeverClaimedItsBufferHoldsUpNoLaterOne) {
+  // Version 2 of an eigenbasis chain gives up waiting for version 1 (hung) before it claims its result
+  // buffer. Nothing fails or retires it there, so version 4, the next in that buffer (version 3 was
+  // deferred), waited for it until slot_timeout and failed too, and so on down the ring.
+  RefreshEngine engine(engine_config(/*workers=*/2, /*max_failures=*/10, /*slot_timeout=*/300ms));
+  Block block(engine, 4, /*depth=*/2, RefreshKind::kEigenbasis);
+  engine.inject_fault(block.id, 1, FaultKind::kHang, 600ms);
+  block.refresh(engine, 1);
+  block.refresh(engine, 2);
+  engine.drain(5s);
+  EXPECT_EQ(engine.status(block.id).newest_finished, 2);
+  EXPECT_EQ(engine.status(block.id).newest_ok, 0);  // both failed: version 1 hung, version 2 gave up on it
+  engine.skip({block.id}, 3);
+  block.refresh(engine, 4);
+  engine.drain(5s);
+  const auto status = engine.status(block.id);
+  EXPECT_EQ(status.newest_ok, 4) << status.last_error;
+  EXPECT_TRUE(all_finite(block.result(4)));
+}
+
 TEST(FaultInjection, DelayHappensInsideTheJobAndCloseCutsItShort) {
   RefreshEngine engine(engine_config());
   Block block(engine, 4, /*depth=*/2);

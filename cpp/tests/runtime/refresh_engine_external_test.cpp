@@ -182,6 +182,22 @@ TEST(ExternalVersions, HoldNoResultBufferThatTheWorkersNextVersionsWaitFor) {
   EXPECT_EQ(engine.status(block).active_version, 4);
 }
 
+TEST(ExternalVersions, ADeferredOrRetiredVersionIsRefusedBeforeAnythingChanges) {
+  RefreshEngine engine(config(/*deterministic=*/true));
+  Memory first(2, 4, /*packed=*/true, RefreshKind::kInverseRoot);
+  Memory second(2, 4, /*packed=*/true, RefreshKind::kInverseRoot);
+  const auto a = engine.add_block(first.block), b = engine.add_block(second.block);
+  engine.start_at({b}, 5);  // b's versions before 5 are retired (a resumed run)
+  EXPECT_THROW(engine.note_external({a, b}, 3, 3), InvalidArgument);
+  EXPECT_EQ(engine.status(a).newest_snapshot, 0);  // neither block was touched
+  EXPECT_EQ(engine.stats().external_versions, 0u);
+  engine.skip({a}, 5);  // deferred
+  EXPECT_THROW(engine.note_external({a}, 5, 5), InvalidArgument);
+  engine.note_external({a, b}, 6, 6);
+  engine.finish_external({a, b}, 6, {true, true}, "");
+  EXPECT_EQ(engine.activate(6, 1s).size(), 2u);
+}
+
 TEST(ExternalVersions, AreRefusedOutOfOrderOrUnknown) {
   RefreshEngine engine(config(/*deterministic=*/true));
   Memory memory(1, 4, /*packed=*/false, RefreshKind::kInverseRoot);
