@@ -5,6 +5,8 @@ Plain resume in sync and async mode is pinned by each optimizer's reference test
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import regression_data, small_mlp, train
@@ -113,3 +115,47 @@ def test_a_resumed_run_counts_staleness_from_the_versions_in_use(deterministic):
         status = testing.block_status(opt2, "0.weight")
     assert max(seen) <= 2, seen
     assert all(s["active_version"] >= min(saved["versions"][0]) for s in status)
+
+
+def test_a_block_already_using_a_pending_version_resumes_with_the_versions_after_it():
+    """Under deterministic=False with in_flight=2, a set's blocks may split at a checkpoint: one already uses
+    version v (its job finished) while another's job of v still runs, and v + 1 is pending too. The resumed
+    engine starts each block at the first pending version after the one it uses; starting the first block after
+    the newest snapshot, as it did, retired v + 1 there, and the load was refused."""
+    data = regression_data(sizes=SIZES)
+    runtime = asteria.RuntimeConfig(mode="async", staleness=5, workers=2, deterministic=False, in_flight=2,
+                                    stagger=False)
+
+    def make_soap(model):
+        return asteria.SOAP(list(model.named_parameters()), lr=0.01, precondition_frequency=2, runtime=runtime)
+
+    model = small_mlp(sizes=SIZES)
+    with make_soap(model) as opt:
+        train(model, opt, 5, data=data)
+        step = next(s for s in range(6, 20) if opt.is_refresh_step(s))
+        version = opt.refresh_version(step)
+        # 0.weight's first factor holds its job of `version` (and one worker); 2.weight's, in the same set, not.
+        testing.inject_fault(opt, "0.weight", "pause", version=version, mode=0)
+        train(model, opt, step - 5, data=data)
+        engine = opt._refresher.engine
+        engine.wait_paused(1, 30.0)
+        deadline = time.monotonic() + 30.0
+        while not all(s["newest_finished"] >= version for s in testing.block_status(opt, "2.weight")):
+            assert time.monotonic() < deadline, "2.weight's refresh did not finish"
+            time.sleep(0.01)
+        train(model, opt, 2, data=data)  # 2.weight takes `version`; the next refresh step snapshots version + 1
+        saved = opt.state_dict()
+        params = [p.detach().clone() for p in model.parameters()]
+        engine.release_pauses()
+    pending = sorted(entry["version"] for entry in saved["refresher"]["scheduled"])
+    assert version in pending and version + 1 in pending, pending
+    assert any(v == version for versions in saved["versions"] for v in versions), f"no block uses version {version}"
+    model2 = small_mlp(sizes=SIZES)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), params, strict=True):
+            p.copy_(q)
+    with make_soap(model2) as opt2:
+        opt2.load_state_dict(saved)
+        train(model2, opt2, 8, data=data)
+        assert opt2.runtime_stats()["refresh_failures"] == 0
+        assert all(s["active_version"] > version for s in testing.block_status(opt2, "0.weight"))

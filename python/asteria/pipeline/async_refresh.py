@@ -395,12 +395,12 @@ class AsyncRefresher(WorkerRefresher):
             pending = [entry["version"] for entry in scheduled if entry["set"] == index]
             # Activations and staleness count from the versions in use, not from 0.
             self.engine.resume_at(ids, list(self.sets[index].versions))
-            # The rings hand out buffers from the first version each block will be given: the pending one for
-            # the blocks still behind it, the next snapshot for the others (under deterministic=False a block
-            # may already use the pending version).
-            first = min(pending) if pending else self._newest_versions[index] + 1
+            # The rings hand out buffers from the first version each block will be given: the first pending one
+            # after the version it uses (under deterministic=False a block may already use a pending version,
+            # and with in_flight > 1 another may still be pending after it), else the next snapshot.
             for used, block_id in zip(self.sets[index].versions, ids, strict=True):
-                self.engine.start_at([block_id], first if used < first else self._newest_versions[index] + 1)
+                later = [version for version in pending if version > used]
+                self.engine.start_at([block_id], min(later) if later else self._newest_versions[index] + 1)
         # An eigenbasis chain warm-starts from the newest good basis before it: the one in use now.
         for fset, ids in zip(self.sets, self.ids):
             if fset.kind == "eigenbasis":
