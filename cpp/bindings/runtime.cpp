@@ -232,6 +232,8 @@ void init_runtime(nb::module_& m) {
           "block"_a, "version"_a, "basis"_a,
           "Seeds an eigenbasis block's warm-start chain with the good basis (n, n) of `version` (copied), e.g. the "
           "basis in use when a run resumes; the next submitted version warm-starts from it.")
+      .def("chain_busy", &RefreshEngine::chain_busy, "block"_a,
+           "Whether the block's newest eigenbasis job has not ended (set_basis() would refuse); False for a root block.")
       .def(
           "activate",
           [](RefreshEngine& e, std::int64_t step, double timeout_s) {

@@ -268,6 +268,13 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     thread_local std::vector<float> unpacked;
     float* output = nullptr;
     try {
+      if (!config_.registry.deterministic) {
+        // Before the claim too: a newer version (the device lane's) may be in use already, which retired this one
+        // in the result ring.
+        std::lock_guard lock(mutex_);
+        superseded = b.newest_submitted > version;
+      }
+      if (superseded) throw Superseded{};
       if (previous) {
         // The previous job of the chain was dequeued before this one (submit() keeps the chain's
         // deadlines in order), so it is running or has ended; its failure is in the registry already.
@@ -375,8 +382,10 @@ void RefreshEngine::release(std::int64_t id, std::int64_t version) {
   {
     std::lock_guard lock(mutex_);
     external = b.external.erase(version) > 0;
-    // Older external versions that were passed over are not needed either.
-    std::erase_if(b.external, [version](std::int64_t v) { return v < version; });
+    // Older external versions that were passed over are not needed either; one still computing is dropped when
+    // it ends (finish_external).
+    std::erase_if(b.external, [version](const auto& entry) { return entry.first < version && entry.second; });
+    b.released = std::max(b.released, version);
   }
   if (!external) b.results.release(version);
   // The caller has its own copy of this version now; neither it nor anything older is needed again.
@@ -417,7 +426,7 @@ void RefreshEngine::note_external(const std::vector<std::int64_t>& blocks, std::
     // version is never activated, so nothing would retire it, and that worker's job would wait for the buffer
     // while the training thread waits for the job.
     b.results.skip(version);
-    b.external.insert(version);
+    b.external.emplace(version, false);
     b.newest_submitted = version;
     if (b.kind == RefreshKind::kEigenbasis) {
       b.last_version = version;
@@ -443,6 +452,14 @@ void RefreshEngine::finish_external(const std::vector<std::int64_t>& blocks, std
       }
     }
     for (const bool good : ok) (good ? refreshes_ok_ : refreshes_failed_) += 1;
+    for (const std::int64_t id : blocks) {
+      Block& b = block(id);
+      if (version < b.released) {
+        b.external.erase(version);  // passed over while it computed: nothing will release it
+      } else {
+        b.external[version] = true;
+      }
+    }
   }
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     registry_.note_finished(blocks[i], version, ok[i], ok[i] ? std::string() : error);

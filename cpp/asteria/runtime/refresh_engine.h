@@ -151,6 +151,8 @@ class RefreshEngine {
   // Throws InvalidArgument for an inverse-root block, a version not after the newest submitted one,
   // or a non-finite basis. Must not race with submit() for the same block.
   void set_basis(std::int64_t block, std::int64_t version, const float* basis);
+  // Whether the block's newest eigenbasis job has not ended yet (set_basis would refuse); false for a root block.
+  bool chain_busy(std::int64_t block) const;
 
   // Chooses the versions in use at `step` (CoherenceRegistry::activate) and pins the result buffer
   // of every block whose version changes; the caller copies it and then calls release(). For an

@@ -39,6 +39,12 @@ void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float
   b.good_version = version;
 }
 
+bool RefreshEngine::chain_busy(std::int64_t id) const {
+  const Block& b = block(id);
+  std::lock_guard lock(mutex_);
+  return b.last_job && !b.last_job->finished();
+}
+
 RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64_t id, std::int64_t version,
                                                             const float* input, float* output,
                                                             const linalg::RootSpec& spec, double skip_tol,

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -69,8 +70,12 @@ struct RefreshEngine::Block {
   // The version activate() returned last (or the one given to set_basis); guarded by mutex_.
   std::int64_t activated = 0;
 
-  // Versions computed outside the engine, noted and not yet released; guarded by mutex_.
-  std::set<std::int64_t> external;
+  // Versions computed outside the engine, noted and not yet released -> whether they have ended. One that a
+  // newer release passed over stays until it ends (finish_external), since the caller may still be computing
+  // it; guarded by mutex_.
+  std::map<std::int64_t, bool> external;
+  // The newest version released: an external version below it has been passed over; guarded by mutex_.
+  std::int64_t released = 0;
   // An external version came after the chain's newest basis: set_basis() must seed it before the
   // next eigenbasis job; guarded by mutex_.
   bool chain_needs_basis = false;

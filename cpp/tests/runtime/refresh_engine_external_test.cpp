@@ -198,6 +198,25 @@ TEST(ExternalVersions, ADeferredOrRetiredVersionIsRefusedBeforeAnythingChanges) 
   EXPECT_EQ(engine.activate(6, 1s).size(), 2u);
 }
 
+TEST(ExternalVersions, OnePassedOverWhileItComputesMayStillEnd) {
+  // Version 2 still computes outside the engine when version 3 (ended first) comes into use: 2's end is
+  // counted, not refused (the caller's thread that reported it would die, and its later versions with it).
+  RefreshEngine engine(config(/*deterministic=*/false));
+  Memory memory(2, 4, /*packed=*/true, RefreshKind::kInverseRoot);
+  const auto block = engine.add_block(memory.block);
+  use_external(engine, block, 1);
+  engine.note_external({block}, 2, 2);
+  engine.note_external({block}, 3, 3);
+  engine.finish_external({block}, 3, {true}, "");
+  ASSERT_EQ(engine.activate(3, 1s).size(), 1u);
+  engine.release(block, 3);
+  engine.finish_external({block}, 2, {true}, "");
+  EXPECT_EQ(engine.stats().refreshes_ok, 3u);
+  EXPECT_THROW(engine.finish_external({block}, 2, {true}, ""), InvalidArgument);  // once only
+  use_external(engine, block, 4);
+  EXPECT_EQ(engine.status(block).active_version, 4);
+}
+
 TEST(ExternalVersions, AreRefusedOutOfOrderOrUnknown) {
   RefreshEngine engine(config(/*deterministic=*/true));
   Memory memory(1, 4, /*packed=*/false, RefreshKind::kInverseRoot);

@@ -141,15 +141,15 @@ class AsyncRefresher(WorkerRefresher):
             for deferred in range(self._last_version[index] + 1, version):  # (in the run a checkpoint came from)
                 self.engine.skip(self.ids[index], deferred)  # the rings go on in version order
             self._last_version[index] = version
+            lane = self._choose_lane(index, version)
             if not self.config.deterministic:
                 in_flight = self._open.setdefault(index, [])
                 in_flight[:] = [v for v in in_flight if not self._settled(index, v)]
-                if len(in_flight) >= self.config.in_flight:
+                if len(in_flight) >= self.config.in_flight or self._held_up(index, version, lane, in_flight):
                     self._deferred += fset.batch
                     self.engine.skip(self.ids[index], version)
                     continue
             due = self.rule.activation_step(step, version)
-            lane = self._choose_lane(index, version)
             if lane == DEVICE:
                 inline = version <= self.config.sync_refreshes
                 self.lane.start(index, version, due, request, None if inline else self.stager.copy_on_device)
@@ -178,6 +178,22 @@ class AsyncRefresher(WorkerRefresher):
         if self.balancer is None:  # the deterministic rule: the workers, whose results follow the schedule only
             return CPU
         return DEVICE if self.balancer.plan[index] else CPU
+
+    def _held_up(self, index: int, version: int, lane: str, in_flight: list[int]) -> bool:
+        """Whether ``version`` of set ``index``, for the workers, must be deferred though fewer than ``in_flight``
+        versions are on their way (with ``RuntimeConfig.in_flight`` > 1): an unsettled workers' version holds its
+        host buffers (``version % depth``), which it would wait for while the step waits for it; or the set comes
+        back from the lane while one of its eigenbasis jobs still runs on the workers, whose chain cannot take the
+        bases in use (``_seed_chain``) until that job ends."""
+        if lane != CPU:
+            return False
+        if any(v % self.depth == version % self.depth and self._lane_of.get((index, v), CPU) == CPU
+               for v in in_flight):
+            return True
+        fset = self.sets[index]
+        if self.lanes[index] != DEVICE or fset.kind != "eigenbasis":
+            return False
+        return any(self.engine.chain_busy(block_id) for block_id in self.ids[index])
 
     def _settled(self, index: int, version: int) -> bool:
         """Whether ``version`` of set ``index`` is done with: every block uses it (or newer), or its refresh of

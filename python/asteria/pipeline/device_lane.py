@@ -90,6 +90,7 @@ class DeviceLane:
         self._cpu_seconds = 0.0                                            # guarded by _lock: the threads' CPU
         self._running = 0                                                  # guarded by _lock: jobs computing
         self._stopping = False                                             # guarded by _lock
+        self._failure: str | None = None  # guarded by _lock: why a lane thread ended early (start() raises it)
         self._started = time.monotonic()
         self._stopped: float | None = None                                 # guarded by _lock: when close() joined
         self._threads: list[threading.Thread] = []
@@ -119,6 +120,9 @@ class DeviceLane:
         thread from the snapshot ``copy(fset)`` returns, or with ``copy=None`` computed now on the current
         stream from ``snapshot`` (default: the live factors; a version used at its own step)."""
         fset = self.sets[index]
+        with self._lock:
+            if self._failure is not None:
+                raise RuntimeError(f"a device lane thread ended on an error: {self._failure}")
         self.engine.note_external(self.ids[index], version, due)
         if copy is None:
             self._compute(LaneJob(index, version, request, fset.factors if snapshot is None else snapshot, None),
@@ -215,6 +219,10 @@ class DeviceLane:
                 self._running += 1
             try:
                 self._compute(job, slot=slot)
+            except Exception as error:  # noqa: BLE001 - a defect: the thread ends, and the next start() says why
+                with self._lock:
+                    self._failure = self._failure or f"{type(error).__name__}: {error}"
+                return
             finally:
                 with self._lock:
                     self._running -= 1
@@ -256,7 +264,8 @@ class DeviceLane:
                 error: str, inline: bool, cpu_seconds: float) -> None:
         fset = self.sets[index]
         with self._lock:
-            if refreshed is not None:
+            # (a version released while it computed was passed over by a newer one: nothing will take it)
+            if refreshed is not None and (inline or (index, version) in self._snapshots):
                 self._results[(index, version)] = refreshed
             timing = (self._inline_by_dim if inline else self._by_dim).setdefault(fset.dim, [0.0, 0])
             timing[0] += seconds
