@@ -120,7 +120,8 @@ class RuntimeConfig:
             it, or ``"raise"``.
         max_nonfinite_grad_steps: skipped steps of one block in a row before ``step()`` raises.
         in_flight: newest-finished rule: versions of a set on their way at once (each holds pinned
-            snapshot and result buffers); a turn beyond that is deferred.
+            snapshot and result buffers, by version number modulo in_flight); a turn beyond that is deferred,
+            as is a workers' turn whose buffers an unsettled version still holds.
         device_refresh: whether the refresh executor may also compute on the parameters' device
             (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
             workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
