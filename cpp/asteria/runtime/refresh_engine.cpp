@@ -260,6 +260,16 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
   JobOutcome outcome;
   std::string error;
   bool superseded = false;
+  // Under the non-deterministic rule a job whose block has a newer version submitted does not compute: checked
+  // before the job claims its result buffer (a newer version, the device lane's, may be in use already, which
+  // retired this one there) and again after, since the claim may have waited.
+  const auto drop_if_superseded = [&] {
+    if (!config_.registry.deterministic) {
+      std::lock_guard lock(mutex_);
+      superseded = b.newest_submitted > version;
+    }
+    if (superseded) throw Superseded{};
+  };
   try {
     // Same buffer that submit() pinned: acquiring again only reads its address.
     const auto* input = reinterpret_cast<const float*>(b.snapshots.acquire(version));
@@ -268,13 +278,7 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     thread_local std::vector<float> unpacked;
     float* output = nullptr;
     try {
-      if (!config_.registry.deterministic) {
-        // Before the claim too: a newer version (the device lane's) may be in use already, which retired this one
-        // in the result ring.
-        std::lock_guard lock(mutex_);
-        superseded = b.newest_submitted > version;
-      }
-      if (superseded) throw Superseded{};
+      drop_if_superseded();
       if (previous) {
         // The previous job of the chain was dequeued before this one (submit() keeps the chain's
         // deadlines in order), so it is running or has ended; its failure is in the registry already.
@@ -298,11 +302,7 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       throw;
     }
     try {
-      if (!config_.registry.deterministic) {
-        std::lock_guard lock(mutex_);
-        superseded = b.newest_submitted > version;
-      }
-      if (superseded) throw Superseded{};
+      drop_if_superseded();
       if (b.packed) {
         unpacked.resize(static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n));
         unpack_lower(b.n, input, unpacked.data());
