@@ -190,6 +190,13 @@ def resumed_run(model: torch.nn.Module, opt, weights: list[torch.Tensor], load, 
         train(model, opt, steps, data=data)
 
 
+def hold_plan(refresher, on_lane: bool) -> None:
+    """Puts every factor set of an async refresher on the device lane (``on_lane``) or on the workers, and keeps
+    them there: the balancer's replanning returns this plan."""
+    refresher.balancer.replan = lambda: refresher.balancer.plan
+    refresher.balancer.plan = [on_lane] * len(refresher.sets)
+
+
 def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 

@@ -4,18 +4,11 @@ scripts compute is tested where it matters: test_session_script.py and the test_
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).parents[1] / "bench"
+from conftest import BENCH, bench_script
 
 
 @pytest.mark.parametrize("script", sorted(path.stem for path in BENCH.glob("*.py")))
 def test_the_script_imports_and_has_its_entry_point(script, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # (scripts import their neighbours, as when run from there)
-    spec = importlib.util.spec_from_file_location(f"bench_{script}", BENCH / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # (each runs only under __main__)
-    assert callable(module.main)
+    assert callable(bench_script(script).main)  # (each runs only under __main__)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from conftest import regression_data, small_mlp
+from conftest import hold_plan, regression_data, small_mlp
 
 import asteria
 from asteria import testing
@@ -395,8 +395,7 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms,
 
         steps(6)  # versions 1 and 2, inline on the GPU
         for side in (True, False, True):
-            refresher.balancer.replan = lambda side=side: refresher.balancer.plan  # held fixed
-            refresher.balancer.plan = [side] * len(refresher.sets)
+            hold_plan(refresher, side)
             steps(6)
             torch.cuda.synchronize()
             refresher.engine.drain(30.0)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import regression_data, small_mlp, train
+from conftest import hold_plan, regression_data, small_mlp, train
 
 import asteria
 from asteria.pipeline import packing
@@ -267,8 +267,7 @@ def test_sets_move_between_the_workers_and_the_device_lane_and_training_goes_on(
         train(model, opt, 4, data=data)  # the start-up versions, on the lane (inline)
         assert refresher.stats()["device_versions"] >= 2
         for side in (True, False, True, False):
-            refresher.balancer.replan = lambda side=side: refresher.balancer.plan  # noqa: E731 - held fixed
-            refresher.balancer.plan = [side] * len(refresher.sets)
+            hold_plan(refresher, side)
             train(model, opt, 2, data=data)
             refresher.engine.drain(30.0)
             refresher.lane.drain(30.0)  # its versions finished too: the next turns move, none is deferred
@@ -427,8 +426,7 @@ def test_failed_device_versions_hold_up_none_of_the_workers_versions(monkeypatch
 
         monkeypatch.setattr(device_lane, "refresh_set", broken)
         for plan in (True, False):
-            refresher.balancer.replan = lambda: refresher.balancer.plan  # held fixed
-            refresher.balancer.plan = [plan] * len(refresher.sets)
+            hold_plan(refresher, plan)
             while plan and min(refresher._newest_versions) < first + refresher.depth - 1:
                 train(model, opt, 1, data=data)
                 refresher.lane.drain(20.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import regression_data, small_mlp, train
+from conftest import hold_plan, regression_data, small_mlp, train
 
 import asteria
 from asteria import testing
@@ -25,11 +25,6 @@ def make(name: str, **runtime):
     optimizer = {"soap": asteria.SOAP, "shampoo": asteria.Shampoo}[name]
     return model, optimizer(list(model.named_parameters()), lr=0.01, precondition_frequency=2,
                             runtime=asteria.RuntimeConfig(**config))
-
-
-def hold(refresher, on_lane: bool) -> None:
-    refresher.balancer.replan = lambda: refresher.balancer.plan  # held fixed
-    refresher.balancer.plan = [on_lane] * len(refresher.sets)
 
 
 def train_until(model, opt, version: int) -> None:
@@ -53,16 +48,16 @@ def test_a_lane_version_passed_over_while_it_computes_ends_quietly(monkeypatch, 
         train(model, opt, 5, data=DATA)
         monkeypatch.setattr(device_lane, "refresh_set", late)
         version = max(refresher._newest_versions) + 1
-        hold(refresher, True)
+        hold_plan(refresher, True)
         train_until(model, opt, version)
-        hold(refresher, False)
+        hold_plan(refresher, False)
         train_until(model, opt, version + 1)
         refresher.engine.drain(20.0)
         train(model, opt, 2, data=DATA)  # v + 1 comes into use
         refresher.lane.drain(20.0)  # v ends, passed over
         assert all(thread.is_alive() for thread in refresher.lane._threads)
         monkeypatch.setattr(device_lane, "refresh_set", slow)
-        hold(refresher, True)
+        hold_plan(refresher, True)
         newest = max(refresher._newest_versions)
         train(model, opt, 8, data=DATA)
         refresher.lane.drain(20.0)
@@ -79,17 +74,17 @@ def test_an_eigenbasis_set_returns_to_the_workers_after_its_running_job():
     model, opt = make("soap")
     with opt:
         refresher = opt._refresher
-        hold(refresher, False)
+        hold_plan(refresher, False)
         train(model, opt, 5, data=DATA)
         step = next(s for s in range(6, 40) if opt.is_refresh_step(s))
         version = opt.refresh_version(step)
         testing.inject_fault(opt, "0.weight", "delay", version=version, seconds=2.0)
         train_until(model, opt, version)
-        hold(refresher, True)
+        hold_plan(refresher, True)
         train_until(model, opt, version + 1)
         refresher.lane.drain(20.0)
         train(model, opt, 1, data=DATA)
-        hold(refresher, False)
+        hold_plan(refresher, False)
         train(model, opt, 4, data=DATA)  # raised ValueError from set_basis here
         refresher.engine.drain(20.0)
         train(model, opt, 8, data=DATA)

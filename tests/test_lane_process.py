@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import regression_data, small_mlp, train
+from conftest import hold_plan, regression_data, small_mlp, train
 
 import asteria
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -127,8 +127,7 @@ def test_a_dead_lane_process_fails_the_blocks_refresh_and_the_step_names_it():
                          runtime=runtime) as opt:
         refresher = opt._refresher
         train(model, opt, 4, data=data)  # versions 1 and 2, inline
-        refresher.balancer.replan = lambda: refresher.balancer.plan  # every set on the lane from here
-        refresher.balancer.plan = [True] * len(refresher.sets)
+        hold_plan(refresher, True)  # every set on the lane from here
         train(model, opt, 2, data=data)
         refresher.lane.drain(120.0)  # the child has started and served the lane's jobs: it waits for the next
         assert opt.runtime_stats()["device_versions"] > 2 * len(refresher.sets)

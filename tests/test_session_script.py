@@ -5,7 +5,6 @@ minutes are few."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bench_script
 
 from asteria.train.bench import run_config_of
 from asteria.train.cli import bench_base, build_parser
@@ -34,13 +34,6 @@ def dry_run(out: Path, **env: str) -> list[list[str]]:
     return [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
 
 
-def bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_path, monkeypatch):
     commands = dry_run(tmp_path, STAGES=STAGES, GREEN_RUNS=GREEN_RUNS)
     benches = [argv[len(CLI):] for argv in commands if argv[:len(CLI)] == CLI]
@@ -56,13 +49,13 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
             cfg = run_config_of(base, label)
             if cfg.optimizer != "adamw" and cfg.optimizer not in PEERS:
                 runtime_config(cfg)  # the settings asteria.RuntimeConfig refuses
-    parser = bench_module("gpu_refresh_math").build_parser()
+    parser = bench_script("gpu_refresh_math").build_parser()
     for argv in maths:
         parser.parse_args(argv)
     contention = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/launch_contention.py"]]
     assert len(contention) == 2
     for argv in contention:
-        assert bench_module("launch_contention").arguments().parse_args(argv).sides[0] == "none"
+        assert bench_script("launch_contention").arguments().parse_args(argv).sides[0] == "none"
 
 
 @pytest.mark.parametrize("variant, flags", [
