@@ -430,8 +430,12 @@ def test_failed_device_versions_hold_up_none_of_the_workers_versions(monkeypatch
             while plan and min(refresher._newest_versions) < first + refresher.depth - 1:
                 train(model, opt, 1, data=data)
                 refresher.lane.drain(20.0)
-        failed = refresher.stats()["refresh_failures"]
+        stats = refresher.stats()
+        failed = stats["refresh_failures"]
         assert failed >= refresher.depth * sum(fset.batch for fset in refresher.sets)
+        blocks = {fset.describe(b) for fset in refresher.sets for b in range(fset.batch)}
+        assert set(stats["refresh_errors"]) == blocks  # every block, each with why
+        assert all("injected device failure" in why for why in stats["refresh_errors"].values())
         train(model, opt, 6, data=data)
         assert all(min(fset.versions) >= first + refresher.depth for fset in refresher.sets)
         assert refresher.stats()["refresh_failures"] == failed

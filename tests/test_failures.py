@@ -110,7 +110,11 @@ def test_failing_refresh_keeps_last_good_root_then_raises_naming_the_parameter(m
         group.state["factor_0"][0, 0, 0] = float("nan")
         train(model, opt, 2)  # refresh at step 6 fails: the last good root stays in use
         assert torch.equal(group.state["root_0"], good)
-        assert opt.runtime_stats()["refresh_failures"] >= 1
+        stats = opt.runtime_stats()
+        assert stats["refresh_failures"] >= 1
+        # The failed block, named as RefreshError would name it, and why (no RefreshError yet: one failure).
+        assert list(stats["refresh_errors"]) == ["block 0 of param group 0, blocks (16, 8), mode 0"]
+        assert "non-finite" in stats["refresh_errors"]["block 0 of param group 0, blocks (16, 8), mode 0"]
         assert all(torch.isfinite(p).all() for p in model.parameters())
         with pytest.raises(asteria.RefreshError, match=r"parameter '0.weight'.*non-finite") as info:
             train(model, opt, 2)  # second failure in a row

@@ -248,6 +248,23 @@ def kill_worker(rank: int, world: int, out: Path, victim: int, kill_step: int, t
     os._exit(0)  # the group cannot be destroyed cleanly with a dead peer
 
 
+def failure_worker(rank: int, world: int, out: Path) -> None:
+    """Every refresh of the first factor set fails (an injected exception in each owner's jobs), too few times in
+    a row to raise: each rank saves what ``runtime_stats()["refresh_errors"]`` says, with the set's blocks and the
+    ones this rank owns."""
+    net = model()
+    opt = optimizer("shampoo", net.parameters(), 1, local_world_size=LOCAL, max_consecutive_failures=100)
+    refresher = opt._refresher
+    for block_id in refresher.ids[0]:
+        refresher.engine.inject_fault(block_id, None, "throw", 0.0)
+    train(net, opt, data(6), None)
+    fset = refresher.sets[0]
+    torch.save({"errors": opt.runtime_stats()["refresh_errors"],
+                "blocks": [fset.describe(b) for b in range(fset.batch)],
+                "owned": [fset.describe(b) for b in refresher.owned[0]]}, out / f"rank{rank}.pt")
+    opt.close()
+
+
 # ---- FSDP2 and HSDP ---------------------------------------------------------------------------------
 def sharded_worker(rank: int, world: int, out: Path, runs: list[tuple[str, str, int, int, bool]]) -> None:
     """Each run ``(layout, optimizer, S, steps, stagger)`` is kept under ``(layout, optimizer, S, stagger)``."""

@@ -154,6 +154,21 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path, clean_s
         assert "rank " in outcome["message"], outcome
 
 
+def test_every_rank_says_why_refreshes_failed(tmp_path, clean_shm):
+    """A rank's refresh_errors name every block whose refreshes failed: its own with the engine's message, the
+    others' with the rank that owns them."""
+    assert W.launch(W.failure_worker, tmp_path) == [0] * W.WORLD, W.errors(tmp_path)
+    for rank in range(W.WORLD):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        errors = saved["errors"]
+        assert sorted(errors) == sorted(saved["blocks"]), rank
+        for block, why in errors.items():
+            if block in saved["owned"]:
+                assert "injected worker exception" in why, (rank, block, why)
+            else:
+                assert re.fullmatch(r"the refresh failed on its owner, rank \d .*", why), (rank, block, why)
+
+
 @pytest.mark.parametrize("stall", [False, True])
 def test_a_dead_or_stalled_rank_stops_its_own_group_only(tmp_path, clean_shm, stall):
     """Two pairs of ranks, each with an optimizer over its own group: when rank 1 dies, or hangs, rank 0

@@ -423,9 +423,7 @@ class DistributedRefresher(WorkerRefresher):
             for unit, status, _, _ in items:
                 if status == "failed" and self._consecutive[index][unit.block] + 1 >= bound:
                     fset = self.sets[index]
-                    cause = self._errors.get((index, unit.block),
-                                             f"the refresh failed on its owner, rank {unit.owner} (see that rank's "
-                                             "error for the cause)")
+                    cause = self._errors.get((index, unit.block), _failed_on_owner(unit))
                     self._raise_failure(fset, unit.block, version,
                                         f"{cause} ({self._consecutive[index][unit.block] + 1} failures in a row; "
                                         f"max_consecutive_failures={bound})")
@@ -435,6 +433,7 @@ class DistributedRefresher(WorkerRefresher):
             refreshed = [(u, good, d) for u, status, good, d in items if status == "ok"]
             for unit, status, _, _ in items:
                 if status == "failed":
+                    self._errors.setdefault((index, unit.block), _failed_on_owner(unit))
                     consecutive[unit.block] += 1
                     self._counts["failures_seen"] += 1
                 else:
@@ -534,6 +533,7 @@ class DistributedRefresher(WorkerRefresher):
             "rank": self.topo.rank, "world_size": self.topo.world_size, "node": self.topo.node,
             "local_world_size": self.topo.local_world_size, "blocks": blocks, "owned_blocks": owned,
             "refreshes": engine["refreshes_ok"], "refresh_failures": engine["refreshes_failed"],
+            "refresh_errors": {self.sets[i].describe(b): error for (i, b), error in self._errors.items()},
             "refreshes_skipped": engine["refreshes_skipped"], "float64_retries": engine["float64_retries"],
             "refresh_seconds_on_workers": engine["refresh_seconds"],
             "staleness_histogram": list(self._histogram), "max_staleness_seen": self._max_staleness,
@@ -565,3 +565,8 @@ class DistributedRefresher(WorkerRefresher):
             for registration in self._registrations.values():
                 registration.close()
             self._registrations.clear()
+
+
+def _failed_on_owner(unit: Unit) -> str:
+    """Why a block another rank refreshes failed, as this rank can tell."""
+    return f"the refresh failed on its owner, rank {unit.owner} (its refresh_errors say why)"

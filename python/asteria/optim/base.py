@@ -550,11 +550,11 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                     - min(fset.versions) for index, (fset, _) in enumerate(self._set_groups)), default=0)
 
     def runtime_stats(self) -> dict[str, Any]:
-        """Refreshes done and failed, staleness seen, waits (count, seconds), worker busy fraction, bytes copied
-        between tiers, install delays, skipped non-finite gradient steps. ``lag_steps``: the deterministic rule's
-        steps from a snapshot to its use (None: not that rule); ``late_activation``: whether ``step()`` waits for
-        the end of the backward pass (``asteria.attach``), and ``late_activation_*`` what it cost (BackwardMarks);
-        ``stagger_split``: whether the large factor sets are split for the stagger (``RuntimeConfig``)."""
+        """Refreshes done and failed (``refresh_errors``: each failed block's last error), staleness seen, waits,
+        worker busy fraction, bytes copied between tiers, install delays, skipped non-finite gradient steps.
+        ``lag_steps``: the deterministic rule's steps from a snapshot to its use (None: not that rule);
+        ``late_activation``: whether ``step()`` waits for the end of the backward pass (``asteria.attach``), and
+        ``late_activation_*`` what it cost; ``stagger_split``: whether the large factor sets are split."""
         runtime = self.runtime
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
                  "lag_steps": checkpoint.bound(self)["lag_steps"],

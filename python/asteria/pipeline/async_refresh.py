@@ -457,6 +457,7 @@ class AsyncRefresher(WorkerRefresher):
         stats = {
             "refreshes": engine["refreshes_ok"],
             "refresh_failures": engine["refreshes_failed"],
+            "refresh_errors": self._errors(),
             "refreshes_skipped": engine["refreshes_skipped"],
             # deterministic=False: jobs that found a newer version of their block queued and did not compute.
             "refreshes_superseded": engine["refreshes_superseded"],
@@ -492,6 +493,17 @@ class AsyncRefresher(WorkerRefresher):
         if self.balancer is not None:
             stats["planned_load"] = {"workers": self.balancer.load[0], "device": self.balancer.load[1]}
         return stats
+
+    def _errors(self) -> dict[str, str]:
+        """The last failure's message of every block whose refreshes failed, by the block's description: why,
+        where too few failed in a row to raise ``RefreshError``."""
+        errors = {}
+        for fset, ids in zip(self.sets, self.ids, strict=True):
+            for block, block_id in enumerate(ids):
+                status = self.engine.status(block_id)
+                if status["total_failures"]:
+                    errors[fset.describe(block)] = status["last_error"]
+        return errors
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.snapshots + self.results)

@@ -37,7 +37,7 @@ from torch import Tensor
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.lane_process import LaneProcess, wait_asleep
 from asteria.pipeline.partition import Partition
-from asteria.pipeline.refresh_math import Refreshed, refresh_set
+from asteria.pipeline.refresh_math import Refreshed, load_linalg, refresh_set
 
 
 @dataclass
@@ -101,6 +101,9 @@ class DeviceLane:
                 for d in sorted(devices, key=str):
                     self.processes[d] = LaneProcess(d, [s for s in sets if s.device == d], threads, timeout_s, sms,
                                                     nice)
+            else:  # (the lane's threads share this process's linalg library: load it before they race to)
+                for d in devices:
+                    load_linalg(d)
             for slot in range(threads):
                 self._threads.append(threading.Thread(target=self._run, args=(slot,),
                                                       name=f"asteria-device-lane-{slot}", daemon=True))

@@ -43,7 +43,7 @@ from torch import Tensor
 from asteria.memory import device_available, gib
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.partition import Partition, check_partition
-from asteria.pipeline.refresh_math import Refreshed, refresh_set
+from asteria.pipeline.refresh_math import Refreshed, load_linalg, refresh_set
 
 _ALIGN = 64  # bytes: every field of a slot starts on a multiple (a view as any dtype stays aligned)
 _POLL_S = 0.5  # how often a parent thread waiting for its reply checks that the child lives
@@ -269,6 +269,7 @@ def child_main() -> None:
     try:
         if target.type == "cuda":
             torch.cuda.set_device(target)
+            load_linalg(target)  # (before the threads, whose first eigh calls would race to load it)
             if int(sms):
                 partition = Partition(target, int(sms), len(fds))
                 streams, granted = partition.streams, partition.sms

@@ -125,6 +125,7 @@ class Refresher(ABC):
         raise RefreshError(fset.block_params[block], fset.describe(block), version, cause)
 
 
+
 class SyncRefresher(Refresher):
     """Every refresh computed at its own step on the parameter's device (torch eigh), in float32 matrix
     products whatever ``torch.set_float32_matmul_precision`` says: TF32's 10-bit mantissa would blur
@@ -140,6 +141,7 @@ class SyncRefresher(Refresher):
         self._skipped = 0
         self._consecutive = [np.zeros(s.batch, dtype=np.int64) for s in sets]
         self._last_error = "non-finite factor, or a refresh result that is not finite"
+        self._errors: dict[str, str] = {}  # a failed block's description -> why
         self._seconds = 0.0
 
     def refresh(self, step: int, items: list[tuple[int, int, RootRequest]]) -> None:
@@ -173,6 +175,7 @@ class SyncRefresher(Refresher):
             for block in np.where(ok)[0]:
                 self._set_version(index, int(block), version)
             self._failures += int((~ok).sum())
+            self._errors.update((fset.describe(int(block)), self._last_error) for block in np.where(~ok)[0])
             self._refreshes += fset.batch
             self._newest_versions[index] = version
         self._seconds += time.perf_counter() - started
@@ -192,6 +195,7 @@ class SyncRefresher(Refresher):
         return {
             "refreshes": self._refreshes,
             "refresh_failures": self._failures,
+            "refresh_errors": dict(self._errors),
             "refreshes_skipped": self._skipped,
             "refresh_seconds_on_step": self._seconds,
             "staleness_histogram": [],

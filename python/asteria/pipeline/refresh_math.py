@@ -25,6 +25,15 @@ class Refreshed:
     skipped: Tensor
 
 
+def load_linalg(device: torch.device) -> None:
+    """Loads torch's CUDA linear algebra before threads share it: torch loads that library at a process's first
+    linalg call on a GPU, and of two threads whose first calls meet there, one fails ("lazy wrapper should be
+    called at most once"). A no-op on the CPU and once loaded."""
+    if device.type == "cuda":
+        torch.linalg.eigh(torch.eye(2, device=device))
+        torch.cuda.synchronize(device)
+
+
 def refresh_set(fset: FactorSet, factors: Tensor, request: RootRequest, current: Tensor, installed: Tensor,
                 in_thread: bool = False) -> Refreshed:
     """Refreshes ``fset`` from ``factors`` (a (B, n, n) snapshot or the live factors) with float32 matrix
