@@ -11,7 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-pair}
 mkdir -p "$OUT/a" "$OUT/b"
-python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
+ECHO=""; [[ ${DRY_RUN:-0} == 1 ]] && ECHO=echo  # (DRY_RUN=1: each batch's session.log holds its commands)
+$ECHO python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
 read -r FIRST SECOND < <(python3 -c "import os; c = sorted(os.sched_getaffinity(0)); h = len(c) // 2
 print(','.join(map(str, c[:h])), ','.join(map(str, c[h:])))")
 BUDGET_S=${BUDGET_S:-540}

@@ -14,11 +14,13 @@
 # LAGS=" " runs no d<L> arm; NA=0 skips the na arm (e.g. to add lag arms to seeds whose na arm exists);
 # NA_CONFIGS="$OPT-async" runs the na arm without its native config; ARGS adds bench options to every arm
 # (e.g. ARGS="--precondition-frequency 5"); ARM names the na arm's folder (default na).
+# DRY_RUN=1 prints each command instead of running it (tests/test_bench_scripts.py parses them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 OPT=${OPT:-kl-shampoo}
 SEEDS="python3 tools/seeds.py run"
+[[ ${DRY_RUN:-0} == 1 ]] && SEEDS="echo $SEEDS"
 COMMON="--model olmo-160m --batch-size 32 --seq-len 1024 --matmul-precision high --steps 250 --eval-every 250
   --eval-batches 16 --max-bytes 40000000 --max-preconditioner-dim 1024 ${ARGS:-}"
 if [[ "${NA:-1}" != 0 ]]; then

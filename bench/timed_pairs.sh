@@ -7,10 +7,11 @@
 # BUDGET_S seconds: native NA_S, Asteria NF_S; a native run starts only when its Asteria arm fits too,
 # unless it is the call's last use of the time (then the next call, with the same OUT, runs the Asteria arm).
 # Arms whose seeds.json exists are skipped, so a call can pick up where the last one stopped.
-# Usage: OUT=DIR BUDGET_S=560 bash bench/timed_pairs.sh SEEDS...
+# Usage: OUT=DIR BUDGET_S=560 bash bench/timed_pairs.sh SEEDS... (DRY_RUN=1: each seed's log holds the commands)
 # Pool: python3 tools/seeds.py gather DIR/s*/nf --baseline DIR/s*/na --out DIR/report
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ECHO=""; [[ ${DRY_RUN:-0} == 1 ]] && ECHO=echo
 : "${OUT:?set OUT}"
 BUDGET_S=${BUDGET_S:-100000} NA_S=${NA_S:-135} NF_S=${NF_S:-95}
 START=$(date +%s)
@@ -26,7 +27,7 @@ for seed in "$@"; do
   if [[ ! -f "$OUT/s$seed/na/seeds.json" ]]; then
     (( $(left) >= NA_S + NF_S )) || { (( $(left) >= NA_S )) && arm "$seed" na shampoo-sync; break; }
     arm "$seed" na shampoo-sync
-    [[ -f "$OUT/s$seed/na/seeds.json" ]] || continue
+    [[ -f "$OUT/s$seed/na/seeds.json" || -n $ECHO ]] || continue
   fi
   if [[ ! -f "$OUT/s$seed/nf/seeds.json" ]]; then
     (( $(left) >= NF_S )) || break
@@ -36,5 +37,5 @@ done
 shopt -s nullglob
 asteria_arms=("$OUT"/s*/nf) native_arms=("$OUT"/s*/na)
 if (( ${#asteria_arms[@]} && ${#native_arms[@]} )); then
-  python3 tools/seeds.py gather "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
+  $ECHO python3 tools/seeds.py gather "${asteria_arms[@]}" --baseline "${native_arms[@]}" --out "$OUT/report" | tail -4
 fi

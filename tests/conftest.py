@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -218,9 +219,43 @@ def resume_is_exact(make, data, before: int = 8, after: int = 7) -> bool:
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def script_module(path: Path) -> ModuleType:
+    """A script of bench/ or tools/ imported as a module (its ``main`` not run), with its folder on the path
+    meanwhile, as ``python3 <path>`` has it (for the scripts that import their siblings)."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
 def bench_script(name: str) -> ModuleType:
     """``bench/<name>.py`` imported as a module (its ``main`` not run)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(BENCH / f"{name}.py")
+
+
+def check_bench_namespace(args, monkeypatch) -> None:
+    """The parsed options of an ``asteria bench`` command (or of ``tools/seeds.py run``, which shares them) make
+    a valid run and runtime configuration for each of its configs, as they would on the GPU machine."""
+    from asteria.train.bench import run_config_of
+    from asteria.train.cli import bench_base
+    from asteria.train.loop import runtime_config
+    from asteria.train.peers import PEERS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device's runs, checked on this machine
+    base = bench_base(args)
+    for label in args.configs:
+        cfg = run_config_of(base, label)
+        if cfg.optimizer != "adamw" and cfg.optimizer not in PEERS:
+            runtime_config(cfg)  # the settings asteria.RuntimeConfig refuses
+
+
+def check_bench_args(argv: list[str], monkeypatch) -> None:
+    """``asteria bench`` with ``argv`` on a GPU: its options parse (argparse exits on a bad one) and make valid
+    configurations."""
+    from asteria.train.cli import build_parser
+
+    check_bench_namespace(build_parser().parse_args(["bench", *argv, "--device", "cuda"]), monkeypatch)

@@ -401,6 +401,18 @@ def test_bad_torchrun_layout_is_refused_before_any_process_group(env, argv, mess
     assert not torch.distributed.is_initialized() and not (tmp_path / "out").exists()
 
 
+def test_a_runs_peak_gpu_memory_counts_what_the_lane_process_held():
+    """The bench's peak column: the training process's peak allocation plus the device lane's process's cache
+    (another process on the same GPU, which torch's counters of this one miss); None off a GPU."""
+    from asteria.train.bench import peak_gpu_bytes
+
+    lane = {"memory_report": {"device": {"lane_slots": 64, "lane_cache": 5 * 2**20}}}
+    assert peak_gpu_bytes({"peak_gpu_bytes": 2**30, **lane}) == 2**30 + 5 * 2**20
+    assert peak_gpu_bytes({"peak_gpu_bytes": 2**30, "memory_report": {"device": {}}}) == 2**30  # no lane process
+    assert peak_gpu_bytes({"peak_gpu_bytes": 2**30, "memory_report": {}}) == 2**30  # AdamW: no report
+    assert peak_gpu_bytes({"peak_gpu_bytes": None, **lane}) is None
+
+
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), "--steps", "11", "--eval-every", "11",
                  "--configs", "adamw", "soap-sync", "kl-shampoo-async", "soap-async-f2", *TINY]) == 0

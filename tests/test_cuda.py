@@ -403,11 +403,13 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms,
         steps(3)
         torch.cuda.synchronize()
         stats = opt.runtime_stats()
+        report = opt.memory_report()["device"]
     assert stats["device_versions"] > 2 * len(refresher.sets)
     assert stats["refresh_failures"] == 0, stats["refresh_errors"]
     assert stats["lane_moves"] >= len(refresher.sets)
     if process is not False:  # the child computed on its green context's streams, where there is one
         assert refresher.lane.processes[device].child_sms == sms
+        assert 0 < report["lane_cache"] == refresher.lane.processes[device].peak_reserved  # its math's, measured
     assert stats["device_refresh_seconds"] > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

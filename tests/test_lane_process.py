@@ -153,6 +153,7 @@ def test_the_memory_report_counts_the_lane_processes_slots():
         expected = 2 * slot_bytes(sets)
         assert expected >= 2 * max(2 * s.batch * s.dim * s.dim * 4 for s in sets)  # factors (then result), bases
         assert opt.memory_report()["device"]["lane_slots"] == expected
+        assert opt.memory_report()["device"]["lane_cache"] == 0  # (a CPU child has no CUDA allocator to measure)
     runtime = asteria.RuntimeConfig(workers=1, device_refresh=True)  # the lane on the CPU: threads, no slots
     with asteria.SOAP(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
         assert "lane_slots" not in opt.memory_report()["device"]

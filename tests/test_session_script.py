@@ -11,13 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import bench_script
-
-from asteria.train.bench import run_config_of
-from asteria.train.cli import bench_base, build_parser
-from asteria.train.loop import runtime_config
-from asteria.train.peers import PEERS
+from conftest import bench_script, check_bench_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "executor_session.sh"
@@ -41,14 +35,8 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
     # small, large, 1b, 2 dims, 4 sweep points, 4 first-basis runs, 2 soapgap, 4 workers, 3 seeds, hb, 7 green
     assert len(benches) == 1 + 1 + 1 + 2 + 4 + 4 + 2 + 4 + 3 + 1 + len(GREEN_RUNS.split())
     assert len(maths) == 3  # green's two training priorities, and math
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device's runs, checked on this machine
     for argv in benches:
-        args = build_parser().parse_args(["bench", *argv, "--device", "cuda"])  # argparse exits on a bad option
-        base = bench_base(args)
-        for label in args.configs:
-            cfg = run_config_of(base, label)
-            if cfg.optimizer != "adamw" and cfg.optimizer not in PEERS:
-                runtime_config(cfg)  # the settings asteria.RuntimeConfig refuses
+        check_bench_args(argv, monkeypatch)
     parser = bench_script("gpu_refresh_math").build_parser()
     for argv in maths:
         parser.parse_args(argv)

@@ -280,8 +280,9 @@ class Placement:
             tiers["device"]["staging"] = staging
         tiers["host"]["refresh_buffers"] = self.refresher.host_bytes() if self.refresher is not None else 0
         lane = self.refresher.lane_bytes() if self.refresher is not None else 0
-        if lane:  # (the device lane's process: its CUDA context and its allocator's cache come on top)
+        if lane:  # (the device lane's process; its CUDA context comes on top)
             tiers["device"]["lane_slots"] = lane
+            tiers["device"]["lane_cache"] = self.refresher.lane_cache_bytes()  # (its math's, measured: 0 at first)
         paged = self.tier.paged
         if paged is not None:
             tiers["host"]["nvme_buffers"] = paged.host_bytes

@@ -511,6 +511,9 @@ class AsyncRefresher(WorkerRefresher):
     def lane_bytes(self) -> int:
         return self.lane.slot_bytes() if self.lane is not None else 0
 
+    def lane_cache_bytes(self) -> int:
+        return self.lane.process_cache_bytes() if self.lane is not None else 0
+
     def close(self) -> None:
         # The workers and the lane may still read snapshots and write results: stop them before buffers go.
         if self.lane is not None:

@@ -182,6 +182,11 @@ class DeviceLane:
         """The bytes of the slots shared with the lane's processes (on their devices; none without them)."""
         return sum(slot.numel() for child in self.processes.values() for slot in child.slots)
 
+    def process_cache_bytes(self) -> int:
+        """The most the lane's processes' CUDA allocators have held beyond the slots (their math's workspace and
+        results), as measured after their jobs so far: 0 before the first."""
+        return sum(child.peak_reserved for child in self.processes.values())
+
     def drain(self, timeout_s: float) -> None:
         """Blocks until every queued job has ended (the engine's ``drain`` covers the workers' jobs only);
         raises TimeoutError after ``timeout_s`` seconds."""

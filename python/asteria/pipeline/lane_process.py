@@ -111,6 +111,9 @@ class LaneProcess:
         self.proc: subprocess.Popen | None = None
         self._ready = [False] * threads
         self.child_sms: int | None = None  # the SMs of the child's green context, once it has said (None: all)
+        #: the most the child's CUDA caching allocator has held, as its replies say (its math's workspace and results;
+        #: its CUDA context comes on top)
+        self.peak_reserved = 0
         self._broken: str | None = None
         self._lock = threading.Lock()  # guards _broken against close() beside a lane thread
         files: list[int] = []  # a CPU slot's open (unlinked) file, passed to the child, closed once it runs
@@ -173,7 +176,8 @@ class LaneProcess:
         reply = self._exchange(slot, ("refresh", fset.name, fset.kind, fset.exponent, fset.first_basis, fset.batch,
                                       fset.dim, str(fset.factors.dtype).removeprefix("torch."), request.saved()),
                                f"refreshing {fset.name}")
-        _, has_order, skipped, cpu_seconds = reply
+        _, has_order, skipped, cpu_seconds, reserved = reply
+        self.peak_reserved = max(self.peak_reserved, reserved)
         order = views["order"].clone() if has_order else None
         skipped_count = torch.tensor(skipped, dtype=torch.long, device=factors.device)
         return Refreshed(views["new"].clone(), views["usable"].clone(), order, skipped_count), cpu_seconds
@@ -311,7 +315,8 @@ def _serve(conn: Connection, stream: Any, failure: str | None, granted: int | No
                 reply = _compute(slot, stream, *message[1:])
             except Exception as error:  # noqa: BLE001 - the parent reports it as the set's failure
                 reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
-            conn.send(reply if reply[0] == "error" else (*reply, time.thread_time() - cpu))
+            reserved = torch.cuda.max_memory_reserved(slot.device) if slot.device.type == "cuda" else 0
+            conn.send(reply if reply[0] == "error" else (*reply, time.thread_time() - cpu, reserved))
     except (EOFError, OSError):  # the parent closed the pipe, or is gone
         return
 

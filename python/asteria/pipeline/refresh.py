@@ -117,13 +117,16 @@ class Refresher(ABC):
         """Bytes of the parameters' device held by the device lane's process for its slots (0: none)."""
         return 0
 
+    def lane_cache_bytes(self) -> int:
+        """The most the device lane's process has held on the device beyond its slots, measured so far (0: none)."""
+        return 0
+
     def identity(self) -> dict[str, Any] | None:
         """The rank layout a checkpoint of this refresher belongs to (None: a single process)."""
         return None
 
     def _raise_failure(self, fset: FactorSet, block: int, version: int, cause: str) -> None:
         raise RefreshError(fset.block_params[block], fset.describe(block), version, cause)
-
 
 
 class SyncRefresher(Refresher):
