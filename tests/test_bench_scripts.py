@@ -54,6 +54,7 @@ def check(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
         check_bench_args(argv[4:], monkeypatch)
         return "asteria bench"
     if argv[:3] in (["python3", "-m", "pip"], ["python3", "-m", "pytest"]):
+        assert all((ROOT / arg).is_file() for arg in argv[3:] if arg.startswith("tests/")), argv  # (its test files)
         return argv[2]
     assert argv[0] == "python3" and argv[1].split("/")[0] in ("bench", "tools"), argv
     namespace = parse_only(ROOT / argv[1], argv[2:], monkeypatch)
