@@ -409,7 +409,8 @@ def test_the_device_lane_refreshes_beside_the_workers_on_the_gpu(optimizer, sms,
     assert stats["lane_moves"] >= len(refresher.sets)
     if process is not False:  # the child computed on its green context's streams, where there is one
         assert refresher.lane.processes[device].child_sms == sms
-        assert 0 < report["lane_cache"] == refresher.lane.processes[device].peak_reserved  # its math's, measured
+        # its math's, measured (a job that ended during close() may have raised the peak since)
+        assert 0 < report["lane_cache"] <= refresher.lane.processes[device].peak_reserved
     assert stats["device_refresh_seconds"] > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
