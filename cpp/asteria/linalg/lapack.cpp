@@ -165,6 +165,22 @@ void call_stedc(const int* n, double* d, double* e, double* z, const int* ldz, d
 
 constexpr int kTridiagonalPanel = 32;  // xSYTRD's block size and crossover
 
+// Elements a BLAS kernel may read past the end of a matrix: OpenBLAS's SSE ssymv kernel (Prescott,
+// which OpenBLAS picks on CPUs it does not recognize) loads up to 16 bytes past A's last element,
+// measured with a guard page after it (cpp/tests/linalg/lapack_bounds_test.cpp). Wherever LAPACK
+// reduces a matrix near its end, it reduces a copy with this much slack behind it, so that no
+// caller's buffer need have any.
+template <typename T>
+constexpr std::size_t kOverread = 64 / sizeof(T);
+
+// Copies the lower triangle of the n x n matrix `from` (ldf) onto that of `to` (ldt).
+template <typename T>
+void copy_lower(int n, const T* from, std::size_t ldf, T* to, std::size_t ldt) {
+  for (int j = 0; j < n; ++j) {
+    std::memcpy(to + j + j * ldt, from + j + j * ldf, static_cast<std::size_t>(n - j) * sizeof(T));
+  }
+}
+
 // One pass of symv_lower over rows [i, n) of columns c0..c3, V's lanes at a time: y(rows) +=
 // A(rows, cols) x(cols) and s_k += A(rows, k) .* x(rows). Returns the first row left over.
 template <typename V, typename T>
@@ -281,15 +297,18 @@ template <typename T>
       d[j] = a[j + j * ld];
     }
   }
+  // The last panel ends at a's last element: xSYTD2 reduces a copy in `w` (rest^2 <= kPanel n entries).
   const int rest = n - i;
+  copy_lower(rest, a + i + i * ld, ld, w, static_cast<std::size_t>(rest));
   int info = 0;
-  call_sytd2(&rest, a + i + i * ld, &lda, d + i, e + i, tau + i, &info);
+  call_sytd2(&rest, w, &rest, d + i, e + i, tau + i, &info);
   check_info<T>("eigh", "sytd2", info, n);
+  copy_lower(rest, w, static_cast<std::size_t>(rest), a + i + i * ld, ld);
 }
 
 // Reduces the lower triangle of `a` to tridiagonal form d, e with reflectors (a, tau) as
-// xSYTRD('L') does; `w` is n x kTridiagonalPanel scratch. Compiled per vector instruction set and
-// picked by CPU feature as simd.h describes.
+// xSYTRD('L') does; `w` is n x kTridiagonalPanel + kOverread<T> scratch. Compiled per vector
+// instruction set and picked by CPU feature as simd.h describes.
 template <typename T>
 using TridiagonalizeKernel = void (*)(int n, T* a, int lda, T* d, T* e, T* tau, T* w);
 
@@ -375,15 +394,21 @@ void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& i
   call_syevd(&n, a, &lda, w, /* work = */ &work_query, /* lwork = */ &query, /* iwork = */ &iwork_query,
              /* liwork = */ &query, &info);
   check_info<T>("syevd", "syevd", info, n);
-  // The documented minimum for JOBZ='V' bounds the query from below in case of float rounding.
-  const std::size_t nn = static_cast<std::size_t>(n);
-  grow(work, std::max(queried_size(work_query), 1 + 6 * nn + 2 * nn * nn));
+  // The documented minimum for JOBZ='V' bounds the query from below in case of float rounding. LAPACK
+  // works on a copy with kOverread<T> slack (`work`'s head), which the eigenvectors then replace `a` from.
+  const std::size_t nn = static_cast<std::size_t>(n), copy_size = nn * nn + kOverread<T>;
+  const std::size_t lapack_size = std::max(queried_size(work_query), 1 + 6 * nn + 2 * nn * nn);
+  grow(work, copy_size + lapack_size);
   grow(iwork, std::max(static_cast<std::size_t>(iwork_query), 3 + 5 * nn));
 
-  const int lwork = static_cast<int>(work.size());
+  const std::size_t ld = static_cast<std::size_t>(lda);
+  T* copy = work.data();
+  copy_lower(n, a, ld, copy, nn);
+  const int lwork = static_cast<int>(std::min<std::size_t>(lapack_size, std::numeric_limits<int>::max()));
   const int liwork = static_cast<int>(iwork.size());
-  call_syevd(&n, a, &lda, w, work.data(), &lwork, iwork.data(), &liwork, &info);
+  call_syevd(&n, copy, /* lda = */ &n, w, work.data() + copy_size, &lwork, iwork.data(), &liwork, &info);
   check_info<T>("syevd", "syevd", info, n);
+  for (std::size_t j = 0; j < nn; ++j) std::memcpy(a + j * ld, copy + j * nn, nn * sizeof(T));
 }
 
 template <typename T>
@@ -419,7 +444,7 @@ void eigh(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iw
   const std::size_t slice_at = t_at + static_cast<std::size_t>(blocks) * kBlock * kBlock;
   const std::size_t lapack_at = slice_at + 2 * static_cast<std::size_t>(kBlock) * kSlice;
   const std::size_t lapack_size =
-      std::max({queried_size(stedc_query), 1 + 4 * nn + nn * nn, kTridiagonalPanel * nn});
+      std::max({queried_size(stedc_query), 1 + 4 * nn + nn * nn, kTridiagonalPanel * nn + kOverread<T>});
   grow(work, lapack_at + lapack_size);
   grow(iwork, std::max(static_cast<std::size_t>(stedc_iwork_query), 3 + 5 * nn));
   T* e = work.data() + e_at;

@@ -11,7 +11,8 @@ namespace asteria::linalg {
 
 // Symmetric eigendecomposition in place (xSYEVD, divide and conquer): on return `a` (n x n, lda)
 // holds the orthonormal eigenvectors as columns and `w` (n) the eigenvalues in ascending order.
-// `work`/`iwork` are grown as needed and may be reused across calls (one per thread).
+// `work`/`iwork` are grown as needed and may be reused across calls (one per thread). Nothing past
+// a's last element is read: the BLAS kernels that would read there (lapack.cpp) get a copy.
 // Throws NumericalError("[syevd] ssyevd failed, info=...") on failure.
 template <typename T>
 void syevd(int n, T* a, int lda, T* w, std::vector<T>& work, std::vector<int>& iwork);
