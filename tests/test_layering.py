@@ -4,7 +4,7 @@ top package's ``__init__`` emptied (a cycle hidden by the order in which ``aster
 then shows as "partially initialized module"), and with every package ``__init__`` emptied.
 
 The table is the one ``docs/architecture.md`` opens with:
-``_core``, ``errors`` -> ``config``, ``cpus``, ``memory`` -> ``checks``, ``functional`` -> ``pipeline``
+``_core``, ``blas``, ``errors`` -> ``config``, ``cpus``, ``memory`` -> ``checks``, ``functional`` -> ``pipeline``
 -> ``distributed`` -> ``optim`` -> ``hooks``, ``testing``, the ``asteria`` face -> ``train``."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(asteria.__file__).parent
 
 # Lower layers first; a module may import its own layer or a lower one (its own layer acyclically).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("asteria._core", "asteria.errors"),
+    ("asteria._core", "asteria.blas", "asteria.errors"),
     ("asteria.config", "asteria.cpus", "asteria.memory"),
     ("asteria.checks", "asteria.functional"),
     ("asteria.pipeline",),

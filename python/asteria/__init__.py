@@ -1,11 +1,15 @@
 """Asteria: second-order optimizers (Shampoo, SOAP, KL-Shampoo) whose O(N^3) state maintenance runs
 off the GPU's critical path, on C++ workers with bounded staleness."""
 
-from asteria.config import MemoryConfig, RuntimeConfig
-from asteria.errors import NonFiniteGradientError, RefreshBacklogWarning, RefreshError
-from asteria.hooks import AttachHandle, attach
-from asteria.optim import SOAP, KLShampoo, Shampoo
-from asteria.pipeline.streams import training_stream
+from asteria.blas import choose_kernels
+
+choose_kernels()  # OpenBLAS's kernels, before the core loads it (asteria.blas)
+
+from asteria.config import MemoryConfig, RuntimeConfig  # noqa: E402
+from asteria.errors import NonFiniteGradientError, RefreshBacklogWarning, RefreshError  # noqa: E402
+from asteria.hooks import AttachHandle, attach  # noqa: E402
+from asteria.optim import SOAP, KLShampoo, Shampoo  # noqa: E402
+from asteria.pipeline.streams import training_stream  # noqa: E402
 
 __all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshBacklogWarning",
            "RefreshError", "RuntimeConfig", "SOAP", "Shampoo", "attach", "training_stream"]

@@ -1,0 +1,83 @@
+"""OpenBLAS's kernels: asteria names them from the CPU's flags before the core loads OpenBLAS (asteria.blas)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asteria import blas
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl amx_tile
+processor\t: 1
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse sse2
+"""
+
+
+@pytest.mark.parametrize(("vendor", "flags", "expected"), [
+    ("GenuineIntel", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, "SkylakeX"),
+    ("GenuineIntel", {"avx2", "fma", "avx512f"}, "Haswell"),  # not the whole AVX-512 set SkylakeX's kernels use
+    ("GenuineIntel", {"avx", "avx2", "fma"}, "Haswell"),
+    ("GenuineIntel", {"sse2", "avx"}, None),
+    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, None),
+    ("", set(), None),
+])
+def test_kernels_follow_the_cpus_flags(vendor: str, flags: set[str], expected: str | None) -> None:
+    assert blas.coretype_for(vendor, frozenset(flags)) == expected
+
+
+def test_cpu_identity_reads_the_first_cpu(tmp_path: Path) -> None:
+    (tmp_path / "cpuinfo").write_text(CPUINFO)
+    vendor, flags = blas.cpu_identity(tmp_path / "cpuinfo")
+    assert vendor == "GenuineIntel"
+    assert {"avx512f", "amx_tile", "fma"} <= flags
+    assert blas.cpu_identity(tmp_path / "missing") == ("", frozenset())
+
+
+def test_openblas_counts_as_loaded_by_its_own_library_only(tmp_path: Path) -> None:
+    numpy_line = "7f00-7f10 r-xp 0 08:01 1 /venv/numpy.libs/libscipy_openblas64_-ff651d7f.so\n"
+    (tmp_path / "maps").write_text("00400000-00452000 r-xp 0 08:01 2 /usr/bin/python3\n" + numpy_line)
+    assert not blas.openblas_loaded(tmp_path / "maps")
+    (tmp_path / "maps").write_text(numpy_line + "7f20-7f30 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/"
+                                   "openblas-pthread/libopenblas.so.0\n7f40-7f50 rw-p 0 0 0 [heap]\n")
+    assert blas.openblas_loaded(tmp_path / "maps")
+
+
+def test_choose_kernels_leaves_a_users_choice_and_a_loaded_library_alone(tmp_path: Path) -> None:
+    (tmp_path / "cpuinfo").write_text(CPUINFO)
+    (tmp_path / "maps").write_text("")
+    environ: dict[str, str] = {}
+    assert blas.choose_kernels(environ, tmp_path / "cpuinfo", tmp_path / "maps") == "SkylakeX"
+    assert environ == {"OPENBLAS_CORETYPE": "SkylakeX"}
+    mine = {"OPENBLAS_CORETYPE": "Haswell"}
+    assert blas.choose_kernels(mine, tmp_path / "cpuinfo", tmp_path / "maps") is None
+    assert mine == {"OPENBLAS_CORETYPE": "Haswell"}
+    (tmp_path / "maps").write_text("7f20-7f30 r-xp 0 08:01 3 /usr/lib/libopenblas.so.0\n")
+    environ = {}
+    assert blas.choose_kernels(environ, tmp_path / "cpuinfo", tmp_path / "maps") is None
+    assert environ == {}
+
+
+def _core_in_fresh_process(environ: dict[str, str]) -> str:
+    code = "import asteria; from asteria import _core; print(_core.blas_core())"
+    return subprocess.run([sys.executable, "-c", code], env=environ, check=True, capture_output=True,
+                          text=True, timeout=120).stdout.strip()
+
+
+def test_the_core_runs_the_kernels_this_cpu_supports() -> None:
+    """In a fresh process: unset, OpenBLAS runs the kernels named from this CPU's flags (on a CPU its release
+    does not know, it would run generic ones); a user's OPENBLAS_CORETYPE wins."""
+    expected = blas.coretype_for(*blas.cpu_identity())
+    if expected is None:
+        pytest.skip("this CPU keeps OpenBLAS's own choice (not an Intel CPU with AVX2)")
+    environ = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    assert _core_in_fresh_process(environ) == expected
+    assert _core_in_fresh_process(environ | {"OPENBLAS_CORETYPE": "Haswell"}) == "Haswell"
