@@ -2,8 +2,9 @@
 
 OpenBLAS picks its kernels when it loads, from the CPU's model number. A model newer than its release gets
 its generic "Prescott" kernels (SSE2): Debian 12's OpenBLAS 0.3.21 does so on a 5th-generation Xeon (family
-6, model 207), where the workers' inverse root of a 2048 block took 1.9 s on one core against 0.77 s with
-the AVX-512 ("SkylakeX") kernels. Where ``OPENBLAS_CORETYPE`` is unset and the library not loaded yet,
+6, model 207), where the refresh engine's two workers computed 1.07 inverse roots of 2048 blocks a second and
+1.33 of SOAP's warm-started bases, against 3.47 and 5.56 with the AVX-512 ("SkylakeX") kernels
+(``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset and the library not loaded yet,
 ``choose_kernels`` names the kernels that an Intel CPU's instruction flags support: SkylakeX with AVX-512
 (CooperLake and SapphireRapids add only bfloat16 kernels; the refresh math is float32 and float64), Haswell
 with AVX2 and FMA. Other vendors keep OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always wins;
