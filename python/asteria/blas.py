@@ -4,11 +4,11 @@ OpenBLAS picks its kernels when it loads, from the CPU's model number. A model n
 its generic "Prescott" kernels (SSE2): Debian 12's OpenBLAS 0.3.21 does so on a 5th-generation Xeon (family
 6, model 207), where the refresh engine's two workers computed 1.07 inverse roots of 2048 blocks a second and
 1.33 of SOAP's warm-started bases, against 3.47 and 5.56 with the AVX-512 ("SkylakeX") kernels
-(``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset and the library not loaded yet,
-``choose_kernels`` names the kernels that an Intel CPU's instruction flags support: SkylakeX with AVX-512
-(CooperLake and SapphireRapids add only bfloat16 kernels; the refresh math is float32 and float64), Haswell
-with AVX2 and FMA. Other vendors keep OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always wins;
-``runtime_stats()["blas_core"]`` says which kernels run.
+(``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset and the library not
+loaded yet, ``choose_kernels`` names the kernels that an Intel CPU's instruction flags support: SkylakeX with
+AVX-512 (CooperLake and SapphireRapids add only bfloat16 kernels; the refresh math is float32 and float64),
+Haswell with AVX2 and FMA. Other vendors keep OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always
+wins; ``runtime_stats()["blas_core"]`` says which kernels run.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
-#: OpenBLAS's core names whose kernels use no AVX: on a CPU with AVX2 they mean it was not recognized
-GENERIC_CORES = frozenset({"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai",
-                           "Coppermine", "Northwood", "Banias", "Unknown"})
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
 
 
