@@ -53,7 +53,9 @@
 #           profile's "host CPU" line against its "host queued" one says whether the training thread sleeps (the GIL,
 #           a lock) or computes in the lane-busy positions (CUDA's spinning waits count as CPU: the late-activation
 #           line gives step()'s).
-# $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. DRY_RUN=1 prints
+# $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. BLAS=own unsets
+# OPENBLAS_CORETYPE (the device tool's environment sets Haswell), so that the workers run the kernels asteria names
+# from the CPU's flags; device.txt records which ran. DRY_RUN=1 prints
 # each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
 # $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what
 # it measured: a bench gets the seconds left less $PACK_S (default 30), is asked to stop after its step in progress
@@ -71,9 +73,11 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 quiet() { tr '\r' '\n' | grep -av "it/s\|s/it\|USDT"; }
 dry() { [[ ${DRY_RUN:-0} == 1 ]]; }
 run() { if dry; then echo "$*"; else "$@"; fi; }  # a command, or with DRY_RUN=1 its line
+[[ ${BLAS:-} == own ]] && unset OPENBLAS_CORETYPE
 if ! dry; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
   lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/device.txt"
+  echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}" | tee -a "$OUT/device.txt"
 fi
 if has build; then
   run python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -2
@@ -81,6 +85,8 @@ if has build; then
     run python3 -m pip install -q --no-deps .peers/wheels/*.whl 2>&1 | tail -2
   fi
 fi
+dry || python3 -c "from asteria import _core; print('OpenBLAS kernels:', _core.blas_core())" 2>&1 | tail -1 \
+  | tee -a "$OUT/device.txt"
 if has cuda; then
   # (written as it runs, so that a call cut off at its limit still brings back how far it got; a test that
   # hangs prints every thread's stack after 120 s)
