@@ -55,8 +55,8 @@
 #           line gives step()'s).
 # $EXTRA_ARGS go to every bench (e.g. --device-share 0.25); $TAG names this call's run folders. BLAS=own unsets
 # OPENBLAS_CORETYPE (the device tool's environment sets Haswell), so that the workers run the kernels asteria names
-# from the CPU's flags; device.txt records which ran. DRY_RUN=1 prints
-# each command instead of running it (tests/test_session_script.py checks them against the CLI's parsers).
+# from the CPU's flags; device.txt records which ran. DRY_RUN=1 prints each command instead of running it
+# (tests/test_session_script.py checks them against the CLI's parsers).
 # $DEADLINE_S (seconds from the script's start; set it below the call's limit) ends each bench in time to pack what
 # it measured: a bench gets the seconds left less $PACK_S (default 30), is asked to stop after its step in progress
 # when they run out (SIGINT; its finished configs keep their metrics.jsonl), and is not started with fewer than
