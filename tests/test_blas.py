@@ -81,3 +81,43 @@ def test_the_core_runs_the_kernels_this_cpu_supports() -> None:
     environ = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
     assert _core_in_fresh_process(environ) == expected
     assert _core_in_fresh_process(environ | {"OPENBLAS_CORETYPE": "Haswell"}) == "Haswell"
+
+
+@pytest.mark.parametrize(("core", "flags", "user_set", "warns"), [
+    ("Prescott", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, False, "SkylakeX"),
+    ("Core2", {"avx2", "fma"}, False, "Haswell"),
+    ("Prescott", {"avx2", "fma"}, True, None),  # the user named them
+    ("SkylakeX", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, False, None),
+    ("Haswell", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, False, None),
+    ("Prescott", {"sse2"}, False, None),  # nothing better to run
+])
+def test_generic_kernels_on_a_vector_cpu_are_named(core: str, flags: set[str], user_set: bool,
+                                                   warns: str | None) -> None:
+    message = blas.kernel_warning(core, "GenuineIntel", frozenset(flags), user_set)
+    if warns is None:
+        assert message is None
+    else:
+        assert message is not None and repr(core) in message and f"OPENBLAS_CORETYPE={warns}" in message
+
+
+def test_openblas_loaded_first_warns_where_its_kernels_are_generic() -> None:
+    """In a fresh process that maps the core's libopenblas before importing asteria, the import warns exactly
+    when OpenBLAS's own choice is weaker than this CPU supports (on this CI machine's 5th-generation Xeon it is)."""
+    code = ("import ctypes, warnings; ctypes.CDLL('libopenblas.so.0', mode=ctypes.RTLD_GLOBAL)\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import asteria\n"
+            "from asteria import _core\n"
+            "print(_core.blas_core())\n"
+            "print(sum('generic' in str(w.message) for w in caught if w.category is RuntimeWarning))\n")
+    environ = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=environ, check=True, capture_output=True, text=True,
+                             timeout=120).stdout.split()
+    except subprocess.CalledProcessError as error:
+        if "libopenblas.so.0" in error.stderr:
+            pytest.skip("no libopenblas.so.0 on the loader's path")
+        raise
+    core, warned = out[0], int(out[1])
+    expected = blas.kernel_warning(core, *blas.cpu_identity(), user_set=False) is not None
+    assert warned == int(expected)

@@ -8,16 +8,20 @@ its generic "Prescott" kernels (SSE2): Debian 12's OpenBLAS 0.3.21 does so on a 
 loaded yet, ``choose_kernels`` names the kernels that an Intel CPU's instruction flags support: SkylakeX with
 AVX-512 (CooperLake and SapphireRapids add only bfloat16 kernels; the refresh math is float32 and float64),
 Haswell with AVX2 and FMA. Other vendors keep OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always
-wins; ``runtime_stats()["blas_core"]`` says which kernels run.
+wins; ``runtime_stats()["blas_core"]`` says which kernels run. Where another library loaded OpenBLAS first,
+its kernels are chosen already: ``kernel_warning`` then says so if they are weaker than the CPU supports.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import warnings
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+# OpenBLAS's x86 kernel sets with AVX2 and FMA or more (openblas_get_corename's names, lower case)
+VECTOR_CORES = frozenset({"haswell", "skylakex", "cooperlake", "sapphirerapids", "zen"})
 
 
 def coretype_for(vendor: str, flags: frozenset[str] | set[str]) -> str | None:
@@ -68,3 +72,24 @@ def choose_kernels(environ: MutableMapping[str, str] = os.environ, cpuinfo: Path
     if coretype is not None:
         environ["OPENBLAS_CORETYPE"] = coretype
     return coretype
+
+
+def kernel_warning(core: str, vendor: str, flags: frozenset[str] | set[str], user_set: bool) -> str | None:
+    """Why the running kernels ``core`` are weaker than this CPU supports, and what to do (None: they are not,
+    or the user named them)."""
+    wanted = coretype_for(vendor, flags)
+    if user_set or wanted is None or core.lower() in VECTOR_CORES:
+        return None
+    vectors = "AVX-512" if wanted == "SkylakeX" else "AVX2"
+    return (f"OpenBLAS runs its generic {core!r} kernels on a CPU with {vectors}: "
+            f"another library loaded it before asteria could name {wanted!r}, and the refresh workers' math runs "
+            f"about 3x slower (docs/results.md). Start the process with OPENBLAS_CORETYPE={wanted}, or import "
+            f"asteria first.")
+
+
+def warn_if_generic(core: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Warns (RuntimeWarning) where OpenBLAS runs kernels weaker than the CPU supports (``kernel_warning``). Called
+    after ``choose_kernels``: ``OPENBLAS_CORETYPE`` is then set unless the library was loaded before."""
+    message = kernel_warning(core, *cpu_identity(), user_set="OPENBLAS_CORETYPE" in environ)
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
