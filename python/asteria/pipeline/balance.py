@@ -10,10 +10,11 @@ block, scaled by n^3), and the lane's (it times every set; the start-up refreshe
 figure before the first plan). The plan puts every set on the workers; while they cannot finish them within the
 interval, it moves to the lane the sets where the lane is most ahead of the workers, one at a time, as long as the
 lane's share of the interval holds them; the large blocks go to the device first, where an eigendecomposition gains
-most. Work the workers can do stays with them: the device's time is the training's (a refresh on the GPU beside
-training lengthens the steps by about its own time), and ``device_share`` caps it; what neither side can finish is
-deferred, set by set. It is made again every interval, so it follows the measured step time and throughputs; a set
-changes sides only between two of its versions.
+most, but where a large set would move more than the workers lack, smaller sets make up the rest if that takes less
+of the device (``cover``). Work the workers can do stays with them: the device's time is the training's (a
+refresh on the GPU beside training lengthens the steps by about its own time), and ``device_share`` caps it; what
+neither side can finish is deferred, set by set. It is made again every interval, so it follows the measured
+step time and throughputs; a set changes sides only between two of its versions.
 """
 
 from __future__ import annotations
@@ -95,19 +96,39 @@ class LaneBalancer:
             self.plan = plan
             return plan
         cpu_load = sum(cpu for cpu, _ in costs)
-        device_load = 0.0
         # The device's advantage over the workers, largest first (ties: the larger sets first).
         order = sorted(range(len(self.sets)), key=lambda i: (-costs[i][0] / (costs[i][1] * self.sets[i].batch),
                                                             -costs[i][0]))
-        for i in order:
-            if cpu_load <= cpu_capacity:  # the workers keep up: the device's time stays the training's
-                break
-            cpu, device = costs[i][0], costs[i][1] * self.sets[i].batch
-            if device_load + device > device_capacity:  # the device's share is a cap: beyond it refreshes defer
-                continue
-            plan[i] = True
-            cpu_load -= cpu
-            device_load += device
+        items = [(costs[i][0], costs[i][1] * self.sets[i].batch) for i in order]
+        device_load = 0.0
+        for position in cover(items, cpu_load - cpu_capacity, device_capacity):
+            plan[order[position]] = True
+            cpu_load -= items[position][0]
+            device_load += items[position][1]
         self.plan = plan
         self.load = (cpu_load / cpu_capacity, device_load / device_capacity)
         return plan
+
+
+def cover(items: list[tuple[float, float]], need: float, room: float) -> list[int]:
+    """Which of ``items`` (a set's worker seconds, its device seconds), given by the device's advantage, largest
+    first, move to the device so that their worker seconds reach ``need`` within ``room`` device seconds; returns
+    their positions. By the order, the device's time is spent where it saves the workers most; but where a set
+    would overshoot what is left of ``need`` (the large sets are a fifth of the workers' interval at 160M), the later,
+    smaller sets cover the rest instead if that takes less of the device, whose time is the training's. Short of
+    ``need`` where ``room`` runs out: the rest is deferred."""
+    chosen: list[int] = []
+    for k, (cpu, device) in enumerate(items):
+        if need <= 0:
+            break
+        if device > room:  # the device's share is a cap: beyond it refreshes defer
+            continue
+        if cpu > need:
+            rest = [k + 1 + j for j in cover(items[k + 1:], need, room)]
+            if (sum(items[j][0] for j in rest) >= need
+                    and sum(items[j][1] for j in rest) < device):
+                return chosen + rest
+        chosen.append(k)
+        need -= cpu
+        room -= device
+    return chosen
