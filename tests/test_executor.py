@@ -191,6 +191,7 @@ def test_the_balancer_gives_the_device_the_large_blocks_the_workers_cannot_finis
     ([(4.5, 0.27), (0.3, 0.03)], 9.0, 0.2, [1]),  # short of the need: the rest is deferred
     ([(4.5, 0.27), (0.3, 0.03)], 0.0, 1.0, []),  # the workers keep up
     ([(1.0, 0.1)] * 3 + [(0.4, 0.04)] * 3, 2.5, 10.0, [0, 1, 3, 4]),  # the overshoot is judged at each level
+    ([(1.0, 0.1)] * 5000, 0.5, 1e9, [0]),  # one level per equal set, none of which makes up the need alone
 ])
 def test_the_device_covers_what_the_workers_lack_at_little_device_time(items, need, room, expected):
     """``cover`` against the plans it should make, written out by hand: (worker s, device s) per set, by the

@@ -114,21 +114,35 @@ def cover(items: list[tuple[float, float]], need: float, room: float) -> list[in
     """Which of ``items`` (a set's worker seconds, its device seconds), given by the device's advantage, largest
     first, move to the device so that their worker seconds reach ``need`` within ``room`` device seconds; returns
     their positions. By the order, the device's time is spent where it saves the workers most; but where a set
-    would overshoot what is left of ``need`` (the large sets are a fifth of the workers' interval at 160M), the later,
-    smaller sets cover the rest instead if that takes less of the device, whose time is the training's. Short of
-    ``need`` where ``room`` runs out: the rest is deferred."""
-    chosen: list[int] = []
-    for k, (cpu, device) in enumerate(items):
-        if need <= 0:
+    would overshoot what is left of ``need`` (at 160M a set of four 2048 blocks is an eighth to a third of the
+    workers' interval), the later, smaller sets cover the rest instead if that takes less of the device, whose time
+    is the training's. Short of ``need`` where ``room`` runs out: the rest is deferred."""
+    # Walked as a loop, not recursion (many equal sets overshooting in turn would nest one call per set): each level
+    # takes sets by the order until one overshoots, and the next level, from the set after it with the same need
+    # and room, is the alternative to that set; the levels are then settled from the last.
+    levels: list[tuple[list[int], int, float]] = []  # (sets taken, the set that overshot, the need it overshot)
+    start, chosen = 0, []
+    while True:
+        overshoot = None
+        for k in range(start, len(items)):
+            cpu, device = items[k]
+            if need <= 0:
+                break
+            if device > room:  # the device's share is a cap: beyond it refreshes defer
+                continue
+            if cpu > need:
+                overshoot = k
+                break
+            chosen.append(k)
+            need -= cpu
+            room -= device
+        if overshoot is None:
             break
-        if device > room:  # the device's share is a cap: beyond it refreshes defer
-            continue
-        if cpu > need:
-            rest = [k + 1 + j for j in cover(items[k + 1:], need, room)]
-            if (sum(items[j][0] for j in rest) >= need
-                    and sum(items[j][1] for j in rest) < device):
-                return chosen + rest
-        chosen.append(k)
-        need -= cpu
-        room -= device
+        levels.append((chosen, overshoot, need))
+        start, chosen = overshoot + 1, []
+    while levels:
+        taken, k, short = levels.pop()
+        rest_cpu = sum(items[j][0] for j in chosen)
+        rest_device = sum(items[j][1] for j in chosen)
+        chosen = taken + (chosen if rest_cpu >= short and rest_device < items[k][1] else [k])
     return chosen
