@@ -4,19 +4,20 @@ OpenBLAS picks its kernels when it loads, from the CPU's model number. A model n
 its generic "Prescott" kernels (SSE2): Debian 12's OpenBLAS 0.3.21 does so on a 5th-generation Xeon (family
 6, model 207), where the refresh engine's two workers computed 1.07 inverse roots of 2048 blocks a second and
 1.33 of SOAP's warm-started bases, against 3.47 and 5.56 with the AVX-512 ("SkylakeX") kernels
-(``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset and the library not
-loaded yet, ``choose_kernels`` names the kernels that an Intel CPU's instruction flags support: SkylakeX with
-AVX-512 (CooperLake and SapphireRapids add only bfloat16 kernels; the refresh math is float32 and float64),
-Haswell with AVX2 and FMA. Other vendors keep OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always
-wins; ``runtime_stats()["blas_core"]`` says which kernels run. Where another library loaded OpenBLAS first,
-its kernels are chosen already: ``kernel_warning`` then says so if they are weaker than the CPU supports.
+(``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset, ``choose_kernels`` names the
+kernels that an Intel CPU's instruction flags support: SkylakeX with AVX-512 (CooperLake and SapphireRapids add only
+bfloat16 kernels; the refresh math is float32 and float64), Haswell with AVX2 and FMA. Other vendors keep OpenBLAS's
+choice. A user's own ``OPENBLAS_CORETYPE`` always wins; ``runtime_stats()["blas_core"]`` says which kernels run.
+OpenBLAS reads the variable once, when it loads, so a copy loaded before (numpy's, or the core's own library
+loaded by another module) keeps its kernels; where the core's are then weaker than the CPU supports,
+``warn_if_generic`` says so.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
@@ -52,21 +53,10 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[
     return vendor, flags
 
 
-def openblas_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
-    """Whether this process has mapped a libopenblas already (then its kernels are chosen)."""
-    try:
-        text = maps.read_text()
-    except OSError:
-        return False
-    return any(Path(line.split()[-1]).name.startswith("libopenblas") for line in text.splitlines()
-               if "/" in line)
-
-
-def choose_kernels(environ: MutableMapping[str, str] = os.environ, cpuinfo: Path = Path("/proc/cpuinfo"),
-                   maps: Path = Path("/proc/self/maps")) -> str | None:
-    """Sets ``OPENBLAS_CORETYPE`` from the CPU's flags where it is unset and OpenBLAS not loaded; returns
-    what it set (None: nothing)."""
-    if "OPENBLAS_CORETYPE" in environ or openblas_loaded(maps):
+def choose_kernels(environ: MutableMapping[str, str] = os.environ, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """Sets ``OPENBLAS_CORETYPE`` from the CPU's flags where it is unset; returns what it set (None: nothing). A copy
+    of OpenBLAS loaded already keeps its kernels: the variable reaches only the copies loaded after it."""
+    if "OPENBLAS_CORETYPE" in environ:
         return None
     coretype = coretype_for(*cpu_identity(cpuinfo))
     if coretype is not None:
@@ -81,15 +71,18 @@ def kernel_warning(core: str, vendor: str, flags: frozenset[str] | set[str], use
     if user_set or wanted is None or core.lower() in VECTOR_CORES:
         return None
     vectors = "AVX-512" if wanted == "SkylakeX" else "AVX2"
-    return (f"OpenBLAS runs its generic {core!r} kernels on a CPU with {vectors}: "
-            f"another library loaded it before asteria could name {wanted!r}, and the refresh workers' math runs "
-            f"about 3x slower (docs/results.md). Start the process with OPENBLAS_CORETYPE={wanted}, or import "
-            f"asteria first.")
+    return (f"OpenBLAS runs its {core!r} kernels on a CPU with {vectors}: it was loaded before asteria could name "
+            f"{wanted!r}, and the refresh workers' math runs up to 3x slower (docs/results.md). Start the process "
+            f"with OPENBLAS_CORETYPE={wanted}, or import asteria first.")
 
 
-def warn_if_generic(core: str, environ: Mapping[str, str] = os.environ) -> None:
-    """Warns (RuntimeWarning) where OpenBLAS runs kernels weaker than the CPU supports (``kernel_warning``). Called
-    after ``choose_kernels``: ``OPENBLAS_CORETYPE`` is then set unless the library was loaded before."""
-    message = kernel_warning(core, *cpu_identity(), user_set="OPENBLAS_CORETYPE" in environ)
+#: whether the user named the kernels (read when this module is imported, before ``choose_kernels`` sets them)
+USER_SET = "OPENBLAS_CORETYPE" in os.environ
+
+
+def warn_if_generic(core: str, user_set: bool | None = None) -> None:
+    """Warns (RuntimeWarning) where OpenBLAS runs kernels weaker than the CPU supports (``kernel_warning``);
+    ``user_set`` defaults to whether ``OPENBLAS_CORETYPE`` was set before asteria set it."""
+    message = kernel_warning(core, *cpu_identity(), user_set=USER_SET if user_set is None else user_set)
     if message is not None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)

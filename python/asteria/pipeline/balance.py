@@ -114,7 +114,7 @@ def cover(items: list[tuple[float, float]], need: float, room: float) -> list[in
     """Which of ``items`` (a set's worker seconds, its device seconds), given by the device's advantage, largest
     first, move to the device so that their worker seconds reach ``need`` within ``room`` device seconds; returns
     their positions. By the order, the device's time is spent where it saves the workers most; but where a set
-    would overshoot what is left of ``need`` (at 160M a set of four 2048 blocks is an eighth to a third of the
+    would overshoot what is left of ``need`` (at 160M a set of four 2048 blocks is an eighth to over a third of the
     workers' interval), the later, smaller sets cover the rest instead if that takes less of the device, whose time
     is the training's. Short of ``need`` where ``room`` runs out: the rest is deferred."""
     # Walked as a loop, not recursion (many equal sets overshooting in turn would nest one call per set): each level
