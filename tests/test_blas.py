@@ -56,10 +56,19 @@ def test_choose_kernels_leaves_a_users_choice_alone(tmp_path: Path) -> None:
     assert environ == {}
 
 
-def _core_in_fresh_process(environ: dict[str, str], first: str = "") -> str:
-    code = f"{first}import asteria; from asteria import _core; print(_core.blas_core())"
+def _unset() -> dict[str, str]:
+    """This process's environment without OPENBLAS_CORETYPE."""
+    return {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+
+
+def _fresh_process(code: str, environ: dict[str, str]) -> str:
+    """The stdout of ``code`` run in a fresh interpreter with ``environ``."""
     return subprocess.run([sys.executable, "-c", code], env=environ, check=True, capture_output=True,
                           text=True, timeout=120).stdout.strip()
+
+
+def _core_in_fresh_process(environ: dict[str, str], first: str = "") -> str:
+    return _fresh_process(f"{first}import asteria; from asteria import _core; print(_core.blas_core())", environ)
 
 
 def test_the_core_runs_the_kernels_this_cpu_supports() -> None:
@@ -69,7 +78,7 @@ def test_the_core_runs_the_kernels_this_cpu_supports() -> None:
     expected = blas.coretype_for(*blas.cpu_identity())
     if expected is None:
         pytest.skip("this CPU keeps OpenBLAS's own choice (not an Intel CPU with AVX2)")
-    environ = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    environ = _unset()
     assert _core_in_fresh_process(environ) == expected
     assert _core_in_fresh_process(environ, first="import numpy; numpy.ones((64, 64)) @ numpy.ones((64, 64)); ") \
         == expected
@@ -104,10 +113,9 @@ def test_openblas_loaded_first_warns_where_its_kernels_are_generic() -> None:
             "from asteria import _core\n"
             "print(_core.blas_core())\n"
             "print(sum('OPENBLAS_CORETYPE=' in str(w.message) for w in caught if w.category is RuntimeWarning))\n")
-    environ = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    environ = _unset()
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=environ, check=True, capture_output=True, text=True,
-                             timeout=120).stdout.split()
+        out = _fresh_process(code, environ).split()
     except subprocess.CalledProcessError as error:
         if "libopenblas.so.0" in error.stderr:
             pytest.skip("no libopenblas.so.0 on the loader's path")

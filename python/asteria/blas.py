@@ -80,9 +80,9 @@ def kernel_warning(core: str, vendor: str, flags: frozenset[str] | set[str], use
 USER_SET = "OPENBLAS_CORETYPE" in os.environ
 
 
-def warn_if_generic(core: str, user_set: bool | None = None) -> None:
-    """Warns (RuntimeWarning) where OpenBLAS runs kernels weaker than the CPU supports (``kernel_warning``);
-    ``user_set`` defaults to whether ``OPENBLAS_CORETYPE`` was set before asteria set it."""
-    message = kernel_warning(core, *cpu_identity(), user_set=USER_SET if user_set is None else user_set)
+def warn_if_generic(core: str) -> None:
+    """Warns (RuntimeWarning) where OpenBLAS runs kernels weaker than the CPU supports (``kernel_warning``), unless
+    the user set ``OPENBLAS_CORETYPE`` before asteria did."""
+    message = kernel_warning(core, *cpu_identity(), user_set=USER_SET)
     if message is not None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)

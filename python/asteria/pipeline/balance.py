@@ -96,10 +96,10 @@ class LaneBalancer:
             self.plan = plan
             return plan
         cpu_load = sum(cpu for cpu, _ in costs)
+        sides = [(cpu, device * s.batch) for (cpu, device), s in zip(costs, self.sets, strict=True)]
         # The device's advantage over the workers, largest first (ties: the larger sets first).
-        order = sorted(range(len(self.sets)), key=lambda i: (-costs[i][0] / (costs[i][1] * self.sets[i].batch),
-                                                            -costs[i][0]))
-        items = [(costs[i][0], costs[i][1] * self.sets[i].batch) for i in order]
+        order = sorted(range(len(sides)), key=lambda i: (-sides[i][0] / sides[i][1], -sides[i][0]))
+        items = [sides[i] for i in order]
         device_load = 0.0
         for position in cover(items, cpu_load - cpu_capacity, device_capacity):
             plan[order[position]] = True
