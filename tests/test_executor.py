@@ -17,7 +17,7 @@ from conftest import hold_plan, regression_data, small_mlp, train
 
 import asteria
 from asteria.pipeline import packing
-from asteria.pipeline.balance import LaneBalancer, cover
+from asteria.pipeline.balance import WORKER_UTILIZATION, LaneBalancer, cover
 from asteria.pipeline.factors import FactorSet
 from asteria.pipeline.refresh_math import refresh_set
 
@@ -156,20 +156,21 @@ def balancer_sets(dims: list[int]) -> list[FactorSet]:
 def test_the_balancer_gives_the_device_the_large_blocks_the_workers_cannot_finish():
     sets = balancer_sets([64, 64, 64, 256, 256])
     balancer = LaneBalancer(sets, interval=10, workers=2, device_share=1.0, cpu_prior={64: 1.0, 256: 1.0})
-    # Per interval (10 steps of 0.1 s): the workers have 2 x 1 x 0.85 = 1.7 s; the sets need 3 x 0.1 +
-    # 2 x 1.55 = 3.4 s of them. The device takes a 256 block in 0.2 s: one large set goes there, and for the
-    # 0.15 s the workers still lack two small sets (0.04 s of the device) rather than the other large one (0.2 s).
-    costs(balancer, {64: 0.1, 256: 1.55}, {64: 0.02, 256: 0.2}, 0.1)
+    # Per interval (10 steps of 0.1 s): the workers have 2 x 1 = 2 s; the sets need 3 x 0.1 + 2 x 1.85 =
+    # 4 s of them. The device takes a 256 block in 0.2 s: one large set goes there, and for the 0.15 s the
+    # workers still lack two small sets (0.04 s of the device) rather than the other large one (0.2 s).
+    assert WORKER_UTILIZATION == 1.0
+    costs(balancer, {64: 0.1, 256: 1.85}, {64: 0.02, 256: 0.2}, 0.1)
     plan = balancer.replan()
     assert plan[3] + plan[4] == 1 and sum(plan[:3]) == 2
     assert balancer.load[0] <= 1.0 and balancer.load[1] == pytest.approx(0.24)
     # Where the small sets cannot make up what the workers lack, both large ones go.
-    costs(balancer, {64: 0.1, 256: 1.8}, {64: 0.02, 256: 0.2}, 0.1)
+    costs(balancer, {64: 0.1, 256: 2.1}, {64: 0.02, 256: 0.2}, 0.1)
     assert balancer.replan() == [False, False, False, True, True]
     assert balancer.load[0] <= 1.0 and balancer.load[1] == pytest.approx(0.4)
     # A small share of the device caps it: one large set fits (0.2 s of 0.25 s), and beside it the small sets
     # that the remaining 0.05 s holds.
-    costs(balancer, {64: 0.1, 256: 1.55}, {64: 0.02, 256: 0.2}, 0.1)
+    costs(balancer, {64: 0.1, 256: 1.85}, {64: 0.02, 256: 0.2}, 0.1)
     balancer.device_share = 0.25
     plan = balancer.replan()
     assert plan[3] + plan[4] == 1 and sum(plan[:3]) == 2 and max(balancer.load) <= 1.0

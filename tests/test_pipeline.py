@@ -445,7 +445,8 @@ def test_late_activation_trains_on_the_cpu_where_no_wait_is_needed(name):
     assert losses[-1] < losses[0] and stats["refreshes"] > 0 and stats["max_staleness_seen"] <= 2
 
 
-def test_split_for_stagger_keeps_every_set_within_an_even_share():
+def test_split_for_stagger_keeps_every_set_within_an_even_share(monkeypatch):
+    from asteria.optim import groups as groups_module
     from asteria.optim.groups import ShapeGroup, split_for_stagger
 
     def group(batch: int, shape: tuple[int, ...], tag: str) -> ShapeGroup:
@@ -454,15 +455,21 @@ def test_split_for_stagger_keeps_every_set_within_an_even_share():
 
     big, wide, small, flat = group(48, (8, 6), "b"), group(5, (6, 6), "w"), group(2, (4, 4), "s"), group(7, (6,), "f")
     dims = lambda g: [] if g is flat else list(g.shape)  # noqa: E731 - the 1-D group has no factor sets
-    # Work: 48 (512 + 216) + 5 (216 + 216) + 2 (64 + 64) = 37360; an even share of 10 steps is 3736, so a
-    # part of `big` holds at most 3736 // 512 = 7 blocks: 48 blocks in 7 parts of 6 or 7.
+    # Work: 48 (512 + 216) + 5 (216 + 216) + 2 (64 + 64) = 37360; at two sets a step (the default) an even
+    # share of 10 steps is 1868, so a part of `big` holds at most 1868 // 512 = 3 blocks: 16 parts of 3.
+    assert groups_module.STAGGER_SETS_PER_STEP == 2
     out = split_for_stagger([big, wide, small, flat], 10, dims)
     parts = [g for g in out if g.blocks[0].startswith("b")]
-    assert [g.batch for g in parts] == [7, 7, 7, 6, 7, 7, 7]
+    assert [g.batch for g in parts] == [3] * 16
     assert [b for g in parts for b in g.blocks] == big.blocks  # consecutive runs, in order
     assert all(g.shape == (8, 6) and g.group_index == 0 and len(g.params) == g.batch for g in parts)
     assert out[-3:] == [wide, small, flat]  # within the share, or without sets: the same objects
-    assert max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 10
+    assert max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 20
+    # At one set a step the share is 3736: 3736 // 512 = 7 blocks a part, 48 blocks in 7 parts of 6 or 7.
+    monkeypatch.setattr(groups_module, "STAGGER_SETS_PER_STEP", 1)
+    out = split_for_stagger([big, wide, small, flat], 10, dims)
+    assert [g.batch for g in out if g.blocks[0].startswith("b")] == [7, 7, 7, 6, 7, 7, 7]
+    assert out[-3:] == [wide, small, flat] and max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 10
     assert split_for_stagger([big], 1, dims) == [big]  # one step per interval: nothing to spread
     lone = group(3, (10, 10), "l")  # a single block above the share stays a group of one
     assert [g.batch for g in split_for_stagger([lone, small], 10, dims)] == [1, 1, 1, 2]
@@ -517,13 +524,13 @@ def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
     """``stagger_split=None`` (the default) splits the large factor sets exactly where the schedule is
     staggered on one process (several ranks: ``tests/distributed``); runtime_stats reports the outcome. The
     preconditioners stay on the device here, so the shape groups stay whole and only the refreshed sets are
-    cut: the 24 weights' two sets and the 24 biases' set into four runs each."""
+    cut: the 24 weights' two sets and the 24 biases' set into eight runs each (two sets a step)."""
     sizes = (16,) * 25 + (4,)
     with asteria.Shampoo(small_mlp(sizes=sizes).parameters(), lr=0.01, precondition_frequency=10,
                          max_preconditioner_dim=16, precondition_1d=True,
                          runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
         assert opt.stagger_split is split and opt.runtime_stats()["stagger_split"] is split
-        assert len(opt._groups) == 4 and len(opt._set_groups) == (15 if split else 6)
+        assert len(opt._groups) == 4 and len(opt._set_groups) == (27 if split else 6)
 
 
 @pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)
@@ -568,7 +575,7 @@ def test_sliced_sets_resume_bit_for_bit(kind):
 
 
 def test_fault_injection_finds_the_blocks_of_sliced_sets():
-    """``asteria.testing`` reads the mode from a sliced set's name too ("..., mode 1, blocks 6-11"); a
+    """``asteria.testing`` reads the mode from a sliced set's name too ("..., mode 1, blocks 9-11"); a
     parameter whose jobs keep failing is named with its block's place in the shape group."""
     sizes = (16,) * 25 + (4,)
     model = small_mlp(sizes=sizes)
@@ -577,8 +584,8 @@ def test_fault_injection_finds_the_blocks_of_sliced_sets():
                          max_preconditioner_dim=16, precondition_1d=True, runtime=runtime) as opt:
         blocks = testing.engine_blocks(opt, "20.weight")
         assert sorted(b.mode for b in blocks) == [0, 1]
-        assert all(b.factor.startswith("block 10 of ") and ", blocks 6-11" in b.factor for b in blocks)
+        assert all(b.factor.startswith("block 10 of ") and ", blocks 9-11" in b.factor for b in blocks)
         testing.inject_fault(opt, "20.weight", "throw")
         with pytest.raises(RefreshError, match=r"refresh of block 10 of param group 0, blocks \(16, 16\), mode \d, "
-                                               r"blocks 6-11 of parameter '20.weight' failed"):
+                                               r"blocks 9-11 of parameter '20.weight' failed"):
             train(model, opt, 40, data=regression_data(sizes=sizes))

@@ -12,6 +12,11 @@ from torch import Tensor
 from asteria.optim.blocking import Block, partition
 from asteria.optim.steps import BlockSteps, to_device
 
+#: the stagger's sets per step: a large group is cut into runs of about 1 / (interval x this) of an interval's
+#: refresh work. A run is also the unit the lane balancer moves between the workers and the device, so runs of half
+#: a step's share let it give the device about what the workers lack, not up to a whole step's share more
+STAGGER_SETS_PER_STEP = 2
+
 
 def local(tensor: Tensor) -> Tensor:
     """The tensor this rank holds: a DTensor's local shard (FSDP2 / HSDP blocks it per shard), else itself."""
@@ -162,12 +167,12 @@ def stagger_runs(groups: list[ShapeGroup], interval: int,
                  refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[list[tuple[int, int]]]:
     """Per group, the runs ``[a, b)`` of consecutive blocks that the staggered schedule should refresh as
     separate factor sets so that it can spread the work evenly: a group whose sets carry more than an even
-    share of an interval's refresh work (1 / ``interval`` of all sets' batch x dim^3) is cut into near-equal
-    runs; a group that fits is one run. A set is refreshed whole at its one step of the interval, and one
-    large set would otherwise bring most of a step's jobs at once. ``refresh_dims(group)`` gives the
-    dimensions of the group's factor sets (none: the group has none)."""
+    share of an interval's refresh work (1 / (``interval`` x ``STAGGER_SETS_PER_STEP``) of all sets' batch x
+    dim^3) is cut into near-equal runs; a group that fits is one run. A set is refreshed whole at its one step
+    of the interval, and one large set would otherwise bring most of a step's jobs at once.
+    ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none)."""
     cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
-    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / interval
+    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / (interval * STAGGER_SETS_PER_STEP)
     runs: list[list[tuple[int, int]]] = []
     for group, c in zip(groups, cubes):
         per_block = max(c, default=0)
