@@ -281,6 +281,9 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
     ({"max_nonfinite_grad_steps": 0}, "Invalid max_nonfinite_grad_steps=0"),
     ({"local_world_size": 0}, "Invalid local_world_size=0"),
     ({"stagger_split": 1}, "Invalid stagger_split=1: must be None or a bool"),
+    ({"stagger_sets_per_step": 0}, r"Invalid stagger_sets_per_step=0: must be an int in \[1, 64\]"),
+    ({"stagger_sets_per_step": 2.0}, r"Invalid stagger_sets_per_step=2.0: must be an int"),
+    ({"stagger_sets_per_step": True}, r"Invalid stagger_sets_per_step=True: must be an int"),
     ({"stagger_split": True, "stagger": False}, "Invalid stagger_split=True: splits groups for the staggered "
                                                 "schedule: needs stagger=None or True, not False"),
     ({"device_sms": 0}, r"Invalid device_sms=0: must be None or an int in \[1, 1024\]"),

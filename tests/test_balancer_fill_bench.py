@@ -1,5 +1,5 @@
-"""bench/balancer_fill.py: ``asteria bench`` under a chosen plan fill and stagger unit, and clear errors for
-values the plan cannot use."""
+"""bench/balancer_fill.py: ``asteria bench`` under a chosen plan fill (with the bench's own stagger unit), and
+clear errors for values the plan cannot use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import re
 import pytest
 from conftest import bench_script
 
-import asteria.optim.groups as groups
 import asteria.pipeline.balance as balance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,22 +20,23 @@ TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-by
 @pytest.mark.parametrize(("argv", "message"), [
     (["--worker-utilization", "1.2", "--", "--steps", "2"], r"--worker-utilization=1.2: give a share .* \[0.1, 1.0\]"),
     (["--worker-utilization", "0", "--", "--steps", "2"], r"--worker-utilization=0.0"),
-    (["--sets-per-step", "0", "--", "--steps", "2"], r"--sets-per-step=0: give a whole number of sets, at least 1"),
-    (["--sets-per-step", "2"], "no asteria bench arguments"),
+    (["--worker-utilization", "0.9"], "no asteria bench arguments"),
 ])
 def test_values_the_plan_cannot_use_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_script("balancer_fill").main(argv)
-    assert balance.WORKER_UTILIZATION == 1.0 and groups.STAGGER_SETS_PER_STEP == 2  # the defaults, untouched
+    assert balance.WORKER_UTILIZATION == 1.0  # the default, untouched
     assert re.search(message, capsys.readouterr().err)
 
 
 def test_the_bench_runs_under_the_chosen_fill_and_unit(tmp_path, monkeypatch):
     monkeypatch.setattr(balance, "WORKER_UTILIZATION", balance.WORKER_UTILIZATION)  # restored afterwards
-    monkeypatch.setattr(groups, "STAGGER_SETS_PER_STEP", groups.STAGGER_SETS_PER_STEP)
-    argv = ["--worker-utilization", "0.85", "--sets-per-step", "3", "--", "--out", str(tmp_path), "--steps", "7",
-            "--eval-every", "7", "--configs", "adamw", "shampoo-async", *TINY]
+    argv = ["--worker-utilization", "0.85", "--", "--stagger-sets-per-step", "3", "--out", str(tmp_path), "--steps",
+            "7", "--eval-every", "7", "--configs", "adamw", "shampoo-async", *TINY]
     assert bench_script("balancer_fill").main(argv) == 0
-    assert balance.WORKER_UTILIZATION == 0.85 and groups.STAGGER_SETS_PER_STEP == 3
+    assert balance.WORKER_UTILIZATION == 0.85
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert list(runs) == ["adamw", "shampoo-async"] and runs["shampoo-async"]["refresh_work"] is not None
+    summary = json.loads((tmp_path / "shampoo-async" / "summary.json").read_text())
+    assert summary["config"]["stagger_sets_per_step"] == 3
+    assert json.loads((tmp_path / "balancer_fill.json").read_text()) == {"worker_utilization": 0.85}

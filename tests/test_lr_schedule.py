@@ -111,6 +111,22 @@ def test_a_checkpoint_from_before_the_split_resumes_with_whole_groups(mode, opti
     check_resumable(manifest, dataclasses.replace(cfg, stagger_split=False), Path("old"))
 
 
+@pytest.mark.parametrize("mode, stagger, refused", [("async", None, True), ("sync", None, False),
+                                                    ("sync", True, True), ("async", False, False)])
+def test_a_checkpoint_from_before_the_stagger_unit_resumes_with_its_cut(mode, stagger, refused):
+    """A manifest without stagger_sets_per_step cut its split sets at one a step; the default is now 2, so that
+    resume needs --stagger-sets-per-step 1 wherever the sets are split, and nothing where they stay whole."""
+    cfg = RunConfig(mode=mode, stagger=stagger)
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stagger_sets_per_step"}
+    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
+    if refused:
+        with pytest.raises(CheckpointError, match=r"stagger_sets_per_step=1 \(this run: 2\)"):
+            check_resumable(manifest, cfg, Path("old"))
+    else:
+        check_resumable(manifest, cfg, Path("old"))
+    check_resumable(manifest, dataclasses.replace(cfg, stagger_sets_per_step=1), Path("old"))
+
+
 @pytest.mark.parametrize("optimizer", ["soap", "shampoo", "kl-shampoo"])
 def test_a_checkpoint_from_before_the_start_setting_resumes_at_its_start(optimizer):
     """A manifest without start_preconditioning_step: SOAP then took its first basis at step 1 (its default is

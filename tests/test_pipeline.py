@@ -445,8 +445,7 @@ def test_late_activation_trains_on_the_cpu_where_no_wait_is_needed(name):
     assert losses[-1] < losses[0] and stats["refreshes"] > 0 and stats["max_staleness_seen"] <= 2
 
 
-def test_split_for_stagger_keeps_every_set_within_an_even_share(monkeypatch):
-    from asteria.optim import groups as groups_module
+def test_split_for_stagger_keeps_every_set_within_an_even_share():
     from asteria.optim.groups import ShapeGroup, split_for_stagger
 
     def group(batch: int, shape: tuple[int, ...], tag: str) -> ShapeGroup:
@@ -455,10 +454,9 @@ def test_split_for_stagger_keeps_every_set_within_an_even_share(monkeypatch):
 
     big, wide, small, flat = group(48, (8, 6), "b"), group(5, (6, 6), "w"), group(2, (4, 4), "s"), group(7, (6,), "f")
     dims = lambda g: [] if g is flat else list(g.shape)  # noqa: E731 - the 1-D group has no factor sets
-    # Work: 48 (512 + 216) + 5 (216 + 216) + 2 (64 + 64) = 37360; at two sets a step (the default) an even
-    # share of 10 steps is 1868, so a part of `big` holds at most 1868 // 512 = 3 blocks: 16 parts of 3.
-    assert groups_module.STAGGER_SETS_PER_STEP == 2
-    out = split_for_stagger([big, wide, small, flat], 10, dims)
+    # Work: 48 (512 + 216) + 5 (216 + 216) + 2 (64 + 64) = 37360; at two sets a step an even share of 10 steps
+    # is 1868, so a part of `big` holds at most 1868 // 512 = 3 blocks: 16 parts of 3.
+    out = split_for_stagger([big, wide, small, flat], 10, dims, 2)
     parts = [g for g in out if g.blocks[0].startswith("b")]
     assert [g.batch for g in parts] == [3] * 16
     assert [b for g in parts for b in g.blocks] == big.blocks  # consecutive runs, in order
@@ -466,13 +464,12 @@ def test_split_for_stagger_keeps_every_set_within_an_even_share(monkeypatch):
     assert out[-3:] == [wide, small, flat]  # within the share, or without sets: the same objects
     assert max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 20
     # At one set a step the share is 3736: 3736 // 512 = 7 blocks a part, 48 blocks in 7 parts of 6 or 7.
-    monkeypatch.setattr(groups_module, "STAGGER_SETS_PER_STEP", 1)
-    out = split_for_stagger([big, wide, small, flat], 10, dims)
+    out = split_for_stagger([big, wide, small, flat], 10, dims, 1)
     assert [g.batch for g in out if g.blocks[0].startswith("b")] == [7, 7, 7, 6, 7, 7, 7]
     assert out[-3:] == [wide, small, flat] and max(g.batch * d**3 for g in out for d in dims(g)) <= 37360 / 10
-    assert split_for_stagger([big], 1, dims) == [big]  # one step per interval: nothing to spread
+    assert split_for_stagger([big], 1, dims, 1) == [big]  # one set a step, one step an interval: nothing to spread
     lone = group(3, (10, 10), "l")  # a single block above the share stays a group of one
-    assert [g.batch for g in split_for_stagger([lone, small], 10, dims)] == [1, 1, 1, 2]
+    assert [g.batch for g in split_for_stagger([lone, small], 10, dims, 2)] == [1, 1, 1, 2]
 
 
 def refresh_loads(opt) -> list[int]:

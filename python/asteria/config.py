@@ -21,6 +21,7 @@ MAX_LANE_THREADS = 16  # the device lane's threads: beyond what overlapping refr
 MAX_THREADS = 1024  # workers, blas_threads: beyond any host's cores
 MAX_TIMEOUT_S = 1e7  # about 115 days; the core counts waits in int64 nanoseconds
 MIN_TIMEOUT_S = 1e-6  # a microsecond: the core's waits are whole nanoseconds
+MAX_SETS_PER_STEP = 64  # stagger_sets_per_step: finer cuts only add per-set overhead
 MAX_COUNT = 2**31 - 1  # sync_refreshes, max_consecutive_failures, max_nonfinite_grad_steps: C ints in the core
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -110,6 +111,11 @@ class RuntimeConfig:
         stagger_split: also cut factor sets bigger than an even share of an interval's work so that the
             stagger can spread them (the math is unchanged). ``None``: on where the schedule is staggered
             on one process. Needs ``stagger`` not False.
+        stagger_sets_per_step: ``stagger_split`` cuts a large set into runs of at most 1 /
+            (``precondition_frequency`` x this) of an interval's work. A cut set is also the unit the device
+            lane's balancer moves between the workers and the GPU, so 2 lets the lane take about what the
+            workers lack, not up to a step's share more (at olmo-160m a set of two 2048 blocks instead of
+            four). A checkpoint resumes only with the value it was saved with (1 before this setting existed).
         sync_refreshes: the first versions of every set (the bootstrap, then the first refreshes) are
             waited for at their own step under either rule: a late basis costs most while the factors are
             young. 0: none.
@@ -155,6 +161,7 @@ class RuntimeConfig:
     lag_steps: int | None = None
     stagger: bool | None = None
     stagger_split: bool | None = None
+    stagger_sets_per_step: int = 2
     sync_refreshes: int = 2
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
@@ -203,6 +210,8 @@ class RuntimeConfig:
                self.stagger_split, "must be None or a bool")
         _check(not (self.stagger_split is True and self.stagger is False), "stagger_split", self.stagger_split,
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
+        _check(is_int(self.stagger_sets_per_step) and 1 <= self.stagger_sets_per_step <= MAX_SETS_PER_STEP,
+               "stagger_sets_per_step", self.stagger_sets_per_step, f"must be an int in [1, {MAX_SETS_PER_STEP}]")
         _check(is_int(self.sync_refreshes) and 0 <= self.sync_refreshes <= MAX_COUNT, "sync_refreshes",
                self.sync_refreshes, f"must be an int in [0, {MAX_COUNT}]")
         _check(is_real(self.timeout_s) and MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S,

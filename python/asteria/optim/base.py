@@ -136,9 +136,11 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         # groups themselves are split.
         runs = None
         if self.stagger_split and one_process and resident:
-            runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims)
+            runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims,
+                                self.runtime.stagger_sets_per_step)
         elif self.stagger_split:
-            self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims)
+            self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims,
+                                             self.runtime.stagger_sets_per_step)
         #: the factor sets the schedule refreshes (slices of the groups' sets when split), with their groups
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []

@@ -53,6 +53,40 @@ def schedule_key(schedule: RefreshSchedule) -> dict[str, Any]:
             "phases": list(schedule.phases)}
 
 
+def stagger_cut(opt: SecondOrderOptimizer) -> dict[str, Any]:
+    """How the factor sets were cut for the stagger: the versions and the refreshes in flight are per set."""
+    return {"split": opt.stagger_split, "sets_per_step": opt.runtime.stagger_sets_per_step}
+
+
+def check_stagger_cut(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """Refuses, naming the setting, a checkpoint whose factor sets were cut for the stagger otherwise than
+    ``opt``'s. One saved before the cut was recorded was split at one set a step, if at all. Where no set is
+    large enough for the two cuts to differ, it loads."""
+    saved = state_dict.get("stagger_cut")
+    mine = stagger_cut(opt)
+    split, sets_per_step = (saved.get("split"), saved.get("sets_per_step")) if isinstance(saved, dict) else (None, 1)
+    other_split = split is not None and split != mine["split"]
+    other_unit = mine["split"] and split is not False and sets_per_step != mine["sets_per_step"]
+    if not (other_split or other_unit):
+        return
+    versions = state_dict.get("versions")
+    cut = ([len(v) if isinstance(v, (list, tuple)) else None for v in versions]
+           if isinstance(versions, (list, tuple)) else None)
+    if cut == [fset.batch for fset, _ in opt._set_groups] and state_dict.get("layout") == layout(opt._groups):
+        return
+    if other_split:
+        def described(value: Any) -> str:
+            return "split for the stagger" if value else "whole"
+        raise ValueError(f"Invalid state_dict: its factor sets were {described(split)}, this optimizer's are "
+                         f"{described(mine['split'])} (RuntimeConfig.stagger_split differ: resume with "
+                         f"stagger_split={split})")
+    before = "" if isinstance(saved, dict) else (" (saved before asteria recorded the cut; if its sets were split at "
+                                                 "all: RuntimeConfig.stagger_split)")
+    raise ValueError(f"Invalid state_dict: its factor sets were cut for the stagger at {sets_per_step} a step{before}, "
+                     f"this optimizer's at {mine['sets_per_step']}; resume with "
+                     f"RuntimeConfig(stagger_sets_per_step={sets_per_step})")
+
+
 def bound(opt: SecondOrderOptimizer) -> dict[str, int | None]:
     """The staleness bound and the deterministic rule's lag (None: not that rule) under which a checkpoint's
     refreshes in flight were scheduled."""
@@ -97,6 +131,7 @@ def _own_state(opt: SecondOrderOptimizer) -> dict[str, Any]:
         "bound": bound(opt),
         "schedule": schedule_key(opt.schedule),
         "precondition_1d": opt.precondition_1d,
+        "stagger_cut": stagger_cut(opt),
     }
 
 
@@ -176,6 +211,7 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         raise ValueError(f"Invalid state_dict: saved in mode {state_dict['runtime_mode']!r}, this optimizer runs "
                          f"mode {opt.runtime.mode!r}")
     check_bound(opt, state_dict.get("bound"))
+    check_stagger_cut(opt, state_dict)
     if state_dict["layout"] != layout(opt._groups):
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                          f"{layout(opt._groups)} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "

@@ -12,11 +12,6 @@ from torch import Tensor
 from asteria.optim.blocking import Block, partition
 from asteria.optim.steps import BlockSteps, to_device
 
-#: the stagger's sets per step: a large group is cut into runs of about 1 / (interval x this) of an interval's
-#: refresh work. A run is also the unit the lane balancer moves between the workers and the device, so runs of half
-#: a step's share let it give the device about what the workers lack, not up to a whole step's share more
-STAGGER_SETS_PER_STEP = 2
-
 
 def local(tensor: Tensor) -> Tensor:
     """The tensor this rank holds: a DTensor's local shard (FSDP2 / HSDP blocks it per shard), else itself."""
@@ -163,16 +158,17 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
     return list(groups.values())
 
 
-def stagger_runs(groups: list[ShapeGroup], interval: int,
-                 refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[list[tuple[int, int]]]:
+def stagger_runs(groups: list[ShapeGroup], interval: int, refresh_dims: Callable[[ShapeGroup], list[int]],
+                 sets_per_step: int) -> list[list[tuple[int, int]]]:
     """Per group, the runs ``[a, b)`` of consecutive blocks that the staggered schedule should refresh as
     separate factor sets so that it can spread the work evenly: a group whose sets carry more than an even
-    share of an interval's refresh work (1 / (``interval`` x ``STAGGER_SETS_PER_STEP``) of all sets' batch x
-    dim^3) is cut into near-equal runs; a group that fits is one run. A set is refreshed whole at its one step
-    of the interval, and one large set would otherwise bring most of a step's jobs at once.
-    ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none)."""
+    share of an interval's refresh work (1 / (``interval`` x ``sets_per_step``) of all sets' batch x dim^3)
+    is cut into near-equal runs; a group that fits is one run. A set is refreshed whole at its one step of the
+    interval, and one large set would otherwise bring most of a step's jobs at once
+    (``RuntimeConfig.stagger_sets_per_step`` says why more than one a step). ``refresh_dims(group)`` gives the
+    dimensions of the group's factor sets (none: the group has none)."""
     cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
-    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / (interval * STAGGER_SETS_PER_STEP)
+    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / (interval * sets_per_step)
     runs: list[list[tuple[int, int]]] = []
     for group, c in zip(groups, cubes):
         per_block = max(c, default=0)
@@ -185,12 +181,12 @@ def stagger_runs(groups: list[ShapeGroup], interval: int,
     return runs
 
 
-def split_for_stagger(groups: list[ShapeGroup], interval: int,
-                      refresh_dims: Callable[[ShapeGroup], list[int]]) -> list[ShapeGroup]:
+def split_for_stagger(groups: list[ShapeGroup], interval: int, refresh_dims: Callable[[ShapeGroup], list[int]],
+                      sets_per_step: int) -> list[ShapeGroup]:
     """The groups cut into the runs of ``stagger_runs``, each a shape group of its own (for preconditioners
     that the tiers move set by set: host, device views, NVMe). Only the batching changes, not the math."""
     out: list[ShapeGroup] = []
-    for group, runs in zip(groups, stagger_runs(groups, interval, refresh_dims)):
+    for group, runs in zip(groups, stagger_runs(groups, interval, refresh_dims, sets_per_step)):
         if len(runs) == 1:
             out.append(group)
             continue

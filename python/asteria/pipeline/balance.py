@@ -26,9 +26,9 @@ from collections import deque
 from asteria.pipeline.factors import FactorSet
 
 #: the share of the workers' time the plan fills. All of it: a reserve kept on the workers goes to the lane, whose
-#: time is the training's (at 160m, 32 x 1024, a 15% reserve gave the lane half an interval where a quarter served,
-#: and the steps 1.20x AdamW's against 1.10x; docs/results.md), and the stagger's sets are small enough
-#: (``groups.STAGGER_SETS_PER_STEP``) that a full queue still drains within the interval
+#: time is the training's (at 160m, 32 x 1024, on an H100, a 15% reserve gave the lane half an interval where a
+#: quarter served, and the steps 1.20x AdamW's against 1.10x, with nothing deferred either way; docs/results.md).
+#: Where the workers are short, a full plan defers a little more (at 8 x 1024 up to 1% of the refreshes)
 WORKER_UTILIZATION = 1.0
 
 
@@ -117,7 +117,7 @@ def cover(items: list[tuple[float, float]], need: float, room: float) -> list[in
     """Which of ``items`` (a set's worker seconds, its device seconds), given by the device's advantage, largest
     first, move to the device so that their worker seconds reach ``need`` within ``room`` device seconds; returns
     their positions. By the order, the device's time is spent where it saves the workers most; but where a set
-    would overshoot what is left of ``need`` (at 160M a set of four 2048 blocks is an eighth to over a third of the
+    would overshoot what is left of ``need`` (at 160M a set of two 2048 blocks is a sixteenth to over a sixth of the
     workers' interval), the later, smaller sets cover the rest instead if that takes less of the device, whose time
     is the training's. Short of ``need`` where ``room`` runs out: the rest is deferred."""
     # Walked as a loop, not recursion (many equal sets overshooting in turn would nest one call per set): each level

@@ -66,9 +66,11 @@ HELP = {
     "stagger": "spread the factor sets' refreshes over the steps of each interval (default: in Asteria mode on "
                "one process, unless every version is used at its own step: --staleness 0 or --lag-steps 0); "
                "--no-stagger refreshes every set at the same step, as native mode does",
-    "stagger_split": "split shape groups whose factor sets would carry more than 1/f of an interval's refresh work, "
-                     "so that the stagger spreads the jobs evenly over the steps (the same math, smaller batches; "
-                     "default: wherever one process staggers)",
+    "stagger_split": "split shape groups whose factor sets would carry more than 1/(f x --stagger-sets-per-step) of "
+                     "an interval's refresh work, so that the stagger spreads the jobs evenly over the steps (the "
+                     "same math, smaller batches; default: wherever one process staggers)",
+    "stagger_sets_per_step": "with the split, cut the large sets to at most 1/(f x N) of an interval's refresh work: "
+                             "a cut set is also the unit the GPU's refresh work takes from the workers (default: 2)",
     "deterministic_kernels": "torch's deterministic kernels, strictly (an operator without one raises; attention's "
                              "backward takes its deterministic algorithm) with cuBLAS's fixed workspace, so that runs "
                              "of one config differ only by the activation timing of --no-deterministic",
@@ -190,6 +192,9 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
             (switch("deterministic"), cfg.deterministic is not None, what),
             (switch("stagger"), (adamw or peer) and "stagger" in given, what),
             (switch("stagger_split"), "stagger_split" in given and (adamw or cfg.stagger is not True),
+             what if adamw else f"{what} without --stagger"),
+            (f"--stagger-sets-per-step {cfg.stagger_sets_per_step}",
+             "stagger_sets_per_step" in given and (adamw or cfg.stagger is not True),
              what if adamw else f"{what} without --stagger")):
         if asked:
             raise ValueError(f"Invalid {flag} with {unused}: it sets how the refreshes are scheduled or activated, "

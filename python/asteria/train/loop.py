@@ -99,7 +99,7 @@ def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> aster
                                  sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,
                                  # where the schedule is staggered: async mode, or native with --stagger
                                  stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
-                                 else None,
+                                 else None, stagger_sets_per_step=cfg.stagger_sets_per_step,
                                  memory=memory, local_world_size=local_world_size, **(dict(
                                      in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
                                      device_share=float(cfg.device_share), device_sms=cfg.device_sms,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import asteria
-from asteria.config import MAX_FREQUENCY, MAX_STALENESS, is_int
+from asteria.config import MAX_FREQUENCY, MAX_SETS_PER_STEP, MAX_STALENESS, is_int
 from asteria.hooks import PREFETCH_POINTS
 from asteria.optim.soap import SOAP
 from asteria.train import checkpoint
@@ -38,16 +38,17 @@ MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak lea
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "beta2",
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
-                     "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split",
+                     "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split", "stagger_sets_per_step",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split", "start_preconditioning_step", "precondition_1d", "first_basis")
+                         "stagger_split", "stagger_sets_per_step", "start_preconditioning_step", "precondition_1d",
+                         "first_basis")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
-                   "lag_steps": None, "late_activation": False, "stagger_split": False,
+                   "lag_steps": None, "late_activation": False, "stagger_split": False, "stagger_sets_per_step": 1,
                    "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None}
 
 
@@ -71,6 +72,7 @@ class RunConfig:
     sync_refreshes: int = 2
     stagger: bool | None = None
     stagger_split: bool | None = None
+    stagger_sets_per_step: int = 2
     precondition_frequency: int = 10
     start_preconditioning_step: int | None = None
     precondition_1d: bool | None = None
@@ -144,6 +146,8 @@ class RunConfig:
               and not (self.stagger_split and self.stagger is False),
               "stagger_split", "must be None, True or False, and True only where the schedule is staggered (not "
               "with --no-stagger)")
+        check(is_int(self.stagger_sets_per_step) and 1 <= self.stagger_sets_per_step <= MAX_SETS_PER_STEP,
+              "stagger_sets_per_step", f"must be an int in [1, {MAX_SETS_PER_STEP}]")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
         check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
@@ -280,6 +284,8 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     this["first_basis"] = this["first_basis"] or "eigh"
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
+    for config in (saved, this):  # the cut only where the sets are split
+        config["stagger_sets_per_step"] = config["stagger_sets_per_step"] if config["stagger_split"] else None
     unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
         SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
     if cfg.mode == "sync" and saved["stagger"] is not True and this["stagger"] is not True:

@@ -1,0 +1,77 @@
+"""How the stagger cuts the factor sets (``RuntimeConfig.stagger_sets_per_step``) and what a checkpoint needs of
+it: the versions and the refreshes in flight are saved per set, so a checkpoint loads only into sets cut as its
+were, and a different cut is refused by name, never loaded into the wrong sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import regression_data, resume_is_exact, small_mlp, train
+
+import asteria
+
+SIZES = (16,) * 25 + (4,)  # 24 weights of 16 x 16 and 24 biases: sets large enough to cut
+
+
+def make(sets_per_step: int, sizes: tuple[int, ...] = SIZES, **runtime):
+    model = small_mlp(sizes=sizes)
+    config = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, deterministic=True,
+                                   stagger_sets_per_step=sets_per_step, **runtime)
+    return model, asteria.Shampoo(model.parameters(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=16,
+                                  precondition_1d=True, runtime=config)
+
+
+@pytest.mark.parametrize(("sets_per_step", "sets"), [(1, 15), (2, 27), (4, 75)])
+def test_more_sets_a_step_cut_the_large_sets_finer(sets_per_step, sets):
+    """24 blocks of 16 per set, three such sets of 24 x 16^3 among 6 (all sets: 3 x 98304 + 3 small ones, about
+    294,960): at 1 a step the share of 10 steps holds 7 blocks (4 runs a set), at 2 it holds 3 (8 runs), at 4
+    one (24 runs); the three small sets stay whole."""
+    _, opt = make(sets_per_step)
+    with opt:
+        assert opt.stagger_split and len(opt._set_groups) == sets
+        assert sum(s.batch for s, _ in opt._set_groups) == 3 * 24 + 3 * 1
+
+
+def test_a_checkpoint_cut_otherwise_is_refused_by_name_and_resumes_with_its_cut():
+    data = regression_data(sizes=SIZES)
+    model, opt = make(1)
+    with opt:
+        train(model, opt, 7, data=data)
+        saved = opt.state_dict()
+    assert saved["stagger_cut"] == {"split": True, "sets_per_step": 1}
+    legacy = {k: v for k, v in saved.items() if k != "stagger_cut"}  # written before the cut was recorded
+    for state, before in ((saved, ""), (legacy, r" \(saved before asteria recorded the cut")):
+        _, opt = make(2)
+        with opt, pytest.raises(ValueError, match=r"its factor sets were cut for the stagger at 1 a step" + before
+                                + r".*this optimizer's at 2; resume with RuntimeConfig\(stagger_sets_per_step=1\)"):
+            opt.load_state_dict(state)
+        _, opt = make(1)
+        with opt:
+            opt.load_state_dict(state)
+    # The cut named in the error resumes bit for bit.
+    assert resume_is_exact(lambda: make(1), data, before=7, after=8)
+    # Sets split on one side and whole on the other: named too (before, the versions' count said only "differ").
+    _, whole = make(2, stagger_split=False)
+    with whole, pytest.raises(ValueError, match=r"its factor sets were split for the stagger, this optimizer's are "
+                                                r"whole \(RuntimeConfig.stagger_split differ"):
+        whole.load_state_dict(saved)
+
+
+def test_a_checkpoint_whose_sets_no_cut_divides_loads_at_any_unit_and_split():
+    """One block per shape: no set can be cut, so a checkpoint written before the cut was recorded (at 1 a step),
+    or with its sets whole, loads at the default 2 with the sets split."""
+    sizes = (16, 16, 8)
+    saved = {}
+    for label, runtime in (("legacy", {}), ("whole", {"stagger_split": False})):
+        model, opt = make(1, sizes=sizes, **runtime)
+        with opt:
+            train(model, opt, 5, data=regression_data(sizes=sizes))
+            saved[label] = opt.state_dict()
+    del saved["legacy"]["stagger_cut"]
+    assert saved["whole"]["stagger_cut"] == {"split": False, "sets_per_step": 1}
+    for state in saved.values():
+        _, opt = make(2, sizes=sizes)
+        with opt:
+            assert opt.stagger_split
+            opt.load_state_dict(state)
+            assert opt._step == 5 and torch.is_tensor(next(iter(opt._groups[0].state.values())))
