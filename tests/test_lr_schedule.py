@@ -95,36 +95,30 @@ def test_a_non_finite_gradient_is_left_where_it_is():
     assert torch.isnan(model[0].grad[0]) and model[0].grad[1] == 1.0
 
 
-@pytest.mark.parametrize("mode, optimizer, refused", [("async", "shampoo", True), ("sync", "soap", False),
-                                                      ("async", "adamw", False)])
-def test_a_checkpoint_from_before_the_split_resumes_with_whole_groups(mode, optimizer, refused):
-    """A manifest without stagger_split kept its groups whole; the default now splits them where one process
-    staggers (Asteria mode), so that resume needs --no-stagger-split there and nothing elsewhere."""
-    cfg = RunConfig(mode=mode, optimizer=optimizer)
-    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stagger_split"}
+@pytest.mark.parametrize("setting, legacy, mode, optimizer, stagger, refused", [
+    ("stagger_split", False, "async", "shampoo", None, True),
+    ("stagger_split", False, "sync", "soap", None, False),
+    ("stagger_split", False, "async", "adamw", None, False),
+    ("stagger_sets_per_step", 1, "async", "shampoo", None, True),
+    ("stagger_sets_per_step", 1, "sync", "soap", None, False),
+    ("stagger_sets_per_step", 1, "sync", "shampoo", True, True),
+    ("stagger_sets_per_step", 1, "async", "soap", False, False),
+])
+def test_a_checkpoint_from_before_a_stagger_setting_resumes_with_its_sets(setting, legacy, mode, optimizer, stagger,
+                                                                         refused):
+    """A manifest without stagger_split kept its groups whole, and one without stagger_sets_per_step cut its split
+    sets at one a step; the defaults now split them where one process staggers (Asteria mode, or native with
+    --stagger), at two a step, so that resume needs --no-stagger-split or --stagger-sets-per-step 1 there and
+    nothing where the sets stay whole."""
+    cfg = RunConfig(mode=mode, optimizer=optimizer, stagger=stagger)
+    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != setting}
     manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
     if refused:
-        with pytest.raises(CheckpointError, match=r"stagger_split=False \(this run: True\)"):
+        with pytest.raises(CheckpointError, match=rf"{setting}={legacy} \(this run: "):
             check_resumable(manifest, cfg, Path("old"))
     else:
         check_resumable(manifest, cfg, Path("old"))
-    check_resumable(manifest, dataclasses.replace(cfg, stagger_split=False), Path("old"))
-
-
-@pytest.mark.parametrize("mode, stagger, refused", [("async", None, True), ("sync", None, False),
-                                                    ("sync", True, True), ("async", False, False)])
-def test_a_checkpoint_from_before_the_stagger_unit_resumes_with_its_cut(mode, stagger, refused):
-    """A manifest without stagger_sets_per_step cut its split sets at one a step; the default is now 2, so that
-    resume needs --stagger-sets-per-step 1 wherever the sets are split, and nothing where they stay whole."""
-    cfg = RunConfig(mode=mode, stagger=stagger)
-    saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != "stagger_sets_per_step"}
-    manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)
-    if refused:
-        with pytest.raises(CheckpointError, match=r"stagger_sets_per_step=1 \(this run: 2\)"):
-            check_resumable(manifest, cfg, Path("old"))
-    else:
-        check_resumable(manifest, cfg, Path("old"))
-    check_resumable(manifest, dataclasses.replace(cfg, stagger_sets_per_step=1), Path("old"))
+    check_resumable(manifest, dataclasses.replace(cfg, **{setting: legacy}), Path("old"))
 
 
 @pytest.mark.parametrize("optimizer", ["soap", "shampoo", "kl-shampoo"])
