@@ -187,15 +187,16 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
 
+    # The split and its cut apply only where the schedule is staggered: native mode staggers with --stagger alone.
+    unstaggered = adamw or cfg.stagger is not True
+    unstaggered_run = what if adamw else f"{what} without --stagger"
     for flag, asked, unused in (
             ("--late-activation", cfg.late_activation is True, what),
             (switch("deterministic"), cfg.deterministic is not None, what),
             (switch("stagger"), (adamw or peer) and "stagger" in given, what),
-            (switch("stagger_split"), "stagger_split" in given and (adamw or cfg.stagger is not True),
-             what if adamw else f"{what} without --stagger"),
-            (f"--stagger-sets-per-step {cfg.stagger_sets_per_step}",
-             "stagger_sets_per_step" in given and (adamw or cfg.stagger is not True),
-             what if adamw else f"{what} without --stagger")):
+            (switch("stagger_split"), "stagger_split" in given and unstaggered, unstaggered_run),
+            (f"--stagger-sets-per-step {cfg.stagger_sets_per_step}", "stagger_sets_per_step" in given and unstaggered,
+             unstaggered_run)):
         if asked:
             raise ValueError(f"Invalid {flag} with {unused}: it sets how the refreshes are scheduled or activated, "
                              f"which {unused} does not use")
