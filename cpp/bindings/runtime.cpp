@@ -232,6 +232,10 @@ void init_runtime(nb::module_& m) {
           "block"_a, "version"_a, "basis"_a,
           "Seeds an eigenbasis block's warm-start chain with the good basis (n, n) of `version` (copied), e.g. the "
           "basis in use when a run resumes; the next submitted version warm-starts from it.")
+      .def("seed_basis", &RefreshEngine::seed_basis, "block"_a, "version"_a, "next"_a,
+           "set_basis() without the copy: the good basis of `version` lies in rows [0, n) of the block's result "
+           "buffer of version `next`, which the caller fills before it submits `next`, the block's next version; "
+           "that job takes it into the chain on its worker (and fails if it is not finite).")
       .def("chain_busy", &RefreshEngine::chain_busy, "block"_a,
            "Whether the block's newest eigenbasis job has not ended (set_basis() would refuse); False for a root block.")
       .def(

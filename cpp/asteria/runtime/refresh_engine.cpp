@@ -191,6 +191,11 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
                               " with an activation step >= " + std::to_string(b.last_activation_step) +
                               ": each job warm-starts from the one before");
       }
+      if (b.seeded_next != 0 && version != b.seeded_next) {
+        throw InvalidArgument("[RefreshEngine::submit] " + block_name(id) + ": eigenbasis version " +
+                              std::to_string(version) + " submitted, but seed_basis left the basis for version " +
+                              std::to_string(b.seeded_next) + " in that version's result buffer");
+      }
       if (b.chain_needs_basis) {
         throw InvalidArgument("[RefreshEngine::submit] " + block_name(id) + ": eigenbasis version " +
                               std::to_string(b.last_version) + " was computed outside the engine; seed the "
@@ -247,6 +252,7 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
     if (b.kind == RefreshKind::kEigenbasis) {
       b.last_job = job;
       b.last_version = version;
+      b.seeded_next = 0;
       b.last_activation_step = activation_step;
     }
     in_flight_.push_back(std::move(job));
@@ -290,6 +296,8 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
         } catch (const std::exception&) {
         }
       }
+      // Before the job claims its result buffer, which may be the one the seed lies in.
+      if (b.kind == RefreshKind::kEigenbasis) adopt_seed(b, id);
       output = reinterpret_cast<float*>(b.results.begin_write(version, config_.slot_timeout));
     } catch (...) {
       b.snapshots.release(version);

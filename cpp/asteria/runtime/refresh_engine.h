@@ -151,6 +151,13 @@ class RefreshEngine {
   // Throws InvalidArgument for an inverse-root block, a version not after the newest submitted one,
   // or a non-finite basis. Must not race with submit() for the same block.
   void set_basis(std::int64_t block, std::int64_t version, const float* basis);
+  // set_basis for a caller that must not wait (a training thread): the basis of `version` is not passed but
+  // lies in rows [0, n) of the result buffer of `next` (buffer next % depth), which the caller fills before it
+  // submits `next`, the block's next version (submit() refuses any other). The block's next job takes it into
+  // the chain when it starts, on its worker, so the caller neither copies n x n floats nor waits for the copy
+  // that fills the buffer (a device's, ended by the submit). A basis found not finite there fails that job,
+  // and the chain keeps its basis from before. Throws as set_basis does, and for `next` <= `version`.
+  void seed_basis(std::int64_t block, std::int64_t version, std::int64_t next);
   // Whether the block's newest eigenbasis job has not ended yet (set_basis would refuse); false for a root block.
   bool chain_busy(std::int64_t block) const;
 
@@ -241,8 +248,14 @@ class RefreshEngine {
   static double job_cost(const Block& b);
   Block& block(std::int64_t id);
   const Block& block(std::int64_t id) const;
+  // The result buffer of `version` (its first float).
+  static float* result_buffer(Block& b, std::int64_t version);
   // The column-order row of `version`'s result buffer (kEigenbasis blocks).
   static float* order_row(Block& b, std::int64_t version);
+  // What set_basis and seed_basis check and record about the chain's seed `version`. Requires mutex_.
+  static void claim_seed(Block& b, std::int64_t version, const std::string& where);
+  // A job's start: the chain takes the basis seed_basis left in a result buffer, if any. Takes chain_mutex.
+  static void adopt_seed(Block& b, std::int64_t id);
   // Rewrites `version`'s order relative to b.activated (see activate()). Requires mutex_.
   static void compose_order(Block& b, std::int64_t version);
 

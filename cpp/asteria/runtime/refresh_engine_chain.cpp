@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "asteria/common/errors.h"
@@ -16,6 +17,17 @@ namespace asteria::runtime {
 
 using detail::block_name;
 
+void RefreshEngine::claim_seed(Block& b, std::int64_t version, const std::string& where) {
+  if (version < 1 || version < b.last_version || (b.last_job && !b.last_job->finished())) {
+    throw InvalidArgument(where + "Invalid version=" + std::to_string(version) +
+                          ": must be >= 1 and >= the newest submitted version " + std::to_string(b.last_version) +
+                          ", with no eigenbasis job of the block in flight");
+  }
+  b.last_version = version;
+  b.activated = version;
+  b.chain_needs_basis = false;
+}
+
 void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float* basis) {
   Block& b = block(id);
   const std::string where = "[RefreshEngine::set_basis] " + block_name(id) + ": ";
@@ -26,17 +38,42 @@ void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float
     throw InvalidArgument(where + "the basis of version " + std::to_string(version) + " is not finite");
   }
   std::lock_guard lock(mutex_);
-  if (version < 1 || version < b.last_version || (b.last_job && !b.last_job->finished())) {
-    throw InvalidArgument(where + "Invalid version=" + std::to_string(version) +
-                          ": must be >= 1 and >= the newest submitted version " + std::to_string(b.last_version) +
-                          ", with no eigenbasis job of the block in flight");
-  }
-  b.last_version = version;
-  b.activated = version;
-  b.chain_needs_basis = false;
+  claim_seed(b, version, where);
+  b.seeded_next = 0;
   std::lock_guard chain(b.chain_mutex);
   b.good_basis.assign(basis, basis + nn);
   b.good_version = version;
+  b.seed = nullptr;
+}
+
+void RefreshEngine::seed_basis(std::int64_t id, std::int64_t version, std::int64_t next) {
+  Block& b = block(id);
+  const std::string where = "[RefreshEngine::seed_basis] " + block_name(id) + ": ";
+  if (b.kind != RefreshKind::kEigenbasis) throw InvalidArgument(where + "not an eigenbasis block");
+  if (next <= version) {
+    throw InvalidArgument(where + "Invalid next=" + std::to_string(next) + ": must be after version=" +
+                          std::to_string(version) + ", whose basis its result buffer holds");
+  }
+  std::lock_guard lock(mutex_);
+  claim_seed(b, version, where);
+  b.seeded_next = next;
+  std::lock_guard chain(b.chain_mutex);
+  b.seed = result_buffer(b, next);
+  b.seed_version = version;
+}
+
+void RefreshEngine::adopt_seed(Block& b, std::int64_t id) {
+  std::lock_guard chain(b.chain_mutex);
+  if (b.seed == nullptr) return;
+  const float* seed = std::exchange(b.seed, nullptr);
+  const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
+  if (!std::all_of(seed, seed + nn, [](float x) { return std::isfinite(x); })) {
+    throw InvalidArgument("[RefreshEngine] " + block_name(id) + ": the basis of version " +
+                          std::to_string(b.seed_version) + " given by seed_basis is not finite (the chain keeps " +
+                          "version " + std::to_string(b.good_version) + "'s)");
+  }
+  b.good_basis.assign(seed, seed + nn);
+  b.good_version = b.seed_version;
 }
 
 bool RefreshEngine::chain_busy(std::int64_t id) const {
@@ -81,9 +118,12 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
   return outcome;
 }
 
+float* RefreshEngine::result_buffer(Block& b, std::int64_t version) {
+  return b.result_base + (version % b.depth) * b.result_stride;
+}
+
 float* RefreshEngine::order_row(Block& b, std::int64_t version) {
-  const std::int64_t buffer = version % b.depth;
-  return b.result_base + buffer * b.result_stride + static_cast<std::int64_t>(b.n) * (b.n + 1);
+  return result_buffer(b, version) + static_cast<std::int64_t>(b.n) * (b.n + 1);
 }
 
 void RefreshEngine::compose_order(Block& b, std::int64_t version) {

@@ -83,6 +83,7 @@ struct RefreshEngine::Block {
   // The eigenbasis chain, submission side; guarded by the engine's mutex_.
   std::optional<JobHandle> last_job;
   std::int64_t last_version = 0;  // newest version submitted or seeded
+  std::int64_t seeded_next = 0;   // seed_basis() named the version submitted next (0: none)
   std::int64_t last_activation_step = std::numeric_limits<std::int64_t>::min();
 
   // The eigenbasis chain, job side. The block's jobs already run one at a time, each waiting for its
@@ -90,6 +91,10 @@ struct RefreshEngine::Block {
   std::mutex chain_mutex;
   std::vector<float> good_basis;  // guarded by chain_mutex; n x n, torch layout
   std::int64_t good_version = 0;  // guarded by chain_mutex; 0: no good basis yet
+  // seed_basis(): the basis of seed_version in a result buffer, until the block's next job takes it; guarded
+  // by chain_mutex. Nothing writes that buffer before: a job of the block reads it at its start.
+  const float* seed = nullptr;
+  std::int64_t seed_version = 0;
 };
 
 }  // namespace asteria::runtime

@@ -5,9 +5,11 @@
 #include <chrono>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "asteria/common/errors.h"
+#include "asteria/linalg/eigenbasis.h"
 #include "asteria/runtime/refresh_engine.h"
 
 namespace asteria::runtime {
@@ -248,6 +250,69 @@ TEST(ExternalVersions, AnEigenbasisChainNeedsItsBasisBeforeTheWorkersGoOn) {
   engine.drain(5s);
   ASSERT_EQ(engine.activate(2, 1s).size(), 1u);
   engine.release(block, 2);
+}
+
+// A basis a warm start can tell from the identity: an eigenbasis of another factor.
+std::vector<float> some_basis(int n, unsigned seed) {
+  std::vector<float> out(static_cast<std::size_t>(n + 2) * n);
+  linalg::eigenbasis(n, random_spd(n, seed).data(), out.data(), out.data() + n * n, 1.0);
+  return std::vector<float>(out.begin(), out.begin() + n * n);
+}
+
+TEST(ExternalVersions, SeedBasisHandsTheChainTheBasisInTheNextVersionsResultBuffer) {
+  // The lane computed versions 1 and 2; version 3 goes back to the workers, its warm start (version 2's basis)
+  // written into version 3's result buffer instead of passed: the result has the bits set_basis gives.
+  constexpr int kN = 6;
+  for (const int depth : {1, 2}) {
+    std::vector<float> results[2];
+    for (const bool seeded : {false, true}) {
+      RefreshEngine engine(config(/*deterministic=*/false));
+      Memory memory(depth, kN, /*packed=*/true, RefreshKind::kEigenbasis);
+      const auto block = engine.add_block(memory.block);
+      use_external(engine, block, 1);
+      use_external(engine, block, 2);
+      const std::vector<float> basis = some_basis(kN, 40);
+      write_snapshot(engine, memory, block, 3, kN);
+      if (seeded) {
+        EXPECT_THROW(engine.seed_basis(block, 2, 2), InvalidArgument);  // next must come after the version
+        engine.seed_basis(block, 2, 3);
+        std::copy(basis.begin(), basis.end(), memory.results.data() + (3 % depth) * memory.result_elements);
+      } else {
+        engine.set_basis(block, 2, basis.data());
+      }
+      engine.submit({block}, 3, 3, linalg::RootSpec{});
+      engine.drain(5s);
+      ASSERT_EQ(engine.activate(3, 1s).size(), 1u);
+      const float* result = memory.result(3);
+      results[seeded].assign(result, result + kN * kN);
+      engine.release(block, 3);
+    }
+    EXPECT_EQ(results[0], results[1]) << "depth " << depth;
+    EXPECT_NE(results[0], some_basis(kN, 40));  // (refreshed from it, not it)
+  }
+}
+
+TEST(ExternalVersions, ASeedMustBeFollowedByItsVersionAndANonFiniteOneFailsThatJob) {
+  constexpr int kN = 4;
+  RefreshEngine engine(config(/*deterministic=*/false));
+  Memory memory(1, kN, /*packed=*/true, RefreshKind::kEigenbasis);
+  const auto block = engine.add_block(memory.block);
+  use_external(engine, block, 1);
+  write_snapshot(engine, memory, block, 2, kN);
+  engine.seed_basis(block, 1, 3);
+  EXPECT_THROW(engine.submit({block}, 2, 2, linalg::RootSpec{}), InvalidArgument);  // seeded for version 3
+  engine.seed_basis(block, 1, 2);  // a seed may be given again while no job runs
+  std::vector<float> basis = some_basis(kN, 41);
+  basis[5] = NAN;
+  std::copy(basis.begin(), basis.end(), memory.results.data());
+  engine.submit({block}, 2, 2, linalg::RootSpec{});
+  engine.drain(5s);
+  EXPECT_TRUE(engine.activate(2, 1s).empty());  // version 1 stays in use
+  EXPECT_EQ(engine.stats().refreshes_failed, 1u);
+  EXPECT_NE(engine.status(block).last_error.find("seed_basis is not finite"), std::string::npos);
+  RefreshEngine other(config(/*deterministic=*/false));
+  Memory roots(1, kN, /*packed=*/true, RefreshKind::kInverseRoot);
+  EXPECT_THROW(other.seed_basis(other.add_block(roots.block), 1, 2), InvalidArgument);  // a root has no basis
 }
 
 }  // namespace

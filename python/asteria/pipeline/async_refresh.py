@@ -26,7 +26,7 @@ from asteria.pipeline.backlog import BacklogMonitor
 from asteria.pipeline.balance import LaneBalancer
 from asteria.pipeline.device_lane import DeviceLane
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.pipeline.worker_refresh import WorkerRefresher
+from asteria.pipeline.worker_refresh import Seed, WorkerRefresher
 
 CPU, DEVICE = "cpu", "device"
 #: the largest block size whose root the workers' prior times itself (larger ones scale from it by n^3: BLAS runs
@@ -154,11 +154,9 @@ class AsyncRefresher(WorkerRefresher):
                 inline = version <= self.config.sync_refreshes
                 self.lane.start(index, version, due, request, None if inline else self.stager.copy_on_device)
             else:
-                if self.lanes[index] == DEVICE and fset.kind == "eigenbasis":
-                    self._seed_chain(index)
                 slot = self.snapshots[index][version % self.depth]
                 self.stager.stage(index, self.ids[index], version, due, request, slot,
-                                  lambda fset=fset: packing.pack(fset.factors))
+                                  lambda fset=fset: packing.pack(fset.factors), self._seed(index, version))
                 self._bytes_to_host += self.snapshots[index][0].numel() * 4
             if lane != self.lanes[index] and version > self.config.sync_refreshes + 1:
                 self._moves += 1
@@ -184,7 +182,7 @@ class AsyncRefresher(WorkerRefresher):
         versions are on their way (with ``RuntimeConfig.in_flight`` > 1): an unsettled workers' version holds its
         host buffers (``version % depth``), which it would wait for while the step waits for it; or the set comes
         back from the lane while one of its eigenbasis jobs still runs on the workers, whose chain cannot take the
-        bases in use (``_seed_chain``) until that job ends."""
+        bases in use (``_seed``) until that job ends."""
         if lane != CPU:
             return False
         if any(v % self.depth == version % self.depth and self._lane_of.get((index, v), CPU) == CPU
@@ -207,15 +205,15 @@ class AsyncRefresher(WorkerRefresher):
                 return False
         return True
 
-    def _seed_chain(self, index: int) -> None:
-        """The workers' eigenbasis chain of set ``index`` starts from the bases in use (the device lane computed
-        the versions since the chain's last)."""
+    def _seed(self, index: int, version: int) -> Seed | None:
+        """The warm start of set ``index``'s workers' chain when ``version`` brings an eigenbasis set back from the
+        device lane, which computed the versions since the chain's last: the bases in use, as of the installs
+        queued so far (they lie in ``version``'s own result buffers until its job starts: see ``Seed``)."""
         fset = self.sets[index]
-        self.ready()  # installs prefetched during the forward pass land first
-        bases = fset.preconditioners.detach().to("cpu", torch.float32)  # waits for the device: a side change
-        newest = self._newest_versions[index]
-        for block, block_id in enumerate(self.ids[index]):
-            self.engine.set_basis(block_id, newest, bases[block].contiguous())
+        if self.lanes[index] != DEVICE or fset.kind != "eigenbasis":
+            return None
+        rows = self.results[index][version % self.depth, :, :fset.dim]
+        return Seed(self._newest_versions[index], fset.preconditioners.detach(), rows)
 
     def check_backlog(self, step: int) -> None:
         if self.rule.lag == 0 and self.config.deterministic:

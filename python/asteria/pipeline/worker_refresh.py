@@ -5,7 +5,7 @@ engine's start and stop."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +27,29 @@ def ring_depth(config: RuntimeConfig, interval: int, lag: int) -> int:
     return lag // interval + 1 if config.deterministic else config.in_flight
 
 
+class Seed(NamedTuple):
+    """The warm start of an eigenbasis set's workers' chain after versions computed elsewhere (the device lane):
+    ``bases`` (B, n, n), the ones in use, copied into ``rows`` (the result buffers of the version staged with it,
+    rows [0, n)), for the engine's ``seed_basis`` as the basis of ``version``."""
+
+    version: int
+    bases: Tensor
+    rows: Tensor
+
+
+class Staged(NamedTuple):
+    """A snapshot on its way to the workers: set ``index``'s engine blocks ``ids``, its ``version`` due at step
+    ``due``, the copy's ``event`` (None: done), and the version whose basis seeds the chain (0: none)."""
+
+    index: int
+    ids: list[int]
+    version: int
+    due: int
+    request: RootRequest
+    event: torch.cuda.Event | None
+    seed_version: int
+
+
 class SnapshotStager:
     """Factor snapshots on their way to the workers: each is copied into its pinned host ring slot on the
     device's side stream (after the work the main stream has queued, without the training thread waiting),
@@ -38,8 +61,7 @@ class SnapshotStager:
         self.sets = sets
         self.timeout_s = timeout_s
         self.side = {device: streams.SideStream(device) for device in {s.device for s in sets}}
-        # (set index, engine block ids, version, activation step, request, the copy's event)
-        self.pending: list[tuple[int, list[int], int, int, RootRequest, torch.cuda.Event | None]] = []
+        self.pending: list[Staged] = []
         self._events: dict[torch.device, torch.cuda.Event | None] = {}
 
     def copy_on_device(self, fset: FactorSet) -> tuple[Tensor, torch.cuda.Event | None]:
@@ -54,29 +76,36 @@ class SnapshotStager:
         return snapshot, event
 
     def stage(self, index: int, ids: list[int], version: int, due: int, request: RootRequest, slot: Tensor,
-              source: Callable[[], Tensor]) -> None:
-        """Copies ``source()`` (evaluated on the side stream) into ``slot`` for ``version`` of set ``index``."""
+              source: Callable[[], Tensor], seed: Seed | None = None) -> None:
+        """Copies ``source()`` (evaluated on the side stream) into ``slot`` for ``version`` of set ``index``,
+        and ``seed``'s bases into its rows first: on the side stream, after the installs queued there, so the
+        training thread neither waits for the device nor copies them (the engine's job reads them)."""
         self.engine.begin_snapshot(ids, version, self.timeout_s)
         device = self.sets[index].device
         side = self.side[device]
         with side.staging():
+            if seed is not None:
+                for block in range(seed.bases.shape[0]):  # (each block's rows are contiguous, the slab is not)
+                    seed.rows[block].copy_(seed.bases[block], non_blocking=side.cuda)
             slot.copy_(source(), non_blocking=side.cuda)
         event = side.record()
         if event is not None:
             self._events[device] = event
-        self.pending.append((index, ids, version, due, request, event))
+        self.pending.append(Staged(index, ids, version, due, request, event, 0 if seed is None else seed.version))
 
     def submit_ready(self, step: int) -> None:
         """Hands finished snapshots to the workers; those due by ``step`` are waited for."""
         waiting = []
         for entry in self.pending:
-            index, ids, version, due, request, event = entry
-            if not streams.done(event):
-                if due > step:
+            if not streams.done(entry.event):
+                if entry.due > step:
                     waiting.append(entry)
                     continue
-                streams.wait(event)
-            request.submit(self.engine, ids, version, due, self.sets[index].exponent)
+                streams.wait(entry.event)
+            if entry.seed_version:
+                for block_id in entry.ids:
+                    self.engine.seed_basis(block_id, entry.seed_version, entry.version)
+            entry.request.submit(self.engine, entry.ids, entry.version, entry.due, self.sets[entry.index].exponent)
         self.pending = waiting
 
     def before_factor_update(self) -> None:
@@ -86,8 +115,8 @@ class SnapshotStager:
 
     def wait_all(self) -> None:
         """Waits for every snapshot copy still in flight (before the host reads the rings)."""
-        for *_, event in self.pending:
-            streams.wait(event)
+        for entry in self.pending:
+            streams.wait(entry.event)
 
 
 class WorkerRefresher(Refresher):
