@@ -434,6 +434,8 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert kl["warmup_steps"] == 9
     assert kl["max_step_seconds"] == max(kl_times[9:]) and kl["warmup_max_step_seconds"] == max(kl_times[:9])
     assert [step for step, _ in kl["slowest_steady_steps"]] == sorted(range(10, 12), key=lambda s: -kl_times[s - 1])
+    kl_held = [r["host_optimizer_time"] for r in records(tmp_path / "kl-shampoo-async")]
+    assert kl["slowest_steady_in_step_seconds"] == [kl_held[step - 1] for step, _ in kl["slowest_steady_steps"]]
     assert len(steps) == 11
     # The refresh work per interval against capacity, from each async run's own counters, at AdamW's pace.
     assert adamw["refresh_work"] is None and results["runs"]["soap-sync"]["refresh_work"] is None
@@ -484,6 +486,8 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table
+    (step, seconds), held = kl["slowest_steady_steps"][0], kl["slowest_steady_in_step_seconds"][0]
+    assert f" | {step}: {1e3 * seconds:.0f} ({1e3 * held:.0f})" in table  # the slowest step, and its time in step()
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
 

@@ -207,6 +207,9 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "warmup_steps": warmup,
             "warmup_max_step_seconds": wall["warmup_max"],
             "slowest_steady_steps": [(step, seconds) for seconds, step in wall["slowest_steps"]],
+            # the host's time in step() in each of them: a long one says the optimizer held the training thread
+            "slowest_steady_in_step_seconds": [records[step - 1].get("host_optimizer_time")
+                                               for _, step in wall["slowest_steps"]],
             "max_over_median": wall["max_over_median"],
             "gpu_median_step_seconds": gpu["median"] if gpu else None,
             "gpu_max_step_seconds": gpu["max"] if gpu else None,
@@ -348,9 +351,11 @@ def format_table(results: dict[str, Any]) -> str:
             waited = f"waited {1e3 * spun:.1f} (spinning), then " if spun is not None else ""
             lines.append(f"  {label:<18} {waited}host queued {1e3 * w['host_seconds']:.1f}, GPU ran "
                          f"{1e3 * w['gpu_seconds']:.1f}; tight {w['tight_steps']} of {w['steps']} steps")
-    lines.append("slowest steady steps (step: ms):")
+    lines.append("slowest steady steps (step: ms, and the host's ms in step() where measured):")
     for label, r in results["runs"].items():
-        slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" for step, seconds in r["slowest_steady_steps"])
+        in_step = r.get("slowest_steady_in_step_seconds") or [None] * len(r["slowest_steady_steps"])
+        slowest = ", ".join(f"{step}: {1e3 * seconds:.0f}" + (f" ({1e3 * held:.0f})" if held is not None else "")
+                            for (step, seconds), held in zip(r["slowest_steady_steps"], in_step, strict=True))
         lines.append(f"  {label:<18} warm-up {r['warmup_steps']} steps, max {1e3 * r['warmup_max_step_seconds']:.0f} ms"
                      f" | {slowest}")
     return "\n".join(lines)
