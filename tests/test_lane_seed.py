@@ -26,12 +26,15 @@ def one_blas_thread(function, *args):
         _core.set_blas_threads(threads)
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 @pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
-def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_use(name):
+def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_use(name, in_flight):
     """Versions 1 and 2 (the start-up's) run on the lane; version 3, on the workers, is the warm refresh of its
-    snapshot from version 2's bases, bit for bit what the core's ``qr_refresh`` gives from them."""
+    snapshot from version 2's bases, bit for bit what the core's ``qr_refresh`` gives from them (with one host
+    buffer per block, and with two, where version 3's is the second)."""
     model = small_mlp()
-    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, device_process=False)
+    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, device_process=False,
+                                    in_flight=in_flight)
     optimizer = {"soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[name]
     with optimizer(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
         refresher = opt._refresher
@@ -44,6 +47,7 @@ def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_
             train(model, opt, 1, data=DATA)
         assert all(fset.versions == [2] * fset.batch for fset in refresher.sets)  # (nothing installed since)
         refresher.engine.drain(30.0)
+        assert refresher.depth == in_flight
         for index, fset in enumerate(refresher.sets):
             slot = 3 % refresher.depth
             snapshots = packing.unpack(refresher.snapshots[index][slot], fset.dim)
