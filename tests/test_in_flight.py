@@ -95,6 +95,39 @@ def test_an_eigenbasis_set_returns_to_the_workers_after_its_running_job():
         assert stats["refresh_failures"] == 0, stats["refresh_errors"]
 
 
+def test_an_eigenbasis_set_returns_to_the_workers_only_once_its_lane_version_is_settled(monkeypatch):
+    """SOAP: lane version v is slow; the set's next turn, planned on the workers, is deferred until v is settled.
+    Seeded at once, the workers' chain would start from the bases before v under v's name, and the column orders
+    composed after v's install would be relative to the wrong basis."""
+    slow = device_lane.refresh_set
+
+    def late(*args, **kwargs):
+        time.sleep(1.0)
+        return slow(*args, **kwargs)
+
+    model, opt = make("soap")
+    with opt:
+        refresher = opt._refresher
+        train(model, opt, 5, data=DATA)
+        monkeypatch.setattr(device_lane, "refresh_set", late)
+        hold_plan(refresher, True)
+        version = max(refresher._newest_versions) + 1
+        train_until(model, opt, version)  # v on the lane, still computing
+        hold_plan(refresher, False)
+        deferred = opt.runtime_stats()["refreshes_deferred"]
+        train(model, opt, 2, data=DATA)  # the next turn (f = 2), while v computes
+        assert opt.runtime_stats()["refreshes_deferred"] > deferred
+        assert all((index, version + 1) not in refresher._lane_of for index in range(len(refresher.sets)))
+        monkeypatch.setattr(device_lane, "refresh_set", slow)
+        refresher.lane.drain(20.0)
+        newest = max(refresher._newest_versions)
+        train(model, opt, 8, data=DATA)
+        refresher.engine.drain(20.0)
+        train(model, opt, 1, data=DATA)
+        assert all(min(fset.versions) > newest for fset in refresher.sets)
+        assert opt.runtime_stats()["refresh_failures"] == 0
+
+
 def test_a_version_is_deferred_while_an_unsettled_one_holds_its_host_buffers():
     """Two versions on their way share the host buffers by version parity: a new version whose buffer an
     unsettled one still holds is deferred (it waited for that buffer while the step waited for it)."""

@@ -26,25 +26,29 @@ def one_blas_thread(function, *args):
         _core.set_blas_threads(threads)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("in_flight", [1, 2])
 @pytest.mark.parametrize("name", ["soap", "kl-shampoo"])
-def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_use(name, in_flight):
+def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_use(name, in_flight, device):
     """Versions 1 and 2 (the start-up's) run on the lane; version 3, on the workers, is the warm refresh of its
     snapshot from version 2's bases, bit for bit what the core's ``qr_refresh`` gives from them (with one host
-    buffer per block, and with two, where version 3's is the second)."""
-    model = small_mlp()
-    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, device_process=False,
-                                    in_flight=in_flight)
+    buffer per block, and with two, where version 3's is the second). On a GPU the bases reach the host buffers
+    through the side stream's copy."""
+    model = small_mlp().to(device)
+    data = tuple(t.to(device) for t in DATA)
+    runtime = asteria.RuntimeConfig(workers=1, stagger=False, device_refresh=True, in_flight=in_flight,
+                                    device_process=None if device == "cuda" else False)
     optimizer = {"soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}[name]
     with optimizer(model.parameters(), lr=1e-2, precondition_frequency=2, runtime=runtime) as opt:
         refresher = opt._refresher
         hold_plan(refresher, False)
         while min(refresher._newest_versions) < 2 or min(min(fset.versions) for fset in refresher.sets) < 2:
-            train(model, opt, 1, data=DATA)
+            train(model, opt, 1, data=data)
         assert all(lane == "device" for lane in refresher.lanes)  # (the start-up's versions)
-        in_use = [fset.preconditioners.clone() for fset in refresher.sets]
+        in_use = [fset.preconditioners.detach().cpu() for fset in refresher.sets]
         while min(refresher._newest_versions) < 3:
-            train(model, opt, 1, data=DATA)
+            train(model, opt, 1, data=data)
         assert all(fset.versions == [2] * fset.batch for fset in refresher.sets)  # (nothing installed since)
         refresher.engine.drain(30.0)
         assert refresher.depth == in_flight
@@ -55,6 +59,6 @@ def test_the_workers_first_version_after_the_lane_warm_starts_from_the_bases_in_
                 expected = one_blas_thread(_core.qr_refresh, snapshots[block].numpy(), in_use[index][block].numpy())
                 computed = refresher.results[index][slot, block, :fset.dim]
                 assert torch.equal(computed, torch.from_numpy(expected)), (fset.describe(block), name)
-        train(model, opt, 2, data=DATA)
+        train(model, opt, 2, data=data)
         assert min(min(fset.versions) for fset in refresher.sets) >= 3
         assert opt.runtime_stats()["refresh_failures"] == 0

@@ -237,7 +237,8 @@ void init_runtime(nb::module_& m) {
            "buffer of version `next`, which the caller fills before it submits `next`, the block's next version; "
            "that job takes it into the chain on its worker (and fails if it is not finite).")
       .def("chain_busy", &RefreshEngine::chain_busy, "block"_a,
-           "Whether the block's newest eigenbasis job has not ended (set_basis() would refuse); False for a root block.")
+           "Whether the block's newest eigenbasis job has not ended (set_basis() and seed_basis() would refuse); False "
+           "for a root block.")
       .def(
           "activate",
           [](RefreshEngine& e, std::int64_t step, double timeout_s) {
@@ -253,7 +254,7 @@ void init_runtime(nb::module_& m) {
       .def("note_external", &RefreshEngine::note_external, "blocks"_a, "version"_a, "activation_step"_a,
            "Version `version` of `blocks` is computed outside the engine (e.g. on the GPU), due at "
            "`activation_step`: the registry tracks it like the workers' own (activation, staleness, bounded wait). "
-           "An eigenbasis block's chain then needs set_basis() before its next submit().")
+           "An eigenbasis block's chain then needs set_basis() or seed_basis() before its next submit().")
       .def("finish_external", &RefreshEngine::finish_external, "blocks"_a, "version"_a, "ok"_a, "error"_a = "",
            nb::call_guard<nb::gil_scoped_release>(),
            "The external `version` of `blocks` ended; ok[i] says whether blocks[i]'s result is usable.")

@@ -199,7 +199,7 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
       if (b.chain_needs_basis) {
         throw InvalidArgument("[RefreshEngine::submit] " + block_name(id) + ": eigenbasis version " +
                               std::to_string(b.last_version) + " was computed outside the engine; seed the "
-                              "chain with its basis (set_basis) before submitting version " + std::to_string(version));
+                              "chain with its basis (set_basis or seed_basis) before submitting version " + std::to_string(version));
       }
     }
     // Ended jobs are dropped here so that the list only ever holds the work in flight.
@@ -284,6 +284,9 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     thread_local std::vector<float> unpacked;
     float* output = nullptr;
     try {
+      // A seed lies in this job's own result buffer: taken before anything else, even by a job superseded
+      // (the next one then warm-starts from it), and before the job claims that buffer.
+      if (b.kind == RefreshKind::kEigenbasis) adopt_seed(b, id);
       drop_if_superseded();
       if (previous) {
         // The previous job of the chain was dequeued before this one (submit() keeps the chain's
@@ -296,8 +299,6 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
         } catch (const std::exception&) {
         }
       }
-      // Before the job claims its result buffer, which may be the one the seed lies in.
-      if (b.kind == RefreshKind::kEigenbasis) adopt_seed(b, id);
       output = reinterpret_cast<float*>(b.results.begin_write(version, config_.slot_timeout));
     } catch (...) {
       b.snapshots.release(version);

@@ -135,7 +135,8 @@ class RefreshEngine {
   // jobs of one deadline the pool starts those of the largest blocks first (cost n^3).
   // kEigenbasis blocks use spec.scale only (exponent and eps are neither used nor validated) and
   // `skip_tol` (>= 0, see linalg::qr_refresh). A block's eigenbasis jobs form a chain: job v starts
-  // from the basis of the newest version before v that succeeded (or the one given to set_basis),
+  // from the basis of the newest version before v that succeeded (or the one given to set_basis or
+  // seed_basis),
   // and the block's first job, with none, decomposes fully. The chain needs each block's eigenbasis
   // versions submitted in increasing order with non-decreasing activation steps (so that the pool,
   // which gives all of a block's jobs one cost, starts them in that order); anything else throws
@@ -158,7 +159,8 @@ class RefreshEngine {
   // that fills the buffer (a device's, ended by the submit). A basis found not finite there fails that job,
   // and the chain keeps its basis from before. Throws as set_basis does, and for `next` <= `version`.
   void seed_basis(std::int64_t block, std::int64_t version, std::int64_t next);
-  // Whether the block's newest eigenbasis job has not ended yet (set_basis would refuse); false for a root block.
+  // Whether the block's newest eigenbasis job has not ended yet (set_basis and seed_basis would refuse); false for
+  // a root block.
   bool chain_busy(std::int64_t block) const;
 
   // Chooses the versions in use at `step` (CoherenceRegistry::activate) and pins the result buffer
@@ -177,7 +179,7 @@ class RefreshEngine {
   //
   // Version `version` of `blocks` was snapshotted outside the engine, due at `activation_step`. The
   // versions of a block must increase across both kinds. An eigenbasis block's chain then no longer holds
-  // its newest basis: its next submit() throws InvalidArgument until set_basis() seeds it. Throws
+  // its newest basis: its next submit() throws InvalidArgument until set_basis() or seed_basis() seeds it. Throws
   // InvalidArgument, before any block is touched, for an unknown block, a version not after the block's
   // newest, one deferred (skip) or before the block's start (start_at), or an eigenbasis activation step before
   // its last. The version holds no buffer of the block's rings.

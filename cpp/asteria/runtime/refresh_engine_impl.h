@@ -67,7 +67,7 @@ struct RefreshEngine::Block {
   std::optional<JobHandle> queued_job;
   std::int64_t queued_deadline = 0;
 
-  // The version activate() returned last (or the one given to set_basis); guarded by mutex_.
+  // The version activate() returned last (or the one given to set_basis or seed_basis); guarded by mutex_.
   std::int64_t activated = 0;
 
   // Versions computed outside the engine, noted and not yet released -> whether they have ended. One that a
@@ -76,8 +76,8 @@ struct RefreshEngine::Block {
   std::map<std::int64_t, bool> external;
   // The newest version released: an external version below it has been passed over; guarded by mutex_.
   std::int64_t released = 0;
-  // An external version came after the chain's newest basis: set_basis() must seed it before the
-  // next eigenbasis job; guarded by mutex_.
+  // An external version came after the chain's newest basis: set_basis() or seed_basis() must seed it before
+  // the next eigenbasis job; guarded by mutex_.
   bool chain_needs_basis = false;
 
   // The eigenbasis chain, submission side; guarded by the engine's mutex_.

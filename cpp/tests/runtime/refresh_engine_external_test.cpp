@@ -292,6 +292,43 @@ TEST(ExternalVersions, SeedBasisHandsTheChainTheBasisInTheNextVersionsResultBuff
   }
 }
 
+TEST(ExternalVersions, ASeededJobSupersededBeforeItStartsHandsItsSeedToTheNext) {
+  // The one worker is held by another block's job while the seeded version 2 and then version 3 queue: 2 is
+  // superseded when it starts, and 3 warm-starts from the seed in 2's buffer.
+  constexpr int kN = 6;
+  EngineConfig one_worker = config(/*deterministic=*/false);
+  one_worker.workers = 1;
+  RefreshEngine engine(one_worker);
+  Memory held_memory(1, kN, /*packed=*/true, RefreshKind::kInverseRoot), memory(2, kN, true, RefreshKind::kEigenbasis);
+  const auto held = engine.add_block(held_memory.block);
+  const auto block = engine.add_block(memory.block);
+  use_external(engine, block, 1);
+  engine.inject_fault(held, 1, FaultKind::kPause);
+  write_snapshot(engine, held_memory, held, 1, kN);
+  engine.submit({held}, 1, 10, linalg::RootSpec{-0.25, 1e-6, 1.0});
+  const std::vector<float> basis = some_basis(kN, 42);
+  engine.wait_paused(1, 5s);  // the only worker now waits inside that job
+  write_snapshot(engine, memory, block, 2, kN);
+  engine.seed_basis(block, 1, 2);
+  std::copy(basis.begin(), basis.end(), memory.results.data() + (2 % 2) * memory.result_elements);
+  engine.submit({block}, 2, 2, linalg::RootSpec{});
+  write_snapshot(engine, memory, block, 3, kN);
+  engine.submit({block}, 3, 3, linalg::RootSpec{});
+  engine.release_pauses();
+  engine.drain(5s);
+  EXPECT_EQ(engine.stats().refreshes_superseded, 1u);
+  const std::vector<float> lower = lower_triangle(random_spd(kN, 3), kN);  // version 3's snapshot, unpacked
+  std::vector<float> factor(kN * kN);
+  for (int i = 0, k = 0; i < kN; ++i) {
+    for (int j = 0; j <= i; ++j, ++k) factor[i * kN + j] = factor[j * kN + i] = lower[k];
+  }
+  std::vector<float> expected(static_cast<std::size_t>(kN + 2) * kN);
+  linalg::qr_refresh(kN, factor.data(), basis.data(), expected.data(), expected.data() + kN * kN,
+                     expected.data() + (kN + 1) * kN, 1.0, 0.0);
+  const float* result = memory.result(3);
+  EXPECT_EQ(std::vector<float>(result, result + kN * kN), std::vector<float>(expected.begin(), expected.begin() + kN * kN));
+}
+
 TEST(ExternalVersions, ASeedMustBeFollowedByItsVersionAndANonFiniteOneFailsThatJob) {
   constexpr int kN = 4;
   RefreshEngine engine(config(/*deterministic=*/false));

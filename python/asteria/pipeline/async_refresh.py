@@ -180,9 +180,11 @@ class AsyncRefresher(WorkerRefresher):
     def _held_up(self, index: int, version: int, lane: str, in_flight: list[int]) -> bool:
         """Whether ``version`` of set ``index``, for the workers, must be deferred though fewer than ``in_flight``
         versions are on their way (with ``RuntimeConfig.in_flight`` > 1): an unsettled workers' version holds its
-        host buffers (``version % depth``), which it would wait for while the step waits for it; or the set comes
-        back from the lane while one of its eigenbasis jobs still runs on the workers, whose chain cannot take the
-        bases in use (``_seed``) until that job ends."""
+        host buffers (``version % depth``), which it would wait for while the step waits for it; or an eigenbasis
+        set comes back from the lane while one of its jobs still runs on the workers, whose chain cannot take the
+        bases in use (``_seed``) until that job ends, or while a version of it still computes on the lane: the seed
+        is named after the set's newest version, whose bases are not yet the ones in use, and the column orders of
+        the versions after it would be composed relative to the wrong basis."""
         if lane != CPU:
             return False
         if any(v % self.depth == version % self.depth and self._lane_of.get((index, v), CPU) == CPU
@@ -191,6 +193,8 @@ class AsyncRefresher(WorkerRefresher):
         fset = self.sets[index]
         if self.lanes[index] != DEVICE or fset.kind != "eigenbasis":
             return False
+        if any(self._lane_of.get((index, v), CPU) == DEVICE for v in in_flight):
+            return True
         return any(self.engine.chain_busy(block_id) for block_id in self.ids[index])
 
     def _settled(self, index: int, version: int) -> bool:
