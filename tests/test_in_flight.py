@@ -32,21 +32,27 @@ def train_until(model, opt, version: int) -> None:
         train(model, opt, 1, data=DATA)
 
 
+def slow_lane(monkeypatch):
+    """Makes each of the device lane's refreshes take a second longer; returns what undoes it."""
+    real = device_lane.refresh_set
+
+    def late(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device_lane, "refresh_set", late)
+    return lambda: monkeypatch.setattr(device_lane, "refresh_set", real)
+
+
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_a_lane_version_passed_over_while_it_computes_ends_quietly(monkeypatch, name):
     """Version v computes on a slow lane while v + 1, on the workers, ends first and comes into use. v's end is
     then counted, not refused (the refusal ended the lane's thread, and every later lane version waited)."""
-    slow = device_lane.refresh_set
-
-    def late(*args, **kwargs):
-        time.sleep(1.0)
-        return slow(*args, **kwargs)
-
     model, opt = make(name)
     with opt:
         refresher = opt._refresher
         train(model, opt, 5, data=DATA)
-        monkeypatch.setattr(device_lane, "refresh_set", late)
+        restore = slow_lane(monkeypatch)
         version = max(refresher._newest_versions) + 1
         hold_plan(refresher, True)
         train_until(model, opt, version)
@@ -56,7 +62,7 @@ def test_a_lane_version_passed_over_while_it_computes_ends_quietly(monkeypatch, 
         train(model, opt, 2, data=DATA)  # v + 1 comes into use
         refresher.lane.drain(20.0)  # v ends, passed over
         assert all(thread.is_alive() for thread in refresher.lane._threads)
-        monkeypatch.setattr(device_lane, "refresh_set", slow)
+        restore()
         hold_plan(refresher, True)
         newest = max(refresher._newest_versions)
         train(model, opt, 8, data=DATA)
@@ -99,17 +105,11 @@ def test_an_eigenbasis_set_returns_to_the_workers_only_once_its_lane_version_is_
     """SOAP: lane version v is slow; the set's next turn, planned on the workers, is deferred until v is settled.
     Seeded at once, the workers' chain would start from the bases before v under v's name, and the column orders
     composed after v's install would be relative to the wrong basis."""
-    slow = device_lane.refresh_set
-
-    def late(*args, **kwargs):
-        time.sleep(1.0)
-        return slow(*args, **kwargs)
-
     model, opt = make("soap")
     with opt:
         refresher = opt._refresher
         train(model, opt, 5, data=DATA)
-        monkeypatch.setattr(device_lane, "refresh_set", late)
+        restore = slow_lane(monkeypatch)
         hold_plan(refresher, True)
         version = max(refresher._newest_versions) + 1
         train_until(model, opt, version)  # v on the lane, still computing
@@ -118,7 +118,7 @@ def test_an_eigenbasis_set_returns_to_the_workers_only_once_its_lane_version_is_
         train(model, opt, 2, data=DATA)  # the next turn (f = 2), while v computes
         assert opt.runtime_stats()["refreshes_deferred"] > deferred
         assert all((index, version + 1) not in refresher._lane_of for index in range(len(refresher.sets)))
-        monkeypatch.setattr(device_lane, "refresh_set", slow)
+        restore()
         refresher.lane.drain(20.0)
         newest = max(refresher._newest_versions)
         train(model, opt, 8, data=DATA)
