@@ -548,7 +548,7 @@ EngineStats RefreshEngine::stats() const {
 }
 
 void RefreshEngine::gate_result(std::int64_t id, std::int64_t version, const float* result, std::size_t count) {
-  if (!std::all_of(result, result + count, [](float x) { return std::isfinite(x); })) {
+  if (!detail::all_finite(result, count)) {
     throw NumericalError("[RefreshEngine] " + job_name(id, version) +
                          ": the result is not finite (quality gate); the previous version stays in use");
   }

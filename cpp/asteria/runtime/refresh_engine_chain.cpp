@@ -1,8 +1,7 @@
 // The refresh engine's eigenbasis chain (SOAP, KL-Shampoo): each job of a block warm-starts from the
 // newest good basis before it, and an activation that passes over good versions composes their column
 // orders, so that state kept in eigen-coordinates follows in one permutation.
-#include <algorithm>
-#include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -34,7 +33,7 @@ void RefreshEngine::set_basis(std::int64_t id, std::int64_t version, const float
   if (b.kind != RefreshKind::kEigenbasis) throw InvalidArgument(where + "not an eigenbasis block");
   if (basis == nullptr) throw InvalidArgument(where + "Invalid null basis");
   const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
-  if (!std::all_of(basis, basis + nn, [](float x) { return std::isfinite(x); })) {
+  if (!detail::all_finite(basis, nn)) {
     throw InvalidArgument(where + "the basis of version " + std::to_string(version) + " is not finite");
   }
   std::lock_guard lock(mutex_);
@@ -67,7 +66,7 @@ void RefreshEngine::adopt_seed(Block& b, std::int64_t id) {
   if (b.seed == nullptr) return;
   const float* seed = std::exchange(b.seed, nullptr);
   const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
-  if (!std::all_of(seed, seed + nn, [](float x) { return std::isfinite(x); })) {
+  if (!detail::all_finite(seed, nn)) {
     throw InvalidArgument("[RefreshEngine] " + block_name(id) + ": the basis of version " +
                           std::to_string(b.seed_version) + " given by seed_basis is not finite (the chain keeps " +
                           "version " + std::to_string(b.good_version) + "'s)");

@@ -2,6 +2,8 @@
 // chain and its fault injection): a block's rings and bookkeeping, and small helpers. Not part of the API.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -25,6 +27,11 @@ inline std::int64_t result_elements(int n, RefreshKind kind) {
 }
 
 inline std::string block_name(std::int64_t id) { return "block " + std::to_string(id); }
+
+// Whether none of the `count` floats at `x` is infinite or NaN (a basis handed in, a job's result).
+inline bool all_finite(const float* x, std::size_t count) {
+  return std::all_of(x, x + count, [](float v) { return std::isfinite(v); });
+}
 
 inline std::string job_name(std::int64_t id, std::int64_t version) {
   return block_name(id) + " version " + std::to_string(version);

@@ -317,11 +317,7 @@ TEST(ExternalVersions, ASeededJobSupersededBeforeItStartsHandsItsSeedToTheNext) 
   engine.release_pauses();
   engine.drain(5s);
   EXPECT_EQ(engine.stats().refreshes_superseded, 1u);
-  const std::vector<float> lower = lower_triangle(random_spd(kN, 3), kN);  // version 3's snapshot, unpacked
-  std::vector<float> factor(kN * kN);
-  for (int i = 0, k = 0; i < kN; ++i) {
-    for (int j = 0; j <= i; ++j, ++k) factor[i * kN + j] = factor[j * kN + i] = lower[k];
-  }
+  const std::vector<float> factor = random_spd(kN, 3);  // version 3's snapshot (write_snapshot)
   std::vector<float> expected(static_cast<std::size_t>(kN + 2) * kN);
   linalg::qr_refresh(kN, factor.data(), basis.data(), expected.data(), expected.data() + kN * kN,
                      expected.data() + (kN + 1) * kN, 1.0, 0.0);
