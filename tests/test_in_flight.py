@@ -44,6 +44,17 @@ def slow_lane(monkeypatch):
     return lambda: monkeypatch.setattr(device_lane, "refresh_set", real)
 
 
+def goes_on(model, opt, drain) -> None:
+    """Training goes on: 8 more steps, ``drain`` (the lane's or the engine's), one step; every set then uses a
+    version newer than the newest before, and no refresh failed."""
+    newest = max(opt._refresher._newest_versions)
+    train(model, opt, 8, data=DATA)
+    drain(20.0)
+    train(model, opt, 1, data=DATA)
+    assert all(min(fset.versions) > newest for fset in opt._refresher.sets)
+    assert opt.runtime_stats()["refresh_failures"] == 0
+
+
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_a_lane_version_passed_over_while_it_computes_ends_quietly(monkeypatch, name):
     """Version v computes on a slow lane while v + 1, on the workers, ends first and comes into use. v's end is
@@ -64,12 +75,7 @@ def test_a_lane_version_passed_over_while_it_computes_ends_quietly(monkeypatch, 
         assert all(thread.is_alive() for thread in refresher.lane._threads)
         restore()
         hold_plan(refresher, True)
-        newest = max(refresher._newest_versions)
-        train(model, opt, 8, data=DATA)
-        refresher.lane.drain(20.0)
-        train(model, opt, 1, data=DATA)
-        assert all(min(fset.versions) > newest for fset in refresher.sets)
-        assert opt.runtime_stats()["refresh_failures"] == 0
+        goes_on(model, opt, refresher.lane.drain)
         assert not refresher.lane._results  # (the passed-over version's result is not kept)
 
 
@@ -120,12 +126,7 @@ def test_an_eigenbasis_set_returns_to_the_workers_only_once_its_lane_version_is_
         assert all((index, version + 1) not in refresher._lane_of for index in range(len(refresher.sets)))
         restore()
         refresher.lane.drain(20.0)
-        newest = max(refresher._newest_versions)
-        train(model, opt, 8, data=DATA)
-        refresher.engine.drain(20.0)
-        train(model, opt, 1, data=DATA)
-        assert all(min(fset.versions) > newest for fset in refresher.sets)
-        assert opt.runtime_stats()["refresh_failures"] == 0
+        goes_on(model, opt, refresher.engine.drain)
 
 
 def test_a_version_is_deferred_while_an_unsettled_one_holds_its_host_buffers():
