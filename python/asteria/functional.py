@@ -142,17 +142,19 @@ def block_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
 
 
-def graft(direction: Tensor, target: Tensor) -> Tensor:
-    """Rescales each block of ``direction`` to the norm of the same block of ``target``."""
+def graft_(direction: Tensor, target: Tensor) -> Tensor:
+    """Rescales each block of ``direction`` in place to the norm of the same block of ``target``."""
     scale = block_norms(target) / block_norms(direction).clamp_min(torch.finfo(direction.dtype).tiny)
-    return direction * batch_view(scale, direction)
+    return direction.mul_(batch_view(scale, direction))
 
 
 def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float | Tensor, bias2: float | Tensor,
                    eps: float) -> Tensor:
-    """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps)."""
+    """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps), in one new tensor of the block's size: the
+    quotient is written over the denominator (a bias of exactly 1.0 divides nothing)."""
     denominator = (second_moment / per_block(bias2, second_moment)).sqrt_().add_(eps)
-    return (momentum / per_block(bias1, momentum)) / denominator
+    numerator = momentum if isinstance(bias1, float) and bias1 == 1.0 else momentum / per_block(bias1, momentum)
+    return torch.div(numerator, denominator, out=denominator)
 
 
 def regularize_eigenvalues(eigenvalues: Tensor, eps: float, relative_eps: float = 0.0) -> Tensor:

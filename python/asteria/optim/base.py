@@ -373,7 +373,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         gathered = [self._nonfinite.gather(group) for group in self._groups]
         for group, (_, _, present) in zip(self._groups, gathered):  # once all gathered: a raise there counts nothing
             group.steps.advance(present, step)
-        batches = [(grads, keep) for grads, keep, _ in gathered]
+        grads, keeps = [stack for stack, _, _ in gathered], [keep for _, keep, _ in gathered]
+        del gathered  # ``_step_with`` releases the stacked gradients once the statistics have them
         due = self.schedule.due(step)
         try:
             self._before_statistics(step, due)
@@ -383,7 +384,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._forget_derived()
             raise
         try:
-            self._step_with(step, batches, due)
+            self._step_with(step, grads, keeps, due)
         finally:  # from the first statistics update on, the step has happened (see above)
             self._step = step
             self._used = EngineUse.STEPPED
@@ -399,14 +400,15 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         if self.ACTIVATION_LAG:
             self._activate(self.timeline.activation_read_at(step))
 
-    def _step_with(self, step: int, batches: list[tuple[Tensor, Tensor]], due: list[tuple[int, int]]) -> None:
+    def _step_with(self, step: int, grads: list[Tensor], keeps: list[Tensor], due: list[tuple[int, int]]) -> None:
         """The rest of ``step()``: the statistics, the refreshes ``due`` at ``step``, the activation and the
-        parameter update. The buffers the step read are released even when something here raises."""
+        parameter update. The buffers the step read are released even when something here raises; ``grads``
+        is emptied once the statistics have them (each group's stack is as large as its parameters)."""
         placement = self._placement
         try:
             directions = []  # with ACTIVATION_LAG: each group's, from the statistics and bases before the refresh
-            for group, (grads, keep) in zip(self._groups, batches, strict=True):
-                directions.append(self._accumulate(group, grads, keep, step))
+            for group, keep in zip(self._groups, keeps, strict=True):
+                directions.append(self._accumulate(group, grads.pop(0), keep, step))
                 if self.ACTIVATION_LAG:
                     placement.done(group)
             if due:
@@ -415,8 +417,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                 self._refresher.check_backlog(step)
             if not self.ACTIVATION_LAG:
                 self._activate(step)
-            for group, (_, keep), direction in zip(self._groups, batches, directions, strict=True):
-                self._apply(group, keep, self._direction(group, step, direction))
+            for group, keep in zip(self._groups, keeps, strict=True):
+                self._apply(group, keep, self._direction(group, step, directions.pop(0)))
                 placement.done(group)  # at once: the NVMe tier's few buffers serve the groups in turn
         finally:
             for group in self._groups:  # after a raise: what is still held (a no-op for the groups done)

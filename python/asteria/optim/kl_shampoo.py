@@ -158,6 +158,7 @@ class KLShampoo(EigenbasisOptimizer):
         sqrt_d = self._outer(group, [1.0 / group.state[inv_sqrt_key(mode)] for mode in range(group.order)],
                              plus=eps)
         rotated = F.project(group.state[EXP_AVG], bases).div_(sqrt_d)
+        del sqrt_d  # (each temporary is the group's size: 4 GiB at 1B)
         return F.project(rotated, bases, back=True)
 
     def _init_from_gradient(self, group: ShapeGroup, grads: Tensor, keep: Tensor) -> None:
@@ -225,10 +226,14 @@ class KLShampoo(EigenbasisOptimizer):
             else:
                 half = grads
             F.gram_ema_(group.state[factor_key(mode)], half, mode, beta, keep, weight=group.shape[mode] / numel)
+            del half  # each mode's temporaries (the group's size) go before the next mode's are made
+            if rotate and mode < last:
+                del projected
         if rotate:
             # The last mode's projection has every mode but the last rotated already, in project()'s
             # order: one more mode product gives project(grads, bases), bit for bit, a matmul saved.
             rotated = F.project(projected, [None] * last + [bases[last]])
+            del projected
             estimates = self._estimates(group, rotated)
             for mode, estimate in enumerate(estimates):
                 inv_sqrt = group.state[inv_sqrt_key(mode)]

@@ -167,11 +167,12 @@ class Shampoo(SecondOrderOptimizer):
         roots = self._placement.read(group)
         shampoo = F.precondition(momentum, roots)
         if hyper["grafting"] == "adam":
-            shampoo = F.graft(shampoo, adam)
+            del momentum  # at 1B the blocks of one group take 4 GiB: each temporary released as soon as it can be
+            F.graft_(shampoo, adam)
         ready = group.state[has_root_key(0)]
         for mode in range(1, group.order):
             ready = ready & group.state[has_root_key(mode)]
         informed = self._informed(group)
         if informed is not None:  # a root of a block's zero factor (eps^(-1/2k) I): the fallback until a real one
             ready = ready & informed
-        return torch.where(F.batch_view(ready, shampoo), shampoo, fallback)
+        return torch.where(F.batch_view(ready, shampoo), shampoo, fallback, out=shampoo)

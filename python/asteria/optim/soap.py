@@ -142,6 +142,7 @@ class SOAP(EigenbasisOptimizer):
             rotated = rotated.masked_fill(F.batch_view(first.mask, rotated), 0.0)  # (may be ``grads`` itself)
         F.masked_ema_square_(group.state[EXP_AVG_SQ], rotated, steps.of(lambda c: debiased(beta2, max(c - 1, 1))),
                              moments)
+        del rotated  # (a temporary of the group's size: 4 GiB at 1B)
         direction = self._step_direction(group, bases, hyper["eps"])
         shampoo_beta = hyper["shampoo_beta"]
         F.update_factors_(factors, grads, steps.of(lambda c: debiased(shampoo_beta, c - 1) if c >= 2 else 0.0), keep)
@@ -152,4 +153,5 @@ class SOAP(EigenbasisOptimizer):
         """Adam's direction in the eigenbases ``bases``, rotated back: the first moment projected and divided
         by the root of the second (kept in the bases), floored at ``eps``."""
         denom = group.state[EXP_AVG_SQ].sqrt().clamp_min_(eps)
-        return F.project(F.project(group.state[EXP_AVG], bases) / denom, bases, back=True)
+        # The quotient over ``denom``: the projection may be the state itself (no basis in any mode).
+        return F.project(torch.div(F.project(group.state[EXP_AVG], bases), denom, out=denom), bases, back=True)

@@ -1,0 +1,104 @@
+"""The memory a step takes beyond the optimizer's state, and the allocator setting of the ``asteria`` command.
+
+A step's temporaries are tensors of a whole shape group's size (at olmo2-1b one group stacks 256 blocks of
+2048 x 2048: 4 GiB), so each one the step keeps alive at once moves the step's peak by that much. The GPU cases
+measure the peak with the CUDA allocator's counters; they are skipped without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import asteria
+from asteria import functional as F
+from asteria.train import cli
+
+BLOCKS, SIDE, FREQUENCY = 16, 256, 4
+#: a step's peak above what was allocated before it, in temporaries of the group's size. The stacked gradients
+#: and, for Shampoo, the bias-corrected momentum, the Adam direction and the two products of the preconditioning;
+#: for SOAP and KL-Shampoo, the gradients, the direction and the two operands of a rotation
+TEMPORARIES = 4
+OPTIMIZERS = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl_shampoo": asteria.KLShampoo}
+
+
+def step_peaks(name: str) -> list[int]:
+    """Bytes above the allocation before ``step()`` that each step after the first refresh reached at most
+    (the steps that refresh nothing: the native mode decomposes the factors inside refresh steps)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(SIDE, SIDE, device="cuda")) for _ in range(BLOCKS)]
+    opt = OPTIMIZERS[name](params, lr=1e-3, precondition_frequency=FREQUENCY, max_preconditioner_dim=SIDE,
+                           runtime=asteria.RuntimeConfig(mode="sync"))
+    peaks = []
+    with opt:
+        for step in range(1, 2 * FREQUENCY):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            opt.step()
+            torch.cuda.synchronize()
+            if step > FREQUENCY and not opt.is_refresh_step(step):
+                peaks.append(torch.cuda.max_memory_allocated() - before)
+    assert len(opt._groups) == 1 and opt._groups[0].batch == BLOCKS  # one shape group
+    return peaks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_keeps_few_temporaries_of_the_group_size(name):
+    group_bytes = BLOCKS * SIDE * SIDE * 4
+    peaks = step_peaks(name)
+    assert peaks
+    # A quarter of a group for the small tensors (per-block scalars and masks) and the allocator's rounding.
+    assert max(peaks) <= (TEMPORARIES + 0.25) * group_bytes, [p / group_bytes for p in peaks]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_command_runs_with_expandable_segments():
+    """Through the environment, before CUDA starts: the allocator's segments are expandable, and a setting
+    the user made is kept."""
+    probe = ("import torch; from asteria.train.cli import default_allocator; print(default_allocator()); "
+             "x = torch.empty(2**24, device='cuda'); "
+             "print(any(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
+    env = {k: v for k, v in os.environ.items() if k not in cli.ALLOCATOR_VARIABLES}
+    ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == [cli.ALLOCATOR_DEFAULT, "True"]
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
+    ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == ["expandable_segments:False", "False"]
+
+
+def test_the_allocator_default_is_set_only_where_nothing_is(monkeypatch):
+    for name in cli.ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    started = torch.cuda.is_initialized()  # (by earlier tests on a GPU: then the allocator has its setting)
+    assert cli.default_allocator() == (None if started else cli.ALLOCATOR_DEFAULT)
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == (None if started else cli.ALLOCATOR_DEFAULT)
+    for name in cli.ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    assert cli.default_allocator() == "max_split_size_mb:512"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_in_place_directions_equal_the_formulas():
+    """The step's in-place forms against the formulas written out: the Adam direction over its denominator
+    (with a bias of 1.0 and with per-block biases) and the graft."""
+    torch.manual_seed(1)
+    m, v = torch.randn(5, 6, 7), torch.rand(5, 6, 7)
+    bias1, bias2 = torch.rand(5) + 0.5, torch.rand(5) + 0.5
+    expected = (m / bias1.view(5, 1, 1)) / ((v / bias2.view(5, 1, 1)).sqrt() + 1e-8)
+    assert torch.equal(F.adam_direction(m, v, bias1, bias2, 1e-8), expected)
+    assert torch.equal(F.adam_direction(m, v, 1.0, 0.5, 1e-8), m / ((v / 0.5).sqrt() + 1e-8))
+    direction, target = torch.randn(5, 6, 7), torch.randn(5, 6, 7)
+    norms = torch.linalg.vector_norm(target.reshape(5, -1), dim=1) / torch.linalg.vector_norm(
+        direction.reshape(5, -1), dim=1)
+    grafted = F.graft_(direction.clone(), target)
+    torch.testing.assert_close(grafted, direction * norms.view(5, 1, 1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.linalg.vector_norm(grafted.reshape(5, -1), dim=1),
+                               torch.linalg.vector_norm(target.reshape(5, -1), dim=1), rtol=1e-5, atol=0)
