@@ -6,6 +6,7 @@ measure the peak with the CUDA allocator's counters; they are skipped without a 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,3 +103,83 @@ def test_in_place_directions_equal_the_formulas():
     torch.testing.assert_close(grafted, direction * norms.view(5, 1, 1), rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.linalg.vector_norm(grafted.reshape(5, -1), dim=1),
                                torch.linalg.vector_norm(target.reshape(5, -1), dim=1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_config_that_runs_out_of_gpu_memory_leaves_the_others_their_bench(tmp_path, capsys, monkeypatch):
+    """torch's out-of-memory error, raised by Shampoo's third step (the CPU has no GPU to fill): the bench notes
+    that config with the steps it recorded, runs and tabulates the others, and exits with status 1; when no
+    config fits, it refuses with the configs named (status 2)."""
+    from test_cli import TINY
+
+    step = asteria.Shampoo.step
+    calls = []
+
+    def third_step_fails(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB. If reserved but "
+                                         "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(asteria.Shampoo, "step", third_step_fails)
+    argv = ["bench", "--out", str(tmp_path), "--steps", "4", "--eval-every", "4", *TINY]
+    assert cli.main([*argv, "--configs", "adamw", "shampoo-async", "soap-sync"]) == 1
+    out, err = capsys.readouterr()
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["runs"]) == ["adamw", "soap-sync"]
+    expected = "out of GPU memory after 2 recorded steps: CUDA out of memory. Tried to allocate 4.00 GiB."
+    assert results["failed"] == {"shampoo-async": expected}
+    assert f"shampoo-async      {expected}" in out and "shampoo-async ran out of GPU memory" in err
+    assert (tmp_path / "report.md").exists() and len((tmp_path / "shampoo-async" / "metrics.jsonl").read_text()
+                                                    .splitlines()) == 2
+    calls.clear()
+    assert cli.main([*argv, "--configs", "shampoo-async"]) == 2
+    assert "every one ran out of GPU memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
+def test_a_version_used_at_once_is_installed_at_the_end_of_its_step(name):
+    """SOAP and KL-Shampoo read a version from the step after its refresh; one used at once (the start-up
+    refreshes, computed by the device lane inline) is installed when its step ends, so the lane holds no result
+    between steps (on a GPU: 8 GiB of bases at olmo2-1b through the next forward pass). On the CPU, with the
+    lane asked for."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
+    opt = OPTIMIZERS[name](params, lr=1e-3, precondition_frequency=FREQUENCY, max_preconditioner_dim=32,
+                           runtime=asteria.RuntimeConfig(device_refresh=True, workers=1))
+    started = []
+    with opt:
+        for step in range(1, 3 * FREQUENCY):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            opt.step()
+            assert opt._refresher.lane._results == {}, step
+            due = opt.schedule.due(step)
+            started += [(step, version) for index, version in due if opt.timeline.used_at_once(index, version)]
+            for index, version in due:
+                if opt.timeline.used_at_once(index, version):
+                    assert min(opt._set_groups[index][0].versions) == version, (step, index)
+    assert [version for _, version in started][-1] == opt.runtime.sync_refreshes  # the start-up versions ran
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_start_up_bases_leave_the_gpu_with_their_step():
+    """Between SOAP's steps the GPU holds its state and no start-up result: the memory after the first
+    refresh's step is what it was before it, give or take less than half the bases' bytes (lane buffers)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(SIDE, SIDE, device="cuda")) for _ in range(BLOCKS)]
+    opt = asteria.SOAP(params, lr=1e-3, precondition_frequency=FREQUENCY, max_preconditioner_dim=SIDE)
+    bases = BLOCKS * 2 * SIDE * SIDE * 4
+    allocated = []
+    with opt:
+        for _ in range(FREQUENCY):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            opt.step()
+            torch.cuda.synchronize()
+            # (the next allocation frees the blocks whose side-stream uses have ended: as the forward pass would)
+            torch.empty(1, device="cuda")
+            allocated.append(torch.cuda.memory_allocated())
+    assert opt.is_refresh_step(FREQUENCY)
+    assert abs(allocated[-1] - allocated[-2]) < bases / 2, (allocated[-2:], bases)

@@ -59,7 +59,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
     #: refresh (SOAP's and KL-Shampoo's bases). The activation of step t may run anywhere between
     #: step t's refresh and that first use: at the start of step t + 1 (before anything changes, so a
     #: failing or timed-out activation leaves the parameters as they were), or earlier, in the forward
-    #: pass, with ``asteria.attach``.
+    #: pass, with ``asteria.attach``; the start-up versions' within step t, before its update (which reads
+    #: none), so that their results on a GPU (8 GiB at olmo2-1b) are gone before the next forward pass.
     ACTIVATION_LAG = 0
     #: whether a block's first gradient moves it (Shampoo: a grafting step), or only starts its
     #: statistics (SOAP and KL-Shampoo: the first gradient builds the factors and their eigenbasis)
@@ -401,9 +402,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._activate(self.timeline.activation_read_at(step))
 
     def _step_with(self, step: int, grads: list[Tensor], keeps: list[Tensor], due: list[tuple[int, int]]) -> None:
-        """The rest of ``step()``: the statistics, the refreshes ``due`` at ``step``, the activation and the
-        parameter update. The buffers the step read are released even when something here raises; ``grads``
-        is emptied once the statistics have them (each group's stack is as large as its parameters)."""
+        """The rest of ``step()``: the statistics (which empty ``grads``), the refreshes ``due`` at ``step``, the
+        activation and the update. The buffers the step read are released even when something here raises."""
         placement = self._placement
         try:
             directions = []  # with ACTIVATION_LAG: each group's, from the statistics and bases before the refresh
@@ -415,8 +415,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                 items = [(index, version, self._root_request(*self._set_groups[index])) for index, version in due]
                 self._counting_installs(step, self._refresher.refresh, step, items)  # native mode installs here
                 self._refresher.check_backlog(step)
-            if not self.ACTIVATION_LAG:
-                self._activate(step)
+            if not self.ACTIVATION_LAG or any(version <= self.runtime.sync_refreshes for _, version in due):
+                self._activate(step)  # with ACTIVATION_LAG the start-up versions' now (see there)
             for group, keep in zip(self._groups, keeps, strict=True):
                 self._apply(group, keep, self._direction(group, step, directions.pop(0)))
                 placement.done(group)  # at once: the NVMe tier's few buffers serve the groups in turn
@@ -476,17 +476,15 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     def mark_backward(self, device: torch.device) -> None:
         """Notes how far the backward pass has been queued on ``device`` (called by the backward hooks of
-        ``asteria.attach``). With ``late_activation`` (``deterministic=False`` only), ``step()`` waits until
-        the GPU has reached the next-to-last such point before its last activation: the training thread
-        runs ahead of the GPU, and a version that finishes while the GPU still computes the backward pass
-        is then used at this step instead of the next one. The host waits for the GPU anyway at the step's
-        end when the loop reads the loss; the remaining backward keeps the GPU busy meanwhile."""
+        ``asteria.attach``). With ``late_activation`` (``deterministic=False`` only), ``step()`` waits until the
+        GPU has reached the next-to-last such point before its last activation: a version that finishes while
+        the GPU still computes the backward pass (the training thread runs ahead of it) is then used at this step
+        instead of the next. The host waits for the GPU at the step's end anyway, when the loop reads the loss."""
         if self.late_activation:
             self._backward.mark(device)
 
     def poll(self) -> None:
-        """Hands finished snapshots to the workers and recycles finished staging buffers, without
-        waiting for anything (called by the hooks of ``asteria.attach``)."""
+        """Hands finished snapshots to the workers, recycles staging buffers; never waits (``attach``'s hooks)."""
         if not self._busy.locked():  # a step running in another thread moves them along itself
             self._refresher.poll(self._step)
 

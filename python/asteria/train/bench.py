@@ -9,6 +9,7 @@ and CUDA-event; peak GPU memory; energy per step; staleness seen; waits; final l
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
@@ -184,9 +185,20 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
     cfgs = {label: config_of(base, label) for label in labels}  # every config checked before the first run
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Run] = {}
+    failed: dict[str, str] = {}  # a config the device's memory cannot hold: noted, and the others still run
     for label, cfg in cfgs.items():
-        train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
+        try:
+            train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
+        except torch.OutOfMemoryError as error:
+            failed[label] = str(error).split(" If reserved but unallocated")[0].strip()
+        if label in failed:  # (out of the handler: the error's frames, which hold the run's tensors, are gone)
+            failed[label] = out_of_memory(failed[label], out / label)
+            continue
         runs[label] = load_run(out / label)
+    if not runs:
+        raise ValueError(f"Invalid configs={list(configs)!r} for --model {base.model} at --batch-size "
+                         f"{base.batch_size}: every one ran out of GPU memory ({failed}); a smaller batch, or "
+                         "--placement host (the preconditioners in pinned host memory), would take less")
     reference = runs.get("adamw")
     ref_profile = _profile([r["step_time"] for r in reference.records], run_warmup(reference)) if reference else None
     ref_loss = reference.summary["final_loss"] if reference else None
@@ -247,12 +259,24 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
                 row["energy_vs_adamw"] = s["energy_joules_per_step"] / ref["energy_joules_per_step"]
         rows[label] = row
     results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows,
-               "software": software()}
+               "failed": failed, "software": software()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot_series(runs, out / "step_time_series.png")
     _plot_energy(runs, out / "energy_per_step.png")
-    write_report([out / label for label in labels], out)
+    write_report([out / label for label in runs], out)
     return results
+
+
+def out_of_memory(message: str, run: Path) -> str:
+    """What a config that ran out of GPU memory reports in the bench: the steps it recorded (its metrics are
+    kept) and torch's account of the memory (``message``). Its cached blocks go back to the device first, so
+    that the next config starts on an empty one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    metrics = run / "metrics.jsonl"
+    steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    return f"out of GPU memory after {steps} recorded steps: {message}"
 
 
 def _plot_series(runs: dict[str, Run], path: Path) -> None:
@@ -313,6 +337,8 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{1e3 * r['max_step_seconds']:>8.1f} {r['max_over_median']:>8.2f} {gpu:>8} {vs:>10} "
                      f"{energy:>8} {energy_vs:>8} {peak:>8} {r['waits'] if r['waits'] is not None else '-':>6} "
                      f"{dropped:>7} {delay:>6} {reached:>10}")
+    for label, why in results.get("failed", {}).items():
+        lines.append(f"{label:<18} {why}")
     lines.append("mean, median, max: the steady steps (after the first (sync_refreshes + 1) x f); dropped: refreshes "
                  "superseded or deferred; delay: the mean number of steps by which a version's first use comes after "
                  "native mode's (0 for native mode itself); to adamw s: training wall clock to AdamW's final loss "

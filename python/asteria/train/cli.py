@@ -408,6 +408,9 @@ def _main(argv: list[str] | None) -> int:
             results = run_bench(bench_base(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
+            if results["failed"]:
+                print(f"asteria: error: {', '.join(results['failed'])} ran out of GPU memory (above)", file=sys.stderr)
+                return 1
         else:
             print(f"report: {write_report(args.runs, args.out, args.target_loss)}")
     except (ValueError, OSError) as error:
