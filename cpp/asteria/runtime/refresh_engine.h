@@ -150,7 +150,8 @@ class RefreshEngine {
   // Seeds a kEigenbasis block's chain with the good basis `basis` (n x n, torch layout, copied) of
   // `version` (>= 1): a run resumed from a checkpoint warm-starts its next job from the basis in use.
   // Throws InvalidArgument for an inverse-root block, a version not after the newest submitted one,
-  // or a non-finite basis. Must not race with submit() for the same block.
+  // or a non-finite basis, CancelledError once the engine is closed. Must not race with submit() for the
+  // same block.
   void set_basis(std::int64_t block, std::int64_t version, const float* basis);
   // set_basis for a caller that must not wait (a training thread): the basis of `version` is not passed but
   // lies in rows [0, n) of the result buffer of `next` (buffer next % depth), which the caller fills before it
@@ -255,7 +256,7 @@ class RefreshEngine {
   // The column-order row of `version`'s result buffer (kEigenbasis blocks).
   static float* order_row(Block& b, std::int64_t version);
   // What set_basis and seed_basis check and record about the chain's seed `version`. Requires mutex_.
-  static void claim_seed(Block& b, std::int64_t version, const std::string& where);
+  void claim_seed(Block& b, std::int64_t version, const std::string& where);
   // A job's start: the chain takes the basis seed_basis left in a result buffer, if any. Takes chain_mutex.
   static void adopt_seed(Block& b, std::int64_t id);
   // Rewrites `version`'s order relative to b.activated (see activate()). Requires mutex_.

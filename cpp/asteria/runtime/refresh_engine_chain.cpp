@@ -17,6 +17,7 @@ namespace asteria::runtime {
 using detail::block_name;
 
 void RefreshEngine::claim_seed(Block& b, std::int64_t version, const std::string& where) {
+  if (closed_) throw CancelledError(where + "the engine is closed");
   if (version < 1 || version < b.last_version || (b.last_job && !b.last_job->finished())) {
     throw InvalidArgument(where + "Invalid version=" + std::to_string(version) +
                           ": must be >= 1 and >= the newest submitted version " + std::to_string(b.last_version) +

@@ -292,6 +292,18 @@ TEST(ExternalVersions, SeedBasisHandsTheChainTheBasisInTheNextVersionsResultBuff
   }
 }
 
+TEST(ExternalVersions, AClosedEngineRefusesABasisAndASeed) {
+  constexpr int kN = 4;
+  RefreshEngine engine(config(/*deterministic=*/false));
+  Memory memory(1, kN, /*packed=*/true, RefreshKind::kEigenbasis);
+  const auto block = engine.add_block(memory.block);
+  use_external(engine, block, 1);
+  const std::vector<float> basis = some_basis(kN, 41);
+  engine.close();
+  EXPECT_THROW(engine.set_basis(block, 1, basis.data()), CancelledError);
+  EXPECT_THROW(engine.seed_basis(block, 1, 2), CancelledError);
+}
+
 TEST(ExternalVersions, ASeededJobSupersededBeforeItStartsHandsItsSeedToTheNext) {
   // The one worker is held by another block's job while the seeded version 2 and then version 3 queue: 2 is
   // superseded when it starts, and 3 warm-starts from the seed in 2's buffer.
