@@ -1,4 +1,5 @@
-"""The memory a step takes beyond the optimizer's state, and the allocator setting of the ``asteria`` command.
+"""The memory a step takes beyond the optimizer's state, what a step that runs out of it says, and the bench's
+record of a config that does.
 
 A step's temporaries are tensors of a whole shape group's size (at olmo2-1b one group stacks 256 blocks of
 2048 x 2048: 4 GiB), so each one the step keeps alive at once moves the step's peak by that much. The GPU cases
@@ -7,15 +8,13 @@ measure the peak with the CUDA allocator's counters; they are skipped without a 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import asteria
 from asteria import functional as F
+from asteria.memory import explain_out_of_memory, gib
 from asteria.train import cli
 
 BLOCKS, SIDE, FREQUENCY = 16, 256, 4
@@ -57,34 +56,6 @@ def test_a_step_keeps_few_temporaries_of_the_group_size(name):
     assert peaks
     # A quarter of a group for the small tensors (per-block scalars and masks) and the allocator's rounding.
     assert max(peaks) <= (TEMPORARIES + 0.25) * group_bytes, [p / group_bytes for p in peaks]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_command_runs_with_expandable_segments():
-    """Through the environment, before CUDA starts: the allocator's segments are expandable, and a setting
-    the user made is kept."""
-    probe = ("import torch; from asteria.train.cli import default_allocator; print(default_allocator()); "
-             "x = torch.empty(2**24, device='cuda'); "
-             "print(any(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
-    env = {k: v for k, v in os.environ.items() if k not in cli.ALLOCATOR_VARIABLES}
-    ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert ran.stdout.split() == [cli.ALLOCATOR_DEFAULT, "True"]
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
-    ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert ran.stdout.split() == ["expandable_segments:False", "False"]
-
-
-def test_the_allocator_default_is_set_only_where_nothing_is(monkeypatch):
-    for name in cli.ALLOCATOR_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    started = torch.cuda.is_initialized()  # (by earlier tests on a GPU: then the allocator has its setting)
-    assert cli.default_allocator() == (None if started else cli.ALLOCATOR_DEFAULT)
-    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == (None if started else cli.ALLOCATOR_DEFAULT)
-    for name in cli.ALLOCATOR_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
-    assert cli.default_allocator() == "max_split_size_mb:512"
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
 def test_in_place_directions_equal_the_formulas():
@@ -183,3 +154,43 @@ def test_the_start_up_bases_leave_the_gpu_with_their_step():
             allocated.append(torch.cuda.memory_allocated())
     assert opt.is_refresh_step(FREQUENCY)
     assert abs(allocated[-1] - allocated[-2]) < bases / 2, (allocated[-2:], bases)
+
+
+def test_running_out_of_gpu_memory_in_a_step_names_what_the_state_holds():
+    """torch's out-of-memory error from inside ``step()`` (here raised by the closure: the CPU has no GPU to fill)
+    comes out as torch's type, with the optimizer's share of the device and the settings that take less; the step
+    counted nothing, and the next one goes on."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
+    opt = asteria.Shampoo(params, lr=1e-3, precondition_frequency=2, max_preconditioner_dim=32,
+                          runtime=asteria.RuntimeConfig(workers=1))
+
+    def closure():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with opt:
+        for param in params:
+            param.grad = torch.randn_like(param)
+        opt.step()
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            opt.step(closure)
+        report = opt.memory_report()
+        assert str(raised.value).startswith("CUDA out of memory. Tried to allocate 2.00 GiB.\nIn Shampoo.step(): the "
+                                            f"optimizer's state holds {gib(report['device']['total'])} on the device (")
+        assert "max_preconditioner_dim" in str(raised.value) and "expandable_segments:True" in str(raised.value)
+        assert "placement='host'" not in str(raised.value)  # CPU parameters' roots are in host memory already
+        assert opt._step == 1
+        opt.step()
+        assert opt._step == 2
+    # On a GPU under the device placement, moving the preconditioners is offered, with their bytes.
+    report["device"] = {"root": 2**31, "factor": 2**31, "momentum": 2**30, "total": 5 * 2**30}
+    soap = type("SOAP", (), {"memory_report": lambda _: report})()
+    text = explain_out_of_memory(RuntimeError("CUDA out of memory."), soap)
+    assert text == ("CUDA out of memory.\nIn SOAP.step(): the optimizer's state holds 5.00 GiB on the device (root "
+                    "2.00 GiB, factor 2.00 GiB, momentum 1.00 GiB); MemoryConfig(placement='host') keeps the 2.00 "
+                    "GiB of preconditioners in pinned host memory (and turns the device lane off); a smaller "
+                    "max_preconditioner_dim shrinks the factors and preconditioners; "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, lets memory freed "
+                    "between tensors of different sizes serve the next ones (with the device lane in a process of its "
+                    "own, where ptrace restrictions do not refuse it the pidfd_getfd call that sharing such memory "
+                    "takes)")

@@ -4,6 +4,7 @@ a configuration's needs with (the optimizer's state, the refresh buffers, the de
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -47,3 +48,20 @@ def device_available(device: torch.device) -> int | None:
 def gib(nbytes: float) -> str:
     """Bytes as GiB with two decimals, for messages."""
     return f"{nbytes / 2**30:.2f} GiB"
+
+
+def explain_out_of_memory(error: BaseException, optimizer: Any) -> str:
+    """torch's out-of-memory ``error`` from inside ``optimizer.step()``, with what the optimizer's state holds on
+    the device (its ``memory_report()``) and the settings that take less there."""
+    report = optimizer.memory_report()
+    device = {kind: nbytes for kind, nbytes in report["device"].items() if nbytes and kind != "total"}
+    preconditioners = device.get("root", 0) + device.get("basis", 0)  # (on the host already for CPU parameters)
+    kinds = ", ".join(f"{kind} {gib(nbytes)}" for kind, nbytes in sorted(device.items(), key=lambda kv: -kv[1]))
+    remedies = [f"MemoryConfig(placement='host') keeps the {gib(preconditioners)} of preconditioners in pinned host "
+                "memory (and turns the device lane off)"] if preconditioners and report["placement"] != "host" else []
+    remedies += ["a smaller max_preconditioner_dim shrinks the factors and preconditioners",
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, lets memory freed between "
+                 "tensors of different sizes serve the next ones (with the device lane in a process of its own, where "
+                 "ptrace restrictions do not refuse it the pidfd_getfd call that sharing such memory takes)"]
+    return (f"{error}\nIn {type(optimizer).__name__}.step(): the optimizer's state holds "
+            f"{gib(sum(device.values()))} on the device ({kinds}); {'; '.join(remedies)}")

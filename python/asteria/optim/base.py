@@ -26,8 +26,8 @@ from asteria.checks import check_arg, check_count
 from asteria.config import MAX_FREQUENCY, RuntimeConfig, plain
 from asteria.distributed import topology
 from asteria.distributed.topology import same_on_every_rank
+from asteria.memory import explain_out_of_memory
 from asteria.optim import checkpoint
-from asteria.optim.checkpoint import EngineUse
 from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
 from asteria.optim.nonfinite import NonfiniteGuard
 from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
@@ -109,7 +109,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._closed = False  # close() was called: step() refuses, prefetch() does nothing
         self._busy = threading.Lock()  # held by step(), state_dict() and load_state_dict(): ``_exclusive``
         #: what the refresh engine has seen: only a fresh async optimizer may load a state_dict
-        self._used = EngineUse.FRESH
+        self._used = checkpoint.EngineUse.FRESH
         self._activated_step = 0  # the newest step whose activation has been done
         #: set by ``asteria.attach(late_activation=True)``: ``step()``'s last activation waits for the GPU to
         #: reach the end of the backward pass (``mark_backward``)
@@ -343,6 +343,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         with self._exclusive("step()"):
             try:
                 return self._step_once(closure)
+            except torch.OutOfMemoryError as error:  # torch's account, with this optimizer's share and the remedies
+                raise torch.OutOfMemoryError(explain_out_of_memory(error, self)) from error
             except _core.CancelledError as cancelled:
                 if not self._closed:
                     raise
@@ -388,7 +390,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._step_with(step, grads, keeps, due)
         finally:  # from the first statistics update on, the step has happened (see above)
             self._step = step
-            self._used = EngineUse.STEPPED
+            self._used = checkpoint.EngineUse.STEPPED
         return loss
 
     def _before_statistics(self, step: int, due: list[tuple[int, int]]) -> None:
@@ -441,8 +443,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._refresher.ready()
 
     def _counting_installs(self, step: int, call: Callable[..., None], *args: Any) -> None:
-        """``call(*args)`` (a refresh or an activation of ``step``), with the delay of every version it
-        installs counted (``InstallDelays``)."""
+        """``call(*args)`` (a refresh or activation of ``step``), counting each install's delay (``InstallDelays``)."""
         try:
             call(*args)
         finally:  # the installs made before a raise are in use too

@@ -351,31 +351,8 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-#: The CUDA caching allocator's setting for the command's runs where the user sets none: segments that grow in
-#: place. At the defaults the allocator carves fixed segments, and the step's temporaries of a shape group's size
-#: (4 GiB each at olmo2-1b) strand freed memory between them: 1B at 16 x 1024 ran out on an 80 GB card with
-#: 26.6 GiB reserved but unallocated.
-ALLOCATOR_DEFAULT = "expandable_segments:True"
-ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-
-
-def default_allocator() -> str | None:
-    """Sets ``ALLOCATOR_DEFAULT`` unless a variable of ``ALLOCATOR_VARIABLES`` is set or CUDA has started in
-    this process (its allocator has read its setting then); the environment carries it to child processes
-    (the device lane's, torchrun's workers). Returns the setting in force for this process's runs, None where
-    it cannot be told (CUDA started before)."""
-    given = next((os.environ[name] for name in ALLOCATOR_VARIABLES if name in os.environ), None)
-    if given is not None:
-        return given
-    if torch.cuda.is_initialized():
-        return None
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
-    return ALLOCATOR_DEFAULT
-
-
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    default_allocator()
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     new = _new_folders(getattr(args, "out", None)) if rank == "0" else []
     try:
