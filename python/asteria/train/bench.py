@@ -187,12 +187,13 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}  # a config the device's memory cannot hold: noted, and the others still run
     for label, cfg in cfgs.items():
+        message = None
         try:
             train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         except torch.OutOfMemoryError as error:
-            failed[label] = str(error).split(" If reserved but unallocated")[0].strip()
-        if label in failed:  # (out of the handler: the error's frames, which hold the run's tensors, are gone)
-            failed[label] = out_of_memory(failed[label], out / label)
+            message = str(error)
+        if message is not None:  # (out of the handler: the error's frames, which hold the run's tensors, are gone)
+            failed[label] = out_of_memory(message, out / label)
             continue
         runs[label] = load_run(out / label)
     if not runs:
@@ -269,8 +270,9 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
 
 def out_of_memory(message: str, run: Path) -> str:
     """What a config that ran out of GPU memory reports in the bench: the steps it recorded (its metrics are
-    kept) and torch's account of the memory (``message``). Its cached blocks go back to the device first, so
-    that the next config starts on an empty one."""
+    kept) and torch's account of the memory (``message``, less its advice). Its cached blocks go back to the
+    device first, so that the next config starts on an empty one."""
+    message = message.split(" If reserved but unallocated")[0].strip()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
