@@ -298,6 +298,7 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
     ({"device_sms": 16, "device_refresh": False}, r"Invalid device_sms=16: .*\(here mode='async', "
                                                   r"device_refresh=False\)"),
     ({"device_process": 1}, "Invalid device_process=1: must be None or a bool"),
+    ({"queue_order": "fifo"}, r"Invalid queue_order='fifo': must be one of \('deadline', 'shortest'\)"),
     ({"device_process": True, "mode": "sync"}, r"Invalid device_process=True: moves the device lane into a child "
                                                r"process, and the lane runs in mode='async'"),
 ])

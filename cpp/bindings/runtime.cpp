@@ -107,8 +107,13 @@ void init_runtime(nb::module_& m) {
           "__init__",
           [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
              int max_consecutive_failures, double slot_timeout_s, int worker_nice, std::vector<int> worker_cpus,
-             int sync_versions) {
+             int sync_versions, const std::string& queue_order) {
             runtime::EngineConfig config;
+            if (queue_order == "shortest") {
+              config.queue_order = runtime::QueueOrder::kShortest;
+            } else if (queue_order != "deadline") {
+              throw InvalidArgument("Invalid queue_order='" + queue_order + "': must be 'deadline' or 'shortest'");
+            }
             config.workers = workers;
             config.worker_nice = worker_nice;
             config.worker_cpus = std::move(worker_cpus);
@@ -122,7 +127,7 @@ void init_runtime(nb::module_& m) {
           },
           "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
           "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10,
-          "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1)
+          "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1, "queue_order"_a = "deadline")
       .def(
           "add_block",
           [](RefreshEngine& e, AnyRing snapshots, Ring results, const std::string& kind,

@@ -24,6 +24,7 @@ MIN_TIMEOUT_S = 1e-6  # a microsecond: the core's waits are whole nanoseconds
 MAX_SETS_PER_STEP = 64  # stagger_sets_per_step: finer cuts only add per-set overhead
 MAX_COUNT = 2**31 - 1  # sync_refreshes, max_consecutive_failures, max_nonfinite_grad_steps: C ints in the core
 NONFINITE_POLICIES = ("skip", "raise")
+QUEUE_ORDERS = ("deadline", "shortest")
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -128,6 +129,12 @@ class RuntimeConfig:
         in_flight: newest-finished rule: versions of a set on their way at once (each holds pinned
             snapshot and result buffers, by version number modulo in_flight); a turn beyond that is deferred,
             as is a workers' turn whose buffers an unsettled version still holds.
+        queue_order: newest-finished rule: the order in which the workers take queued refreshes after the
+            ``sync_refreshes`` (which are waited for). ``"deadline"``: by the step each is due at, the largest
+            blocks first within one; ``"shortest"``: the smallest blocks first, so that a cheap refresh never
+            queues behind costly ones (the mean delay to use is shortest; a costly one waits at most for the
+            cheaper ones' share of the work). The deterministic rule waits for every version at its step and
+            runs by deadline (an optimizer on that rule refuses ``"shortest"``).
         device_refresh: whether the refresh executor may also compute on the parameters' device
             (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
             workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
@@ -168,6 +175,7 @@ class RuntimeConfig:
     nonfinite_grad_policy: Literal["skip", "raise"] = "skip"
     max_nonfinite_grad_steps: int = 10
     in_flight: int = 1
+    queue_order: Literal["deadline", "shortest"] = "deadline"
     device_refresh: bool | None = None
     device_share: float = 1.0
     device_sms: int | None = None
@@ -225,6 +233,7 @@ class RuntimeConfig:
                "max_nonfinite_grad_steps", self.max_nonfinite_grad_steps, f"must be an int in [1, {MAX_COUNT}]")
         _check(is_int(self.in_flight) and 1 <= self.in_flight <= MAX_STALENESS + 1, "in_flight", self.in_flight,
                f"must be an int in [1, {MAX_STALENESS + 1}] (versions of a set on their way at once)")
+        _check(self.queue_order in QUEUE_ORDERS, "queue_order", self.queue_order, f"must be one of {QUEUE_ORDERS}")
         _check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
                self.device_refresh, "must be None or a bool")
         _check(is_real(self.device_share) and 0 < self.device_share <= 1, "device_share", self.device_share,
@@ -254,10 +263,16 @@ class RuntimeConfig:
     def resolved_deterministic(self, several_ranks: bool) -> bool:
         """``deterministic`` resolved: None means the deterministic rule on several ranks (which need it), where
         ``lag_steps`` is given, or at staleness 0 (where both rules use every version at its own step), else the
-        newest-finished rule."""
-        if self.deterministic is not None:
-            return self.deterministic
-        return several_ranks or self.lag_steps is not None or self.staleness == 0
+        newest-finished rule. Refuses (ValueError) an async ``queue_order`` the resolved rule cannot take."""
+        resolved = self.deterministic if self.deterministic is not None else (
+            several_ranks or self.lag_steps is not None or self.staleness == 0)
+        ranks = "several ranks" if several_ranks else "one rank"
+        _check(not (resolved and self.mode == "async" and self.queue_order != "deadline"), "queue_order",
+               self.queue_order, "applies to the newest-finished rule only, and this optimizer runs the deterministic "
+               f"rule (deterministic={self.deterministic} on {ranks}, lag_steps={self.lag_steps}, staleness="
+               f"{self.staleness}), which waits for every version at its step: pass deterministic=False or leave "
+               "queue_order='deadline'")
+        return resolved
 
     def stagger_wanted(self) -> bool:
         """``stagger`` resolved before the ranks are consulted: its value, or whether the mode is async and

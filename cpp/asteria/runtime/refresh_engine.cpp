@@ -232,15 +232,21 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
       }
     }
     // Among the jobs due at one step, the largest blocks start first (their O(n^3) numerics take longest):
-    // the last of the step's versions is then done sooner on several workers. The cost must be the same for
-    // every job of a block: the pool then keeps a block's jobs in (deadline, submission) order, which the
-    // eigenbasis chain relies on (job v waits for job v - 1, which must have been dequeued before it).
+    // the last of the step's versions is then done sooner on several workers; background jobs (see
+    // QueueOrder) run the smallest first. The cost must be the same for every job of a block, and a block's
+    // background versions follow its due ones: the pool then keeps a block's jobs in (deadline, submission)
+    // order, which the eigenbasis chain relies on (job v waits for job v - 1, which must have been dequeued
+    // before it).
     const double cost = job_cost(b);
+    const JobClass job_class = config_.queue_order == QueueOrder::kShortest && !config_.registry.deterministic &&
+                                       version > config_.registry.sync_versions
+                                   ? JobClass::kBackground
+                                   : JobClass::kDue;
     JobHandle job;
     try {
       job = pool_->submit(deadline, [this, id, version, spec, skip_tol, previous] {
         run_job(id, version, spec, skip_tol, previous);
-      }, cost);
+      }, cost, job_class);
     } catch (const CancelledError& e) {
       b.snapshots.release(version);
       registry_.note_finished(id, version, false, e.what());

@@ -21,12 +21,23 @@
 
 namespace asteria::runtime {
 
+// The order in which the workers take queued jobs (see WorkerPool's JobClass).
+enum class QueueOrder {
+  kDeadline,  // every job by its activation step, the largest blocks first within one
+  // Under the non-deterministic rule, the versions after the waited-for ones (sync_versions) run after
+  // every waited-for job, the smallest blocks first: a block's newest version is used as soon as it is
+  // done, so the mean delay to its use is shortest when cheap jobs never queue behind costly ones. The
+  // deterministic rule waits for every version at its activation step and always runs by deadline.
+  kShortest,
+};
+
 struct EngineConfig {
   int workers = 1;        // >= 1
   int blas_threads = 1;   // >= 1, per worker
   int worker_nice = 10;   // 0..19: the workers' CPU priority below the training thread's
   std::vector<int> worker_cpus;  // logical CPUs the workers run on (empty: not pinned); see WorkerPool
   coherence::RegistryConfig registry;
+  QueueOrder queue_order = QueueOrder::kDeadline;
   std::chrono::nanoseconds slot_timeout = std::chrono::seconds(300);  // workers waiting for a result buffer
 };
 

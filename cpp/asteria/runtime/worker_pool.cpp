@@ -159,7 +159,7 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<
 
 WorkerPool::~WorkerPool() { shutdown(); }
 
-JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, double cost) {
+JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, double cost, JobClass job_class) {
   if (!fn) throw InvalidArgument("[WorkerPool::submit] fn is empty (deadline " + std::to_string(deadline) + ")");
   if (!(std::isfinite(cost) && cost >= 0.0)) {
     throw InvalidArgument("[WorkerPool::submit] Invalid cost=" + format_number(cost) +
@@ -174,7 +174,7 @@ JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, do
     }
     const std::uint64_t seq = next_seq_++;
     record = std::make_shared<JobRecord>(seq, deadline, std::move(fn));
-    queue_.push(QueueEntry{deadline, cost, seq, record});
+    queue_.push(QueueEntry{deadline, cost, job_class, seq, record});
     stats_.submitted += 1;
     stats_.queue_depth = queue_.size();
     stats_.max_queue_depth = std::max(stats_.max_queue_depth, queue_.size());

@@ -64,9 +64,20 @@ struct PoolStats {
 // The name of every worker thread (Linux's 15-character limit): /proc/<pid>/task/<tid>/comm shows it.
 inline constexpr const char* kWorkerThreadName = "asteria-worker";
 
-// Jobs run in order of (deadline, cost, submission order): the job whose result is due first runs
-// first; among jobs due at the same step the costlier run first (longest processing time first, which
-// shortens the time until the last of them is done on several workers), then in submission order.
+// How a queued job is ordered against the others.
+enum class JobClass {
+  // Its result is waited for at its deadline: earliest deadline first; among jobs due at the same step
+  // the costlier first (longest processing time first, which shortens the time until the last of them is
+  // done on several workers), then in submission order.
+  kDue,
+  // Its result is used whenever it is done (a bounded-staleness refresh): after every due job, the
+  // cheapest first (shortest processing time first, which minimizes the mean time from submission to
+  // result), then by deadline, then in submission order. A cheap job then never waits behind costly ones
+  // queued before it; a costly one waits at most for the cheaper jobs' share of the work.
+  kBackground,
+};
+
+// Jobs run in the order their JobClass gives (due jobs before background ones).
 // A job's exception is caught on the worker and kept in its handle, to be rethrown at the wait.
 // Thread safety: every method is safe to call concurrently.
 class WorkerPool {
@@ -85,10 +96,10 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Queues `fn`, with `cost` (finite, >= 0, any unit: e.g. flops) ordering it among jobs of the same
-  // deadline. Throws CancelledError once the pool is shut down, InvalidArgument for an empty `fn` or
-  // a bad `cost`.
-  JobHandle submit(std::int64_t deadline, std::function<void()> fn, double cost = 0.0);
+  // Queues `fn`, with `cost` (finite, >= 0, any unit: e.g. flops) ordering it as `job_class` says.
+  // Throws CancelledError once the pool is shut down, InvalidArgument for an empty `fn` or a bad `cost`.
+  JobHandle submit(std::int64_t deadline, std::function<void()> fn, double cost = 0.0,
+                   JobClass job_class = JobClass::kDue);
 
   // Cancels every queued job (their waiters get CancelledError), lets running jobs finish and
   // joins the threads. Idempotent; a concurrent caller returns once the threads are joined. Must
@@ -103,10 +114,13 @@ class WorkerPool {
   struct QueueEntry {
     std::int64_t deadline;
     double cost;
+    JobClass job_class;
     std::uint64_t seq;
     std::shared_ptr<detail::JobRecord> record;
-    // "Runs later than": a later deadline, then a smaller cost, then a later submission.
+    // "Runs later than" (see JobClass).
     bool operator>(const QueueEntry& other) const {
+      if (job_class != other.job_class) return job_class == JobClass::kBackground;
+      if (job_class == JobClass::kBackground && cost != other.cost) return cost > other.cost;
       if (deadline != other.deadline) return deadline > other.deadline;
       if (cost != other.cost) return cost < other.cost;
       return seq > other.seq;

@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "asteria/common/errors.h"
@@ -112,6 +113,28 @@ TEST(WorkerPoolTest, RunsTheCostlierOfEqualDeadlinesFirstAndEqualCostsInSubmissi
   for (const JobHandle& job : jobs) job.wait(kLongWait);
 
   EXPECT_EQ(ran, (std::vector<int>{3, 1, 5, 6, 2, 4, 0, 7}));
+}
+
+TEST(WorkerPoolTest, RunsBackgroundJobsAfterDueOnesCheapestFirst) {
+  WorkerPool pool(1);
+  std::vector<int> ran;  // written by the single worker only
+  std::vector<JobHandle> jobs;
+  BlockedWorker blocker(pool);
+  // (deadline, cost, class) per job i. Due jobs first, by (deadline, larger cost); then background jobs by
+  // (smaller cost, deadline, submission order), whatever their deadlines against the due ones'.
+  constexpr JobClass kDue = JobClass::kDue;
+  constexpr JobClass kBackground = JobClass::kBackground;
+  const std::vector<std::tuple<std::int64_t, double, JobClass>> order = {
+      {1, 8.0, kBackground}, {9, 1.0, kDue},        {2, 1.0, kBackground}, {9, 8.0, kDue},
+      {1, 1.0, kBackground}, {0, 27.0, kBackground}, {1, 1.0, kBackground}, {20, 0.0, kDue}};
+  for (int i = 0; i < static_cast<int>(order.size()); ++i) {
+    const auto& [deadline, cost, job_class] = order[i];
+    jobs.push_back(pool.submit(deadline, [&ran, i] { ran.push_back(i); }, cost, job_class));
+  }
+  blocker.release();
+  for (const JobHandle& job : jobs) job.wait(kLongWait);
+
+  EXPECT_EQ(ran, (std::vector<int>{3, 1, 7, 4, 6, 2, 0, 5}));
 }
 
 TEST(WorkerPoolTest, RefusesACostThatIsNotAFiniteNumberAtLeastZero) {

@@ -163,7 +163,7 @@ class WorkerRefresher(Refresher):
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
             deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
             slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
-            sync_versions=config.sync_refreshes)
+            sync_versions=config.sync_refreshes, queue_order=config.queue_order)
         self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
         self.stager = SnapshotStager(self.engine, self.sets, config.timeout_s)
 

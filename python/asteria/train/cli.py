@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import torch
 
 import asteria
-from asteria.config import PLACEMENTS
+from asteria.config import PLACEMENTS, QUEUE_ORDERS
 from asteria.hooks import PREFETCH_POINTS
 from asteria.train import checkpoint
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, format_table, run_bench
@@ -76,6 +76,8 @@ HELP = {
                              "of one config differ only by the activation timing of --no-deterministic",
     "in_flight": "with the newest-finished rule, versions of a factor set on their way at once (each a snapshot and "
                  "a result buffer per block in pinned memory); a refresh due beyond that is deferred to its next turn",
+    "queue_order": "with the newest-finished rule, the order in which the CPU workers take queued refreshes: "
+                   "'deadline' (by the step each is due at) or 'shortest' (the smallest blocks first)",
     "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
@@ -143,7 +145,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
-ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "device_refresh", "device_share",
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "device_refresh", "device_share",
               "device_sms", "device_threads", "device_process")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
@@ -223,7 +225,8 @@ def out_dir(text: str) -> Path:
 #: the values an option takes, shown in its help (RunConfig checks them, naming the value and these)
 CHOICES = {"optimizer": OPTIMIZERS, "model": tuple(PRESETS), "mode": ("sync", "async"), "placement": PLACEMENTS,
            "prefetch": PREFETCH_POINTS, "lr_schedule": LR_SCHEDULES, "parallel": PARALLEL_MODES,
-           "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda"), "first_basis": FIRST_BASES}
+           "matmul_precision": MATMUL_PRECISIONS, "device": ("cpu", "cuda"), "first_basis": FIRST_BASES,
+           "queue_order": QUEUE_ORDERS}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -101,8 +101,9 @@ def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> aster
                                  stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
                                  else None, stagger_sets_per_step=cfg.stagger_sets_per_step,
                                  memory=memory, local_world_size=local_world_size, **(dict(
-                                     in_flight=cfg.in_flight, device_refresh=cfg.device_refresh,
-                                     device_share=float(cfg.device_share), device_sms=cfg.device_sms,
+                                     in_flight=cfg.in_flight, queue_order=cfg.queue_order,
+                                     device_refresh=cfg.device_refresh, device_share=float(cfg.device_share),
+                                     device_sms=cfg.device_sms,
                                      device_threads=cfg.device_threads, device_process=cfg.device_process)
                                      if cfg.mode == "async" else {}))
 

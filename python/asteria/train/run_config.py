@@ -99,6 +99,7 @@ class RunConfig:
     prefetch: str = "forward_end"
     late_activation: bool | None = None
     in_flight: int = 1
+    queue_order: str = "deadline"
     device_refresh: bool | None = None
     device_share: float = 1.0
     device_sms: int | None = None
@@ -126,6 +127,8 @@ class RunConfig:
         check(isinstance(self.device_share, (int, float)) and not isinstance(self.device_share, bool)
               and 0 < self.device_share <= 1, "device_share", "must be a number in (0, 1]")
         check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
+        check(self.queue_order in asteria.config.QUEUE_ORDERS, "queue_order",
+              f"must be one of {asteria.config.QUEUE_ORDERS}")
         check(self.device_sms is None or (is_int(self.device_sms) and self.device_sms >= 1), "device_sms",
               "must be None (the whole GPU) or an int >= 1")
         check(is_int(self.device_threads) and self.device_threads >= 1, "device_threads", "must be an int >= 1")

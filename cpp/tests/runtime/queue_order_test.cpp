@@ -1,0 +1,88 @@
+// The order in which the engine's workers take queued refreshes (EngineConfig::queue_order).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "asteria/runtime/refresh_engine.h"
+
+namespace asteria::runtime {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Block {
+  Block(int n, int depth) : n(n), snapshots(static_cast<std::size_t>(depth * n * n)), results(snapshots.size()) {}
+  BlockMemory memory(int depth) {
+    return BlockMemory{n, depth, snapshots.data(), static_cast<std::int64_t>(n) * n, results.data(),
+                       static_cast<std::int64_t>(n) * n};
+  }
+  int n;
+  std::vector<float> snapshots;
+  std::vector<float> results;
+};
+
+struct Order {
+  QueueOrder queue_order;
+  bool deterministic;
+  int sync_versions;
+};
+
+// One worker, held by a paused job. A large block's version 1 is queued (activation step 11), then a small
+// block's version 1 (activation step 20, paused when it starts). Returns whether the large block's version
+// had ended by the time the small block's job started.
+bool large_ran_before_small(Order order) {
+  constexpr int kDepth = 2;
+  EngineConfig config;
+  config.workers = 1;
+  config.registry.staleness = 3;
+  config.registry.deterministic = order.deterministic;
+  config.registry.sync_versions = order.sync_versions;
+  config.queue_order = order.queue_order;
+  config.slot_timeout = 5s;
+  RefreshEngine engine(config);
+  Block held_rings(4, kDepth), large_rings(24, kDepth), small_rings(4, kDepth);
+  const auto held = engine.add_block(held_rings.memory(kDepth));
+  const auto large = engine.add_block(large_rings.memory(kDepth));
+  const auto small = engine.add_block(small_rings.memory(kDepth));
+  const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
+  const auto submit = [&](std::int64_t id, Block& block, std::int64_t step) {
+    engine.begin_snapshot({id}, 1, 1s);
+    float* snapshot = block.snapshots.data() + (1 % kDepth) * block.n * block.n;
+    for (int i = 0; i < block.n; ++i) snapshot[i * block.n + i] = 4.0f;
+    engine.submit({id}, 1, step, spec);
+  };
+  engine.inject_fault(held, 1, FaultKind::kPause);
+  engine.inject_fault(small, 1, FaultKind::kPause);
+  submit(held, held_rings, 1);
+  engine.wait_paused(1, 5s);  // the only worker now waits inside the held job
+  submit(large, large_rings, 11);
+  submit(small, small_rings, 20);
+  engine.release_pauses();
+  engine.wait_paused(1, 5s);  // the small block's job has started: the jobs before it in the queue have ended
+  const bool large_first = engine.status(large).newest_ok == 1;
+  engine.release_pauses();
+  engine.drain(5s);
+  EXPECT_EQ(engine.status(large).newest_ok, 1);
+  EXPECT_EQ(engine.status(small).newest_ok, 1);
+  return large_first;
+}
+
+TEST(QueueOrder, ShortestRunsASmallBlocksBackgroundVersionBeforeALargerOneQueuedEarlier) {
+  EXPECT_FALSE(large_ran_before_small({QueueOrder::kShortest, /*deterministic=*/false, /*sync_versions=*/0}));
+}
+
+TEST(QueueOrder, DeadlineRunsByActivationStep) {
+  EXPECT_TRUE(large_ran_before_small({QueueOrder::kDeadline, /*deterministic=*/false, /*sync_versions=*/0}));
+}
+
+TEST(QueueOrder, ShortestKeepsTheDeadlineForVersionsThatAreWaitedFor) {
+  // The deterministic rule waits for every version at its activation step; the newest-finished rule waits
+  // for versions 1..sync_versions.
+  EXPECT_TRUE(large_ran_before_small({QueueOrder::kShortest, /*deterministic=*/true, /*sync_versions=*/0}));
+  EXPECT_TRUE(large_ran_before_small({QueueOrder::kShortest, /*deterministic=*/false, /*sync_versions=*/1}));
+}
+
+}  // namespace
+}  // namespace asteria::runtime
