@@ -3,25 +3,17 @@
 
 #include <chrono>
 #include <cstdint>
-#include <vector>
 
 #include "asteria/runtime/refresh_engine.h"
+#include "rings.h"
 
 namespace asteria::runtime {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Block {
-  Block(int n, int depth) : n(n), snapshots(static_cast<std::size_t>(depth * n * n)), results(snapshots.size()) {}
-  BlockMemory memory(int depth) {
-    return BlockMemory{n, depth, snapshots.data(), static_cast<std::int64_t>(n) * n, results.data(),
-                       static_cast<std::int64_t>(n) * n};
-  }
-  int n;
-  std::vector<float> snapshots;
-  std::vector<float> results;
-};
+using test_support::fill_diagonal;
+using test_support::Rings;
 
 struct Order {
   QueueOrder queue_order;
@@ -42,15 +34,14 @@ bool large_ran_before_small(Order order) {
   config.queue_order = order.queue_order;
   config.slot_timeout = 5s;
   RefreshEngine engine(config);
-  Block held_rings(4, kDepth), large_rings(24, kDepth), small_rings(4, kDepth);
+  Rings held_rings(kDepth, 4), large_rings(kDepth, 24), small_rings(kDepth, 4);
   const auto held = engine.add_block(held_rings.memory(kDepth));
   const auto large = engine.add_block(large_rings.memory(kDepth));
   const auto small = engine.add_block(small_rings.memory(kDepth));
   const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
-  const auto submit = [&](std::int64_t id, Block& block, std::int64_t step) {
+  const auto submit = [&](std::int64_t id, Rings& rings, std::int64_t step) {
     engine.begin_snapshot({id}, 1, 1s);
-    float* snapshot = block.snapshots.data() + (1 % kDepth) * block.n * block.n;
-    for (int i = 0; i < block.n; ++i) snapshot[i * block.n + i] = 4.0f;
+    fill_diagonal(rings.snapshot(1, kDepth), rings.n, 4.0f);
     engine.submit({id}, 1, step, spec);
   };
   engine.inject_fault(held, 1, FaultKind::kPause);

@@ -13,29 +13,15 @@
 #include "asteria/common/errors.h"
 #include "asteria/linalg/eigenbasis.h"
 #include "asteria/runtime/blas_threads.h"
+#include "rings.h"
 
 namespace asteria::runtime {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Rings {
-  Rings(int depth, int n) : n(n), snapshots(static_cast<std::size_t>(depth * n * n)), results(snapshots.size()) {}
-  BlockMemory memory(int depth) {
-    return BlockMemory{n, depth, snapshots.data(), static_cast<std::int64_t>(n) * n, results.data(),
-                       static_cast<std::int64_t>(n) * n};
-  }
-  float* snapshot(std::int64_t version, int depth) { return snapshots.data() + (version % depth) * n * n; }
-  float* result(std::int64_t version, int depth) { return results.data() + (version % depth) * n * n; }
-  int n;
-  std::vector<float> snapshots;
-  std::vector<float> results;
-};
-
-void fill_diagonal(float* a, int n, float value) {
-  for (int i = 0; i < n * n; ++i) a[i] = 0.0f;
-  for (int i = 0; i < n; ++i) a[i * n + i] = value;
-}
+using test_support::fill_diagonal;
+using test_support::Rings;
 
 EngineConfig config(int staleness, int workers = 2, int max_failures = 3) {
   EngineConfig c;
