@@ -478,7 +478,18 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     for key, name in measures:
         assert profile[name] == pytest.approx([statistics.median([r[key] for r in f2_records[6:] if r["step"] % 2 == p])
                                                for p in (0, 1)]), key
+    # The install delay by factor side: the histogram's installs and summed delay, split by the blocks' sides.
+    histogram = json.loads((tmp_path / "soap-async-f2" / "summary.json").read_text())["runtime_stats"][
+        "install_delay_histogram"]
+    by_side = [s for s in results["runs"]["soap-async-f2"]["install_delay_by_side"] if s["installs"]]
+    assert [s["side"] for s in by_side] == sorted({s["side"] for s in by_side})
+    assert sum(s["installs"] for s in by_side) == sum(histogram) > 0
+    assert sum(s["mean_steps"] * s["installs"] for s in by_side) == pytest.approx(
+        sum(d * n for d, n in enumerate(histogram)))
     table = capsys.readouterr().out
+    side = by_side[0]
+    assert "install delay by factor side (mean steps after native mode's, and installs):" in table
+    assert f"  soap-async-f2      {side['side']}: {side['mean_steps']:.2f} ({side['installs']})" in table
     assert "  soap-async-f2      " + " ".join(f"{1e3 * m:.0f}" for m in medians) + " | quietest " in table
     assert "    host queued      " + " ".join(f"{1e3 * m:.0f}" for m in host_medians) + " (the host's" in table
     assert "    in step()        " in table and "    host CPU         " in table

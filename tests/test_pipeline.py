@@ -150,6 +150,21 @@ def test_install_delays_leave_out_an_install_before_its_snapshot_with_one_warnin
     assert delays.anomalies == 2 and delays.stats()["install_delay_histogram"] == [1]
 
 
+def test_install_delays_by_factor_side_pool_the_sets_of_one_side():
+    from asteria.pipeline.timeline import InstallDelays
+
+    # Three sets snapshotted at steps 3, 6, 9, ... (f = 3, no stagger); sets 0 and 2 have blocks of side 8.
+    delays = InstallDelays(RefreshSchedule(start=3, interval=3, phases=[0, 0, 0]), ["a", "b", "c"], excluded=0,
+                           sides=[8, 4, 8])
+    for step, index, version in [(4, 0, 1), (9, 0, 2), (3, 1, 1), (8, 2, 2)]:  # delays 1, 3, 0 and 2
+        delays.record(step, index, version)
+    assert delays.stats()["install_delay_by_side"] == [
+        {"side": 4, "installs": 1, "mean_steps": 0.0, "max_steps": 0},
+        {"side": 8, "installs": 3, "mean_steps": 2.0, "max_steps": 3}]
+    assert InstallDelays(RefreshSchedule(start=3, interval=3, phases=[0]), ["a"], excluded=0).stats()[
+        "install_delay_by_side"] == []  # no sides given
+
+
 def test_install_delays_count_how_late_the_newest_finished_version_came():
     # Unstaggered, f = 3: versions 1 and 2 (steps 3 and 6) are used at their own step; version 3, snapshotted
     # at step 9, is held in the workers past step 10 (a latch, no timing) and installed at step 11.

@@ -160,7 +160,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         sets = [s for s, _ in self._set_groups]
         self.schedule = plan_schedule(start, precondition_frequency, [float(s.batch) * s.dim**3 for s in sets],
                                       self._staggered(sets), self.runtime.sync_refreshes)
-        self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes)
+        self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes,
+                                     [s.dim for s in sets])
         if self.runtime.mode == "async" and one_process:
             lag = self.runtime.activation_lag(precondition_frequency)
             depth = ring_depth(self.runtime, precondition_frequency, lag)

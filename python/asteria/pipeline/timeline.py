@@ -210,9 +210,11 @@ class InstallDelays:
     Versions a block passes over are not counted. Never negative, as no version is installed before its
     snapshot (one that would be is a bookkeeping error: warned about once and left out)."""
 
-    def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int) -> None:
+    def __init__(self, schedule: RefreshSchedule, names: Sequence[str], excluded: int,
+                 sides: Sequence[int] | None = None) -> None:
         self.schedule = schedule
         self.names = list(names)
+        self.sides = list(sides) if sides is not None else None  # each set's factor side, for the by-side view
         self.excluded = excluded
         self.histogram: list[int] = []
         self.per_set = [[0, 0, 0] for _ in self.names]  # installs, summed delay, max delay
@@ -240,10 +242,17 @@ class InstallDelays:
 
     def stats(self) -> dict[str, object]:
         """``install_delay_mean_steps`` and ``install_delay_max_steps`` over every counted install (None
-        before any), ``install_delay_histogram`` (entry d: installs d steps late) and
-        ``install_delay_by_set`` (per set: its name, installs, mean and max delay)."""
+        before any), ``install_delay_histogram`` (entry d: installs d steps late),
+        ``install_delay_by_set`` (per set: its name, installs, mean and max delay) and, given the sets' sides,
+        ``install_delay_by_side`` (the same per factor side, ascending: which block sizes wait)."""
         installs = sum(self.histogram)
         total = sum(d * n for d, n in enumerate(self.histogram))
+        by_side: dict[int, list[int]] = {}
+        for side, (n, summed, top) in zip(self.sides, self.per_set, strict=True) if self.sides is not None else ():
+            counts = by_side.setdefault(side, [0, 0, 0])
+            counts[0] += n
+            counts[1] += summed
+            counts[2] = max(counts[2], top)
         return {
             "install_delay_mean_steps": total / installs if installs else None,
             "install_delay_max_steps": len(self.histogram) - 1 if installs else None,
@@ -251,4 +260,7 @@ class InstallDelays:
             "install_delay_by_set": [{"set": name, "installs": n, "mean_steps": summed / n if n else None,
                                       "max_steps": top if n else None}
                                      for name, (n, summed, top) in zip(self.names, self.per_set)],
+            "install_delay_by_side": [{"side": side, "installs": n, "mean_steps": summed / n if n else None,
+                                       "max_steps": top if n else None}
+                                      for side, (n, summed, top) in sorted(by_side.items())],
         }

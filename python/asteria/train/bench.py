@@ -236,6 +236,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             "wait_seconds": stats.get("wait_seconds"),
             "install_delay_mean_steps": stats.get("install_delay_mean_steps"),
             "install_delay_max_steps": stats.get("install_delay_max_steps"),
+            "install_delay_by_side": stats.get("install_delay_by_side"),
             "mean_step_seconds": wall["mean"],
             # what the wall clock pays for the whole run, start-up included
             "mean_step_all_seconds": statistics.fmean(r["step_time"] for r in records),
@@ -369,6 +370,13 @@ def format_table(results: dict[str, Any]) -> str:
             for key, name, what, scale in HOST_TIMES.values():
                 if p.get(key):  # absent from results written before it was measured, and off Linux
                     lines.append(f"  {'  ' + name:<18} {' '.join(f'{scale * t:.0f}' for t in p[key])} ({what})")
+    sides = {label: r["install_delay_by_side"] for label, r in results["runs"].items()
+             if any(s["installs"] for s in r.get("install_delay_by_side") or [])}
+    if sides:
+        lines.append("install delay by factor side (mean steps after native mode's, and installs):")
+        for label, by_side in sides.items():
+            lines.append(f"  {label:<18} " + ", ".join(f"{s['side']}: {s['mean_steps']:.2f} ({s['installs']})"
+                                                       for s in by_side if s["installs"]))
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:
