@@ -257,10 +257,13 @@ class InstallDelays:
             "install_delay_mean_steps": total / installs if installs else None,
             "install_delay_max_steps": len(self.histogram) - 1 if installs else None,
             "install_delay_histogram": list(self.histogram),
-            "install_delay_by_set": [{"set": name, "installs": n, "mean_steps": summed / n if n else None,
-                                      "max_steps": top if n else None}
-                                     for name, (n, summed, top) in zip(self.names, self.per_set)],
-            "install_delay_by_side": [{"side": side, "installs": n, "mean_steps": summed / n if n else None,
-                                       "max_steps": top if n else None}
-                                      for side, (n, summed, top) in sorted(by_side.items())],
+            "install_delay_by_set": [{"set": name, **_summary(*counts)}
+                                     for name, counts in zip(self.names, self.per_set, strict=True)],
+            "install_delay_by_side": [{"side": side, **_summary(*counts)} for side, counts in sorted(by_side.items())],
         }
+
+
+def _summary(installs: int, summed: int, top: int) -> dict[str, object]:
+    """One row of ``InstallDelays.stats``' breakdowns: its installs, mean and max delay (None without installs)."""
+    return {"installs": installs, "mean_steps": summed / installs if installs else None,
+            "max_steps": top if installs else None}
