@@ -299,6 +299,8 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
                                                   r"device_refresh=False\)"),
     ({"device_process": 1}, "Invalid device_process=1: must be None or a bool"),
     ({"queue_order": "fifo"}, r"Invalid queue_order='fifo': must be one of \('deadline', 'shortest'\)"),
+    ({"express_workers": -1}, r"Invalid express_workers=-1: must be None or an int in \[0, 1024\]"),
+    ({"express_workers": True}, r"Invalid express_workers=True: must be None or an int in \[0, 1024\]"),
     ({"device_process": True, "mode": "sync"}, r"Invalid device_process=True: moves the device lane into a child "
                                                r"process, and the lane runs in mode='async'"),
 ])

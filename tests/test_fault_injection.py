@@ -5,6 +5,7 @@ tests/test_api_validation.py; the gradient policies' basic cases in tests/test_f
 from __future__ import annotations
 
 import gc
+import re
 import time
 
 import pytest
@@ -95,7 +96,8 @@ def test_worker_exception_keeps_last_good_then_raises_naming_block_param_and_cau
             train(model, opt, 1)  # the second failure in a row reaches max_consecutive_failures=2
         assert info.value.param == PARAM
         assert info.value.version == opt.refresh_version(second)
-        assert f"parameter '{PARAM}'" in str(info.value) and "mode 0" in str(info.value)
+        # (either mode's block: the one whose failure the activation met first, which the threads' timing decides)
+        assert f"parameter '{PARAM}'" in str(info.value) and re.search(r"mode [01] ", str(info.value))
         assert "injected worker exception" in info.value.cause
         # the raising step changed none
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -19,10 +19,11 @@ SIZES = (8, 16, 4)
 def make(cls, model, staleness=3, workers=1, sync_refreshes=1):
     """The optimizer under test; by default only the bootstrap is a sync version, so that version 2 follows
     the newest-finished rule (most tests here pause it). Versions may queue behind each other up to the bound
-    (``in_flight``), which is what activation passing over a version needs."""
+    (``in_flight``), which is what activation passing over a version needs. No express workers: the tests hold
+    the workers with paused jobs, and express ones would refresh the small blocks beside them."""
     runtime = asteria.RuntimeConfig(mode="async", staleness=staleness, workers=workers, deterministic=False,
                                     stagger=False, sync_refreshes=sync_refreshes, timeout_s=60.0,
-                                    in_flight=staleness + 1, device_refresh=False)
+                                    in_flight=staleness + 1, device_refresh=False, express_workers=0)
     start = {"start_preconditioning_step": 1} if cls is asteria.SOAP else {}  # a bootstrap at step 1, as KL-Shampoo's
     return cls(model.parameters(), lr=0.01, precondition_frequency=2, runtime=runtime, **start)
 

@@ -64,6 +64,8 @@ nb::dict pool_dict(const runtime::PoolStats& s) {
   d["queue_depth"] = s.queue_depth;
   d["max_queue_depth"] = s.max_queue_depth;
   d["busy_seconds"] = s.busy_seconds;
+  d["express_workers"] = s.express_workers;
+  d["express_busy_seconds"] = s.express_busy_seconds;
   d["wall_seconds"] = s.wall_seconds;
   d["busy_fraction"] = s.wall_seconds > 0 && s.workers > 0 ? s.busy_seconds / (s.wall_seconds * s.workers) : 0.0;
   d["mean_latency_seconds"] = s.mean_latency_seconds;
@@ -107,7 +109,7 @@ void init_runtime(nb::module_& m) {
           "__init__",
           [](RefreshEngine* self, int workers, int blas_threads, int staleness, bool deterministic,
              int max_consecutive_failures, double slot_timeout_s, int worker_nice, std::vector<int> worker_cpus,
-             int sync_versions, const std::string& queue_order) {
+             int sync_versions, const std::string& queue_order, int express_workers, int express_max_n) {
             runtime::EngineConfig config;
             if (queue_order == "shortest") {
               config.queue_order = runtime::QueueOrder::kShortest;
@@ -115,6 +117,8 @@ void init_runtime(nb::module_& m) {
               throw InvalidArgument("Invalid queue_order='" + queue_order + "': must be 'deadline' or 'shortest'");
             }
             config.workers = workers;
+            config.express_workers = express_workers;
+            config.express_max_n = express_max_n;
             config.worker_nice = worker_nice;
             config.worker_cpus = std::move(worker_cpus);
             config.blas_threads = blas_threads;
@@ -127,7 +131,8 @@ void init_runtime(nb::module_& m) {
           },
           "workers"_a, "blas_threads"_a = 1, "staleness"_a = 5, "deterministic"_a = true,
           "max_consecutive_failures"_a = 3, "slot_timeout_s"_a = 300.0, "worker_nice"_a = 10,
-          "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1, "queue_order"_a = "deadline")
+          "worker_cpus"_a = std::vector<int>{}, "sync_versions"_a = 1, "queue_order"_a = "deadline",
+          "express_workers"_a = 0, "express_max_n"_a = 0)
       .def(
           "add_block",
           [](RefreshEngine& e, AnyRing snapshots, Ring results, const std::string& kind,

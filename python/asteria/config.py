@@ -135,6 +135,11 @@ class RuntimeConfig:
             queues behind costly ones (the mean delay to use is shortest; a costly one waits at most for the
             cheaper ones' share of the work). The deterministic rule waits for every version at its step and
             runs by deadline (an optimizer on that rule refuses ``"shortest"``).
+        express_workers: C++ threads beside the workers, on their CPUs at half their nice (a higher priority), that
+            take only the refreshes of blocks at most half the largest block's size: where every worker is busy
+            with roots of a second, the kernel lets such a refresh preempt one, so that it never waits for a core
+            (the workers' jobs resume when it ends; no core is added). ``None``: as many as the workers where the
+            blocks come in such sizes, else 0; 0: none.
         device_refresh: whether the refresh executor may also compute on the parameters' device
             (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
             workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
@@ -176,6 +181,7 @@ class RuntimeConfig:
     max_nonfinite_grad_steps: int = 10
     in_flight: int = 1
     queue_order: Literal["deadline", "shortest"] = "deadline"
+    express_workers: int | None = None
     device_refresh: bool | None = None
     device_share: float = 1.0
     device_sms: int | None = None
@@ -234,6 +240,9 @@ class RuntimeConfig:
         _check(is_int(self.in_flight) and 1 <= self.in_flight <= MAX_STALENESS + 1, "in_flight", self.in_flight,
                f"must be an int in [1, {MAX_STALENESS + 1}] (versions of a set on their way at once)")
         _check(self.queue_order in QUEUE_ORDERS, "queue_order", self.queue_order, f"must be one of {QUEUE_ORDERS}")
+        _check(self.express_workers is None or (is_int(self.express_workers)
+                                                and 0 <= self.express_workers <= MAX_THREADS),
+               "express_workers", self.express_workers, f"must be None or an int in [0, {MAX_THREADS}]")
         _check(self.device_refresh is None or isinstance(self.device_refresh, bool), "device_refresh",
                self.device_refresh, "must be None or a bool")
         _check(is_real(self.device_share) and 0 < self.device_share <= 1, "device_share", self.device_share,
@@ -302,6 +311,14 @@ class RuntimeConfig:
         if self.worker_cpus == "auto":
             return cpus.default_worker_cpus()
         return sorted(set(self.worker_cpus))
+
+    def resolved_express(self, dims: Sequence[int]) -> tuple[int, int]:
+        """The express workers to start for blocks of sizes ``dims``, and the largest block size they take (half
+        the largest): ``express_workers``, or by default as many as the workers where some block is that small."""
+        max_n = max(dims, default=0) // 2
+        if self.express_workers is not None:
+            return self.express_workers, max_n
+        return (self.resolved_workers() if any(n <= max_n for n in dims) else 0), max_n
 
     def resolved_workers(self) -> int:
         """The worker count to start: ``workers`` or the default that leaves cores free."""

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <string>
 
+#include <time.h>
+
 namespace asteria {
 
 using Clock = std::chrono::steady_clock;
@@ -24,6 +26,14 @@ inline std::chrono::nanoseconds time_left(Clock::time_point deadline) {
 
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The calling thread's CPU time in seconds (CLOCK_THREAD_CPUTIME_ID): what a job took of a core, whatever else
+// shared that core meanwhile.
+inline double thread_cpu_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
 }
 
 // "1.234 s", for error messages.

@@ -59,8 +59,16 @@ RefreshEngine::RefreshEngine(EngineConfig config) : config_(config), registry_(c
     throw InvalidArgument("Invalid slot_timeout=" + std::to_string(config.slot_timeout.count()) +
                           " ns: must be > 0");
   }
-  pool_ = std::make_unique<WorkerPool>(config.workers, config.blas_threads, config.worker_nice,
-                                       config.worker_cpus);
+  if (config.express_workers < 0) {
+    throw InvalidArgument("Invalid express_workers=" + std::to_string(config.express_workers) + ": must be >= 0");
+  }
+  if (config.express_max_n < 0) {
+    throw InvalidArgument("Invalid express_max_n=" + std::to_string(config.express_max_n) + ": must be >= 0");
+  }
+  const double max_n = config.express_max_n;
+  pool_ = std::make_unique<WorkerPool>(
+      config.workers, config.blas_threads, config.worker_nice, config.worker_cpus,
+      ExpressWorkers{config.express_workers, max_n * max_n * max_n, config.worker_nice / 2});
 }
 
 RefreshEngine::~RefreshEngine() { close(); }
@@ -268,7 +276,13 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
 void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg::RootSpec& spec, double skip_tol,
                             const std::optional<JobHandle>& previous) {
   Block& b = block(id);
-  const auto started = Clock::now();
+  // With one BLAS thread, the job's CPU time: beside express workers a costly job shares its core, and the
+  // balancer compares these seconds with the cores' capacity. (More BLAS threads compute in OpenBLAS's own
+  // threads, out of this thread's CPU time: then the wall time.)
+  const bool on_this_thread = config_.blas_threads == 1;
+  const auto wall_started = Clock::now();
+  const double started = on_this_thread ? thread_cpu_seconds() : 0.0;
+  double injected_seconds = 0.0;  // an injected delay stands for a slow job: it counts as the job's work
   JobOutcome outcome;
   std::string error;
   bool superseded = false;
@@ -327,6 +341,9 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
       std::optional<Fault> fault;
       if (faults_armed_.load(std::memory_order_acquire)) fault = take_fault(id, version);
       if (fault) apply_fault(*fault, id, version);
+      if (fault && fault->kind == FaultKind::kDelay && on_this_thread) {
+        injected_seconds = std::chrono::duration<double>(fault->duration).count();
+      }
       const bool poison = fault && fault->kind == FaultKind::kNonFinite;
       const std::size_t nn = static_cast<std::size_t>(b.n) * static_cast<std::size_t>(b.n);
       if (b.kind == RefreshKind::kInverseRoot && all_zero(input, nn)) {
@@ -362,7 +379,8 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
     registry_.note_superseded(id, version);  // counted there (EngineStats reads it)
     return;
   }
-  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  const double seconds =
+      on_this_thread ? thread_cpu_seconds() - started + injected_seconds : seconds_since(wall_started);
   {
     std::lock_guard lock(mutex_);
     (error.empty() ? refreshes_ok_ : refreshes_failed_) += 1;

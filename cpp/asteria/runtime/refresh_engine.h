@@ -38,6 +38,11 @@ struct EngineConfig {
   std::vector<int> worker_cpus;  // logical CPUs the workers run on (empty: not pinned); see WorkerPool
   coherence::RegistryConfig registry;
   QueueOrder queue_order = QueueOrder::kDeadline;
+  // Express workers (see WorkerPool's ExpressWorkers) that take the jobs of blocks of at most
+  // express_max_n, at the nice worker_nice / 2: a cheap block's version then never waits for a core behind
+  // the large blocks' roots. 0: none.
+  int express_workers = 0;
+  int express_max_n = 0;  // >= 0
   std::chrono::nanoseconds slot_timeout = std::chrono::seconds(300);  // workers waiting for a result buffer
 };
 
@@ -104,7 +109,7 @@ struct EngineStats {
   std::uint64_t refreshes_skipped = 0;  // eigenbasis refreshes that kept the previous basis (skip_tol)
   std::uint64_t snapshot_waits = 0;     // begin_snapshot() calls that blocked on a buffer still in use
   double snapshot_wait_seconds = 0.0;
-  double refresh_seconds = 0.0;  // summed numerics time over jobs
+  double refresh_seconds = 0.0;  // summed numerics time over jobs (CPU time with one BLAS thread: see run_job)
   std::uint64_t faults_triggered = 0;   // jobs that met an injected fault or random delay
   std::uint64_t refreshes_superseded = 0;  // jobs that did not compute: a newer version was queued
                                            // (the registry's superseded_versions)

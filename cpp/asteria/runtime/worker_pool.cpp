@@ -125,7 +125,7 @@ cpu_set_t cpu_set_of(const std::vector<int>& cpus) {
 
 }  // namespace
 
-WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<int> cpus)
+WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<int> cpus, ExpressWorkers express)
     : started_(Clock::now()) {
   if (num_workers < 1) {
     throw InvalidArgument("[WorkerPool] num_workers=" + std::to_string(num_workers) + " must be >= 1");
@@ -136,19 +136,34 @@ WorkerPool::WorkerPool(int num_workers, int blas_threads, int nice, std::vector<
   if (nice < 0 || nice > 19) {
     throw InvalidArgument("[WorkerPool] nice=" + std::to_string(nice) + " must be in [0, 19]");
   }
+  if (express.count < 0) {
+    throw InvalidArgument("[WorkerPool] Invalid express.count=" + std::to_string(express.count) + ": must be >= 0");
+  }
+  if (!(std::isfinite(express.max_cost) && express.max_cost >= 0.0)) {
+    throw InvalidArgument("[WorkerPool] Invalid express.max_cost=" + format_number(express.max_cost) +
+                          ": must be a finite number >= 0");
+  }
+  if (express.nice < 0 || express.nice > nice) {
+    throw InvalidArgument("[WorkerPool] Invalid express.nice=" + std::to_string(express.nice) + ": must be in [0, " +
+                          std::to_string(nice) + "] (at most the workers' nice, so that they preempt the workers)");
+  }
   nice_ = nice;
+  num_workers_ = num_workers;
+  express_ = express;
   std::sort(cpus.begin(), cpus.end());
   cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
   if (!cpus.empty()) cpu_set_ = cpu_set_of(cpus);  // validates before any thread starts
   cpus_ = std::move(cpus);
   stats_.workers = num_workers;
-  threads_.reserve(static_cast<std::size_t>(num_workers));
+  stats_.express_workers = express.count;
+  threads_.reserve(static_cast<std::size_t>(num_workers + express.count));
   try {
-    for (int i = 0; i < num_workers; ++i) {
-      threads_.emplace_back([this, blas_threads] { worker_loop(blas_threads); });
+    for (int i = 0; i < num_workers + express.count; ++i) {
+      const bool is_express = i >= num_workers;
+      threads_.emplace_back([this, blas_threads, is_express] { worker_loop(blas_threads, is_express); });
       // Named before the constructor returns, so that tools (top -H, gdb, py-spy) and tests tell the
       // workers from other threads; best effort: a refused name leaves the inherited one.
-      (void)pthread_setname_np(threads_.back().native_handle(), kWorkerThreadName);
+      (void)pthread_setname_np(threads_.back().native_handle(), is_express ? kExpressThreadName : kWorkerThreadName);
     }
   } catch (...) {
     // The destructor does not run for a half-built pool: stop the threads that did start.
@@ -166,6 +181,7 @@ JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, do
                           ": must be a finite number >= 0 (deadline " + std::to_string(deadline) + ")");
   }
   std::shared_ptr<JobRecord> record;
+  bool cheap = false;
   {
     std::lock_guard lock(mutex_);
     if (stopping_) {
@@ -174,12 +190,16 @@ JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, do
     }
     const std::uint64_t seq = next_seq_++;
     record = std::make_shared<JobRecord>(seq, deadline, std::move(fn));
-    queue_.push(QueueEntry{deadline, cost, job_class, seq, record});
+    cheap = express_.count > 0 && cost <= express_.max_cost;
+    (cheap ? cheap_ : queue_).push(QueueEntry{deadline, cost, job_class, seq, record});
     stats_.submitted += 1;
-    stats_.queue_depth = queue_.size();
-    stats_.max_queue_depth = std::max(stats_.max_queue_depth, queue_.size());
+    stats_.queue_depth = queue_.size() + cheap_.size();
+    stats_.max_queue_depth = std::max(stats_.max_queue_depth, stats_.queue_depth);
   }
+  // A cheap job wakes a thread of each kind: whichever comes first takes it, the other finds the queue
+  // empty and sleeps again (an express worker woken for a costly job would leave it to the sleeping workers).
   work_available_.notify_one();
+  if (cheap) cheap_available_.notify_one();
   return JobHandle(std::move(record));
 }
 
@@ -188,14 +208,17 @@ void WorkerPool::shutdown() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
-    while (!queue_.empty()) {
-      cancelled.push_back(queue_.top().record);
-      queue_.pop();
+    for (Queue* queue : {&queue_, &cheap_}) {
+      while (!queue->empty()) {
+        cancelled.push_back(queue->top().record);
+        queue->pop();
+      }
     }
     stats_.cancelled += cancelled.size();
     stats_.queue_depth = 0;
   }
   work_available_.notify_all();
+  cheap_available_.notify_all();
   // Outside mutex_: destroying a job's captures may run arbitrary code.
   for (const auto& record : cancelled) {
     record->fn = nullptr;
@@ -216,16 +239,24 @@ PoolStats WorkerPool::stats() const {
   const std::uint64_t ended = stats_.completed + stats_.failed;
   if (ended > 0) {
     out.mean_latency_seconds = latency_sum_ / static_cast<double>(ended);
-    out.mean_run_seconds = stats_.busy_seconds / static_cast<double>(ended);
+    out.mean_run_seconds = (stats_.busy_seconds + stats_.express_busy_seconds) / static_cast<double>(ended);
   }
   return out;
 }
 
-void WorkerPool::worker_loop(int blas_threads) {
+WorkerPool::Queue* WorkerPool::next_queue(bool express) {
+  if (express) return cheap_.empty() ? nullptr : &cheap_;
+  if (queue_.empty()) return cheap_.empty() ? nullptr : &cheap_;
+  if (cheap_.empty()) return &queue_;
+  return queue_.top() > cheap_.top() ? &cheap_ : &queue_;
+}
+
+void WorkerPool::worker_loop(int blas_threads, bool express) {
   set_blas_threads(blas_threads);
-  // At least nice_ (a thread starts at its creator's nice); best effort: a refused change leaves it there.
+  // At least its nice (a thread starts at its creator's nice); best effort: a refused change leaves it there.
+  const int nice = express ? express_.nice : nice_;
   const auto tid = static_cast<id_t>(syscall(SYS_gettid));
-  if (nice_ > 0 && getpriority(PRIO_PROCESS, tid) < nice_) (void)setpriority(PRIO_PROCESS, tid, nice_);
+  if (nice > 0 && getpriority(PRIO_PROCESS, tid) < nice) (void)setpriority(PRIO_PROCESS, tid, nice);
   if (!cpus_.empty()) {
     // Validated by the constructor; should the process's affinity have changed since, the kernel's
     // refusal leaves this worker where it is (best effort, like nice).
@@ -233,12 +264,15 @@ void WorkerPool::worker_loop(int blas_threads) {
   }
   std::unique_lock lock(mutex_);
   for (;;) {
-    work_available_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    // shutdown() empties the queue as it sets stopping_, so an empty queue here means stop.
-    if (queue_.empty()) return;
-    std::shared_ptr<JobRecord> record = queue_.top().record;
-    queue_.pop();
-    stats_.queue_depth = queue_.size();
+    (express ? cheap_available_ : work_available_).wait(lock, [&] {
+      return stopping_ || next_queue(express) != nullptr;
+    });
+    // shutdown() empties the queues as it sets stopping_, so no job here means stop.
+    Queue* queue = next_queue(express);
+    if (queue == nullptr) return;
+    std::shared_ptr<JobRecord> record = queue->top().record;
+    queue->pop();
+    stats_.queue_depth = queue_.size() + cheap_.size();
     lock.unlock();
 
     std::function<void()> fn = std::move(record->fn);
@@ -258,7 +292,7 @@ void WorkerPool::worker_loop(int blas_threads) {
     // Counted before the waiters wake, so that a caller that waited sees its job in stats().
     lock.lock();
     (error ? stats_.failed : stats_.completed) += 1;
-    stats_.busy_seconds += run_seconds;
+    (express ? stats_.express_busy_seconds : stats_.busy_seconds) += run_seconds;
     stats_.max_run_seconds = std::max(stats_.max_run_seconds, run_seconds);
     latency_sum_ += latency_seconds;
     stats_.max_latency_seconds = std::max(stats_.max_latency_seconds, latency_seconds);

@@ -1,4 +1,4 @@
-// A pool of CPU worker threads running jobs in deadline order.
+// A pool of CPU worker threads running jobs in deadline order, with express workers for the cheap ones.
 #pragma once
 
 #include <sched.h>
@@ -53,7 +53,9 @@ struct PoolStats {
   std::uint64_t cancelled = 0;
   std::size_t queue_depth = 0;
   std::size_t max_queue_depth = 0;
-  double busy_seconds = 0.0;  // summed over workers
+  int express_workers = 0;
+  double busy_seconds = 0.0;          // summed over the workers (express workers not included)
+  double express_busy_seconds = 0.0;  // summed over the express workers
   double wall_seconds = 0.0;  // from construction to now, or to the shutdown() that joined the workers
   double mean_latency_seconds = 0.0;
   double max_latency_seconds = 0.0;
@@ -63,6 +65,17 @@ struct PoolStats {
 
 // The name of every worker thread (Linux's 15-character limit): /proc/<pid>/task/<tid>/comm shows it.
 inline constexpr const char* kWorkerThreadName = "asteria-worker";
+inline constexpr const char* kExpressThreadName = "asteria-express";
+
+// Threads beside the workers that take only the cheap jobs (cost <= max_cost), on the workers' CPUs at a
+// higher CPU priority (a lower `nice`) than theirs: the kernel's scheduler then lets a cheap job preempt a
+// costly one where every core is busy, so that a refresh of milliseconds never waits for a core behind
+// refreshes of a second. They add no cores: the costly job resumes when the cheap one ends.
+struct ExpressWorkers {
+  int count = 0;          // >= 0 threads
+  double max_cost = 0.0;  // finite, >= 0: the costliest job they take (a job's `cost` as submitted)
+  int nice = 0;           // 0..19, at most the workers' nice
+};
 
 // How a queued job is ordered against the others.
 enum class JobClass {
@@ -90,7 +103,10 @@ class WorkerPool {
   // balances within it); empty: wherever the creating thread may run. Keeping the workers off the
   // cores (and their SMT siblings) that the training thread uses stops them from slowing its kernel
   // launches. Throws InvalidArgument for a negative CPU or one the kernel refuses for this process.
-  WorkerPool(int num_workers, int blas_threads = 1, int nice = 0, std::vector<int> cpus = {});
+  // `express`: the express workers (same BLAS threads and CPUs); a job they may take is also taken by an
+  // idle worker, in the one order of JobClass.
+  WorkerPool(int num_workers, int blas_threads = 1, int nice = 0, std::vector<int> cpus = {},
+             ExpressWorkers express = {});
   ~WorkerPool();  // shutdown()
 
   WorkerPool(const WorkerPool&) = delete;
@@ -107,7 +123,7 @@ class WorkerPool {
   void shutdown();
 
   PoolStats stats() const;
-  int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
+  int num_workers() const noexcept { return num_workers_; }
   const std::vector<int>& cpus() const noexcept { return cpus_; }
 
  private:
@@ -127,11 +143,17 @@ class WorkerPool {
     }
   };
 
-  void worker_loop(int blas_threads);
+  using Queue = std::priority_queue<QueueEntry, std::vector<QueueEntry>, std::greater<>>;
+
+  void worker_loop(int blas_threads, bool express);
+  // The queue whose top runs next for a worker (`express`: the cheap queue only); null when none has a job.
+  Queue* next_queue(bool express);
 
   mutable std::mutex mutex_;
-  std::condition_variable work_available_;  // guarded by mutex_
-  std::priority_queue<QueueEntry, std::vector<QueueEntry>, std::greater<>> queue_;  // guarded by mutex_
+  std::condition_variable work_available_;   // guarded by mutex_: a job for the workers
+  std::condition_variable cheap_available_;  // guarded by mutex_: a job for the express workers
+  Queue queue_;                              // guarded by mutex_: the jobs only the workers take
+  Queue cheap_;                              // guarded by mutex_: those the express workers also take
   bool stopping_ = false;                                                           // guarded by mutex_
   std::uint64_t next_seq_ = 0;                                                      // guarded by mutex_
   PoolStats stats_;                                                                 // guarded by mutex_
@@ -141,7 +163,9 @@ class WorkerPool {
   std::optional<std::chrono::steady_clock::time_point> stopped_;  // guarded by mutex_
   // Filled by the constructor only; join_mutex_ serializes the joins of concurrent shutdown() calls.
   std::mutex join_mutex_;
-  std::vector<std::thread> threads_;  // elements guarded by join_mutex_
+  std::vector<std::thread> threads_;  // elements guarded by join_mutex_ (the workers, then the express ones)
+  int num_workers_ = 0;
+  ExpressWorkers express_;
   int nice_ = 0;
   std::vector<int> cpus_;  // sorted, unique; empty: not pinned
   cpu_set_t cpu_set_{};    // the same as a CPU set (set by the constructor, read by the workers)

@@ -159,11 +159,13 @@ class WorkerRefresher(Refresher):
         CPUs and caps torch's CPU threads meanwhile (``_stop_workers`` undoes both)."""
         config = self.config
         self.worker_cpus = config.resolved_worker_cpus()
+        express, express_max_n = config.resolved_express([fset.dim for fset in self.sets])
         self.engine = _core.RefreshEngine(
             workers=config.resolved_workers(), blas_threads=config.blas_threads, staleness=config.staleness,
             deterministic=deterministic, max_consecutive_failures=max_consecutive_failures,
             slot_timeout_s=config.timeout_s, worker_nice=config.worker_nice, worker_cpus=self.worker_cpus,
-            sync_versions=config.sync_refreshes, queue_order=config.queue_order)
+            sync_versions=config.sync_refreshes, queue_order=config.queue_order, express_workers=express,
+            express_max_n=express_max_n)
         self.thread_cap = cpus.TorchThreadCap(config.torch_threads, self.worker_cpus)
         self.stager = SnapshotStager(self.engine, self.sets, config.timeout_s)
 
@@ -173,5 +175,5 @@ class WorkerRefresher(Refresher):
 
     def _worker_stats(self, pool: dict[str, Any]) -> dict[str, Any]:
         """The workers' part of ``stats()``."""
-        return {"workers": pool["workers"], "worker_cpus": self.worker_cpus, "torch_threads": torch.get_num_threads(),
-                "worker_busy_fraction": pool["busy_fraction"]}
+        return {"workers": pool["workers"], "express_workers": pool["express_workers"], "worker_cpus": self.worker_cpus,
+                "torch_threads": torch.get_num_threads(), "worker_busy_fraction": pool["busy_fraction"]}

@@ -42,7 +42,7 @@ from asteria.train.run_config import (
 
 OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
-                  "first_basis": str, "device_sms": int}
+                  "first_basis": str, "device_sms": int, "express_workers": int}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "device_process",
                   "precondition_1d"}
@@ -78,6 +78,9 @@ HELP = {
                  "a result buffer per block in pinned memory); a refresh due beyond that is deferred to its next turn",
     "queue_order": "with the newest-finished rule, the order in which the CPU workers take queued refreshes: "
                    "'deadline' (by the step each is due at) or 'shortest' (the smallest blocks first)",
+    "express_workers": "CPU threads beside the workers that take only the refreshes of blocks at most half the "
+                       "largest's size, preempting the workers' long roots (default: as many as the workers where "
+                       "blocks are that small; 0: none)",
     "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
@@ -145,7 +148,8 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
-ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "device_refresh", "device_share",
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "express_workers", "device_refresh",
+              "device_share",
               "device_sms", "device_threads", "device_process")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")

@@ -100,6 +100,7 @@ class RunConfig:
     late_activation: bool | None = None
     in_flight: int = 1
     queue_order: str = "deadline"
+    express_workers: int | None = None
     device_refresh: bool | None = None
     device_share: float = 1.0
     device_sms: int | None = None
@@ -129,6 +130,8 @@ class RunConfig:
         check(is_int(self.in_flight) and self.in_flight >= 1, "in_flight", "must be an int >= 1")
         check(self.queue_order in asteria.config.QUEUE_ORDERS, "queue_order",
               f"must be one of {asteria.config.QUEUE_ORDERS}")
+        check(self.express_workers is None or (is_int(self.express_workers) and self.express_workers >= 0),
+              "express_workers", "must be None (as many as the workers) or an int >= 0")
         check(self.device_sms is None or (is_int(self.device_sms) and self.device_sms >= 1), "device_sms",
               "must be None (the whole GPU) or an int >= 1")
         check(is_int(self.device_threads) and self.device_threads >= 1, "device_threads", "must be an int >= 1")
