@@ -10,8 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <latch>
 #include <string>
@@ -21,28 +19,20 @@
 #include "asteria/runtime/refresh_engine.h"
 #include "asteria/runtime/worker_pool.h"
 #include "rings.h"
+#include "threads.h"
 
 namespace asteria::runtime {
 namespace {
 
 using namespace std::chrono_literals;
 
-using test_support::fill_diagonal;
 using test_support::Rings;
+using test_support::submit_diagonal;
+using test_support::threads_named;
 
 constexpr auto kLongWait = 30s;  // only hit if the code under test hangs
 
 int nice_of_this_thread() { return getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))); }
-
-int threads_named(const std::string& name) {
-  int count = 0;
-  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(task.path() / "comm");
-    std::string line;
-    if (std::getline(comm, line) && line == name) ++count;
-  }
-  return count;
-}
 
 // A job that holds its thread until release(): `started` counts down once it runs.
 struct Hold {
@@ -176,18 +166,12 @@ TEST(ExpressWorkers, TheEngineRefreshesASmallBlockWhileTheWorkerHoldsALargeOne) 
   const auto held = engine.add_block(held_rings.memory(kDepth));
   const auto large = engine.add_block(large_rings.memory(kDepth));
   const auto small = engine.add_block(small_rings.memory(kDepth));
-  const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
-  const auto submit = [&](std::int64_t id, Rings& rings, std::int64_t step) {
-    engine.begin_snapshot({id}, 1, 1s);
-    fill_diagonal(rings.snapshot(1, kDepth), rings.n, 16.0f);
-    engine.submit({id}, 1, step, spec);
-  };
   engine.inject_fault(held, 1, FaultKind::kPause);
   engine.inject_fault(small, 1, FaultKind::kPause);
-  submit(held, held_rings, 1);
+  submit_diagonal(engine, held, held_rings, kDepth, 1, 16.0f);
   engine.wait_paused(1, 5s);  // the worker waits inside the held job
-  submit(large, large_rings, 2);
-  submit(small, small_rings, 3);
+  submit_diagonal(engine, large, large_rings, kDepth, 2, 16.0f);
+  submit_diagonal(engine, small, small_rings, kDepth, 3, 16.0f);
   engine.wait_paused(2, 5s);  // the small block's job runs beside it: the express worker took it
   EXPECT_EQ(engine.status(large).newest_ok, 0);  // still queued for the worker
   engine.release_pauses();

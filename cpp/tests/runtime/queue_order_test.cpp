@@ -12,8 +12,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-using test_support::fill_diagonal;
 using test_support::Rings;
+using test_support::submit_diagonal;
 
 struct Order {
   QueueOrder queue_order;
@@ -38,18 +38,12 @@ bool large_ran_before_small(Order order) {
   const auto held = engine.add_block(held_rings.memory(kDepth));
   const auto large = engine.add_block(large_rings.memory(kDepth));
   const auto small = engine.add_block(small_rings.memory(kDepth));
-  const linalg::RootSpec spec{-0.25, 1e-12, 1.0};
-  const auto submit = [&](std::int64_t id, Rings& rings, std::int64_t step) {
-    engine.begin_snapshot({id}, 1, 1s);
-    fill_diagonal(rings.snapshot(1, kDepth), rings.n, 4.0f);
-    engine.submit({id}, 1, step, spec);
-  };
   engine.inject_fault(held, 1, FaultKind::kPause);
   engine.inject_fault(small, 1, FaultKind::kPause);
-  submit(held, held_rings, 1);
+  submit_diagonal(engine, held, held_rings, kDepth, 1, 4.0f);
   engine.wait_paused(1, 5s);  // the only worker now waits inside the held job
-  submit(large, large_rings, 11);
-  submit(small, small_rings, 20);
+  submit_diagonal(engine, large, large_rings, kDepth, 11, 4.0f);
+  submit_diagonal(engine, small, small_rings, kDepth, 20, 4.0f);
   engine.release_pauses();
   engine.wait_paused(1, 5s);  // the small block's job has started: the jobs before it in the queue have ended
   const bool large_first = engine.status(large).newest_ok == 1;

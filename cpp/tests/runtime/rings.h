@@ -1,6 +1,7 @@
 // A refresh engine block's memory for the tests: `depth` full n x n snapshot and result buffers.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -26,6 +27,15 @@ struct Rings {
 inline void fill_diagonal(float* a, int n, float value) {
   for (int i = 0; i < n * n; ++i) a[i] = 0.0f;
   for (int i = 0; i < n; ++i) a[i * n + i] = value;
+}
+
+// Snapshots block `id` (memory `rings`, ring depth `depth`) as version 1 = value * I and submits its inverse
+// fourth root, due at `step`.
+inline void submit_diagonal(RefreshEngine& engine, std::int64_t id, Rings& rings, int depth, std::int64_t step,
+                            float value) {
+  engine.begin_snapshot({id}, 1, std::chrono::seconds(1));
+  fill_diagonal(rings.snapshot(1, depth), rings.n, value);
+  engine.submit({id}, 1, step, linalg::RootSpec{-0.25, 1e-12, 1.0});
 }
 
 }  // namespace asteria::runtime::test_support

@@ -11,8 +11,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <latch>
 #include <limits>
 #include <numeric>
@@ -25,6 +23,7 @@
 
 #include "asteria/common/errors.h"
 #include "asteria/runtime/blas_threads.h"
+#include "threads.h"
 
 namespace asteria::runtime {
 namespace {
@@ -32,6 +31,7 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 using ::testing::IsSubstring;
+using test_support::threads_named;
 
 constexpr auto kLongWait = seconds(30);  // only hit if the code under test hangs
 
@@ -149,17 +149,6 @@ TEST(WorkerPoolTest, RefusesACostThatIsNotAFiniteNumberAtLeastZero) {
     }
   }
   EXPECT_EQ(pool.stats().submitted, 0u);
-}
-
-// The threads of this process named `name` (their /proc/self/task/<tid>/comm).
-int threads_named(const std::string& name) {
-  int count = 0;
-  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(task.path() / "comm");
-    std::string line;
-    if (std::getline(comm, line) && line == name) ++count;
-  }
-  return count;
 }
 
 TEST(WorkerPoolTest, WorkerThreadsCarryTheirNameFromConstructionToShutdown) {
