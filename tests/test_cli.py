@@ -446,6 +446,7 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         asked = jobs + stats["refreshes_superseded"] + stats["refreshes_deferred"]
         interval = adamw["mean_step_seconds"] * f
         assert work["pace"] == "adamw" and work["workers"] == stats["workers"] >= 1
+        assert work["express_workers"] == stats["express_workers"]
         assert work["interval_seconds"] == pytest.approx(interval)
         per_job = stats["refresh_seconds_on_workers"] / jobs
         assert work["worker_core_seconds"] == pytest.approx(per_job * asked / (11 / f))
@@ -497,6 +498,8 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table
+    express = results["runs"]["kl-shampoo-async"]["refresh_work"]["express_workers"]
+    assert (f", {express} express); device lane " in table) == (express > 0)
     (step, seconds), held = kl["slowest_steady_steps"][0], kl["slowest_steady_in_step_seconds"][0]
     assert f" | {step}: {1e3 * seconds:.0f} ({1e3 * held:.0f})" in table  # the slowest step, and its time in step()
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):

@@ -95,8 +95,9 @@ def config_of(base: RunConfig, label: str) -> RunConfig:
 def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds: float,
                  pace: str) -> dict[str, Any] | None:
     """The refresh work of one interval (f steps) against what each side has in one, from an async run's
-    runtime stats (None for other runs): the workers' job seconds per interval (core-seconds; the refreshes
-    dropped, superseded or deferred, counted at the mean job's time, since the schedule asked for them) against
+    runtime stats (None for other runs): the workers' job seconds per interval (their CPU time, core-seconds, the
+    express workers' jobs included, which share the workers' cores; the refreshes dropped, superseded or deferred,
+    counted at the mean job's time, since the schedule asked for them) against
     the workers x the interval's time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW,
     ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time times
     its threads, with the CPU seconds the lane's threads took meanwhile (None where not measured). A ratio above 1
@@ -114,7 +115,8 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
     device_cpu = stats.get("device_cpu_seconds")
     capacity = workers * interval
     threads = stats.get("device_threads") or 1  # absent from runs without a lane, and from older ones
-    return {"pace": pace, "interval_seconds": interval, "workers": workers, "worker_core_seconds": worker,
+    return {"pace": pace, "interval_seconds": interval, "workers": workers,
+            "express_workers": stats.get("express_workers") or 0, "worker_core_seconds": worker,
             "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
             "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads),
             "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals}
@@ -354,7 +356,9 @@ def format_table(results: dict[str, Any]) -> str:
         for label, w in work.items():
             lines.append(f"  {label:<18} workers {w['worker_core_seconds']:.3g} of "
                          f"{w['worker_capacity_core_seconds']:.3g} core-s ({w['worker_ratio']:.2f}x; "
-                         f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}); device lane "
+                         f"{w['workers']} worker{'s' if w['workers'] != 1 else ''}"
+                         + (f", {w['express_workers']} express" if w.get("express_workers") else "")
+                         + "); device lane "
                          f"{w['device_seconds']:.3g} s of {w['interval_seconds']:.3g} s"
                          + (f" x {w['device_threads']} threads" if w.get("device_threads", 1) > 1 else "")
                          + f" ({w['device_ratio']:.2f}x)"
