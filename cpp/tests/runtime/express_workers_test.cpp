@@ -13,6 +13,7 @@
 #include <functional>
 #include <latch>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "asteria/common/errors.h"
@@ -183,6 +184,35 @@ TEST(ExpressWorkers, TheEngineRefreshesASmallBlockWhileTheWorkerHoldsALargeOne) 
   EXPECT_EQ(stats.refreshes_ok, 3u);
   EXPECT_EQ(stats.by_dim.at(8).jobs, 1u);
   EXPECT_EQ(stats.by_dim.at(24).jobs, 2u);
+}
+
+// A job's seconds (EngineStats::by_dim, refresh_seconds) are its thread's CPU time: a job held 200 ms in a pause
+// counts the microseconds of its 8 x 8 root, not the wait; an injected delay stands for a slow job and counts.
+TEST(ExpressWorkers, JobSecondsAreCpuTimeWithAnInjectedDelayCounted) {
+  constexpr int kDepth = 2;
+  EngineConfig config;
+  config.workers = 1;
+  config.registry.deterministic = false;
+  config.registry.sync_versions = 0;
+  config.slot_timeout = 5s;
+  RefreshEngine engine(config);
+  Rings paused_rings(kDepth, 8), delayed_rings(kDepth, 16);
+  const auto paused = engine.add_block(paused_rings.memory(kDepth));
+  const auto delayed = engine.add_block(delayed_rings.memory(kDepth));
+  engine.inject_fault(paused, 1, FaultKind::kPause);
+  engine.inject_fault(delayed, 1, FaultKind::kDelay, 300ms);
+  submit_diagonal(engine, paused, paused_rings, kDepth, 1, 16.0f);
+  engine.wait_paused(1, 5s);
+  std::this_thread::sleep_for(200ms);  // (not a synchronization: the wall time the paused job spends waiting)
+  engine.release_pauses();
+  submit_diagonal(engine, delayed, delayed_rings, kDepth, 2, 16.0f);
+  engine.drain(5s);
+  const EngineStats stats = engine.stats();
+  EXPECT_GE(stats.pool.max_run_seconds, 0.3);  // the wall time the jobs took
+  EXPECT_LT(stats.by_dim.at(8).seconds, 0.1);
+  EXPECT_GE(stats.by_dim.at(16).seconds, 0.3);
+  EXPECT_LT(stats.by_dim.at(16).seconds, 0.4);
+  EXPECT_DOUBLE_EQ(stats.refresh_seconds, stats.by_dim.at(8).seconds + stats.by_dim.at(16).seconds);
 }
 
 }  // namespace
