@@ -187,6 +187,8 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--mode", "sync", "--device-sms", "16"], "Invalid --device-sms 16 with --mode sync: native mode computes"),
     (["--optimizer", "adamw", "--device-sms", "16"], "Invalid --device-sms 16 with --optimizer adamw"),
     (["--mode", "sync", "--device-threads", "2"], "Invalid --device-threads 2 with --mode sync"),
+    (["--mode", "sync", "--express-workers", "2"], "Invalid --express-workers 2 with --mode sync"),
+    (["--express-workers", "-1"], "Invalid express_workers=-1: must be None (as many as the workers) or an int >= 0"),
     (["--stream-priority", "-1"], "Invalid stream_priority=-1: must be an int in [-64, 0] (CUDA stream priorities: "
                                   "0 the lowest; torch clamps to the GPU's range), and 0 with device='cpu'"),
     (["--device-sms", "0"], "Invalid device_sms=0: must be None (the whole GPU) or an int >= 1"),

@@ -24,7 +24,7 @@ def express_threads() -> int:
     return sum(1 for task in Path("/proc/self/task").iterdir() if (task / "comm").read_text().strip() == EXPRESS)
 
 
-def test_the_default_is_one_express_worker_a_worker_where_some_block_is_at_most_half_the_largest():
+def test_by_default_as_many_as_the_workers_where_some_block_is_at_most_half_the_largest():
     config = asteria.RuntimeConfig(workers=3)
     assert config.resolved_express([2048, 768, 256]) == (3, 1024)
     assert config.resolved_express([2048, 1025]) == (0, 1024)  # no block that small: none

@@ -149,8 +149,7 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
 ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "express_workers", "device_refresh",
-              "device_share",
-              "device_sms", "device_threads", "device_process")
+              "device_share", "device_sms", "device_threads", "device_process")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
 
