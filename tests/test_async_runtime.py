@@ -162,6 +162,17 @@ def test_backlog_advice_names_lag_steps_when_the_workers_keep_up():
     text = backlog_advice(asteria.RuntimeConfig(staleness=2, deterministic=False), 5, work=3.0, capacity=2.0)
     assert "staleness (now 2), RuntimeConfig.workers, RuntimeConfig.device_share (now 1.0), or" in text
     assert "lag_steps" not in text
+    # The workers keep up, and the deterministic rule's default lag (one interval) is shorter than a job.
+    text = backlog_advice(asteria.RuntimeConfig(staleness=2, deterministic=True), 5, work=0.5, capacity=2.0)
+    assert "jobs take longer than the default lag of 5 steps: raise RuntimeConfig.lag_steps (at most" in text
+    # The workers keep up under the newest-finished rule: the deferrals come from versions on their way longer than
+    # an interval (a single long refresh, or the device lane's), not from the work.
+    text = backlog_advice(asteria.RuntimeConfig(staleness=2, deterministic=False, in_flight=2), 5, work=0.5,
+                          capacity=2.0)
+    assert "They keep up with the refresh work (about 0.5 CPU-seconds an interval against 2 worker-seconds" in text
+    assert "single refreshes stay on their way longer than an interval of 5 steps: raise RuntimeConfig.in_flight " \
+           "(now 2) or precondition_frequency." in text
+    assert "takes longer than the interval" not in text
 
 
 def test_workers_behind_under_the_newest_finished_rule_defer_and_warn_once():

@@ -73,17 +73,22 @@ class BacklogMonitor:
 
 def backlog_advice(config: RuntimeConfig, interval: int, work: float, capacity: float) -> str:
     """What to change when the executor falls behind, from the refresh work of an interval and the workers'
-    time in one (both in seconds, measured): with the work within the capacity and a ``lag_steps`` set, the
-    lag is shorter than a job; otherwise the executor is short of time."""
+    time in one (both in seconds, measured): with the work within the capacity, single refreshes outlast the
+    lag (the deterministic rule) or the interval (the newest-finished rule: a set's next turn finds its version
+    still on its way, on the workers or the device lane); otherwise the executor is short of time."""
     lag_steps = config.lag_steps
-    if lag_steps is not None and work <= capacity:
-        return (f" They keep up with the refresh work (about {work:.3g} CPU-seconds an interval against "
-                f"{capacity:.3g} worker-seconds of training), but jobs take longer than lag_steps={lag_steps} steps: "
-                f"raise RuntimeConfig.lag_steps (at most staleness x precondition_frequency = "
-                f"{config.staleness * interval}).")
+    deterministic = config.resolved_deterministic(several_ranks=False)
+    if work <= capacity:
+        keep_up = (f" They keep up with the refresh work (about {work:.3g} CPU-seconds an interval against "
+                   f"{capacity:.3g} worker-seconds of training), but ")
+        if deterministic:
+            lag = f"lag_steps={lag_steps} steps" if lag_steps is not None else f"the default lag of {interval} steps"
+            return (keep_up + f"jobs take longer than {lag}: raise RuntimeConfig.lag_steps (at most staleness x "
+                    f"precondition_frequency = {config.staleness * interval}).")
+        return (keep_up + f"single refreshes stay on their way longer than an interval of {interval} steps: raise "
+                f"RuntimeConfig.in_flight (now {config.in_flight}) or precondition_frequency.")
     enough = math.ceil(interval * 1.25 * work / capacity)
-    other = (" or deterministic=False (the device lane then takes what the workers cannot)"
-             if config.resolved_deterministic(several_ranks=False) else
+    other = (" or deterministic=False (the device lane then takes what the workers cannot)" if deterministic else
              f", RuntimeConfig.device_share (now {config.device_share})")
     bound = (f"lag_steps (now {lag_steps}), " if lag_steps is not None else "") + f"staleness (now {config.staleness})"
     return (f" The refresh work of an interval takes longer than the interval: about {work:.3g} CPU-seconds "
