@@ -24,11 +24,14 @@ def express_threads() -> int:
     return sum(1 for task in Path("/proc/self/task").iterdir() if (task / "comm").read_text().strip() == EXPRESS)
 
 
-def test_by_default_as_many_as_the_workers_where_some_block_is_at_most_half_the_largest():
+def test_by_default_as_many_as_the_pinned_workers_where_some_block_is_at_most_half_the_largest():
     config = asteria.RuntimeConfig(workers=3)
     assert config.resolved_express([2048, 768, 256]) == (3, 1024)
     assert config.resolved_express([2048, 1025]) == (0, 1024)  # no block that small: none
     assert config.resolved_express([]) == (0, 0)
+    # unpinned workers: express ones would share the training thread's cores above the workers' priority
+    assert asteria.RuntimeConfig(workers=3, worker_cpus="any").resolved_express([2048, 256]) == (0, 1024)
+    assert asteria.RuntimeConfig(workers=3, worker_cpus="any", express_workers=2).resolved_express([256]) == (2, 128)
     assert asteria.RuntimeConfig(workers=3, express_workers=1).resolved_express([2048]) == (1, 1024)
     assert asteria.RuntimeConfig(workers=3, express_workers=0).resolved_express([2048, 256]) == (0, 1024)
 

@@ -139,7 +139,8 @@ class RuntimeConfig:
             take only the refreshes of blocks at most half the largest block's size: where every worker is busy
             with roots of a second, the kernel lets such a refresh preempt one, so that it never waits for a core
             (the workers' jobs resume when it ends; no core is added). ``None``: as many as the workers where the
-            blocks come in such sizes, else 0; 0: none.
+            blocks come in such sizes and the workers are pinned (``worker_cpus``: unpinned, they would share the
+            training thread's cores at a higher priority than the workers'), else 0; 0: none.
         device_refresh: whether the refresh executor may also compute on the parameters' device
             (``asteria.pipeline.device_lane``). ``None``: on a GPU (start-up refreshes, and the sets the
             workers cannot finish within an interval); ``False``: workers only; ``True``: also on CPU.
@@ -314,11 +315,13 @@ class RuntimeConfig:
 
     def resolved_express(self, dims: Sequence[int]) -> tuple[int, int]:
         """The express workers to start for blocks of sizes ``dims``, and the largest block size they take (half
-        the largest): ``express_workers``, or by default as many as the workers where some block is that small."""
+        the largest): ``express_workers``, or by default as many as the workers where some block is that small and
+        the workers are pinned."""
         max_n = max(dims, default=0) // 2
         if self.express_workers is not None:
             return self.express_workers, max_n
-        return (self.resolved_workers() if any(n <= max_n for n in dims) else 0), max_n
+        wanted = any(n <= max_n for n in dims) and bool(self.resolved_worker_cpus())
+        return (self.resolved_workers() if wanted else 0), max_n
 
     def resolved_workers(self) -> int:
         """The worker count to start: ``workers`` or the default that leaves cores free."""

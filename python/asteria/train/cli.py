@@ -80,7 +80,7 @@ HELP = {
                    "'deadline' (by the step each is due at) or 'shortest' (the smallest blocks first)",
     "express_workers": "CPU threads beside the workers that take only the refreshes of blocks at most half the "
                        "largest's size, preempting the workers' long roots (default: as many as the workers where "
-                       "blocks are that small; 0: none)",
+                       "blocks are that small and the workers pinned; 0: none)",
     "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
