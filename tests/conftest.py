@@ -45,18 +45,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-#: the name the C++ worker pool gives its threads (``kWorkerThreadName``)
+#: the names the C++ worker pool gives its workers and its express workers (``kWorkerThreadName``,
+#: ``kExpressThreadName``)
 WORKER_THREAD_NAME = "asteria-worker"
+EXPRESS_THREAD_NAME = "asteria-express"
 
 
-def worker_threads() -> int:
-    """This process's refresh-worker threads (Linux; counted by their name, so that thread pools that torch,
-    OpenBLAS or OpenMP start or grow lazily do not count)."""
+def worker_threads(name: str = WORKER_THREAD_NAME) -> int:
+    """This process's refresh-worker threads named ``name`` (Linux; counted by their name, so that thread pools
+    that torch, OpenBLAS or OpenMP start or grow lazily do not count)."""
     count = 0
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as comm:
-                count += comm.read().strip() == WORKER_THREAD_NAME
+                count += comm.read().strip() == name
         except OSError:  # the thread ended while the folder was read
             pass
     return count

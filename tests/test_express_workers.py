@@ -4,24 +4,16 @@ bound, the threads' life with the optimizer, and that who computes a refresh nev
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import regression_data, small_mlp, train
+from conftest import EXPRESS_THREAD_NAME, regression_data, small_mlp, train, worker_threads
 
 import asteria
 from asteria import _core
 
 SIZES = (12, 4, 24, 8)  # blocks of 4 to 24: those of at most 12 are the express workers'
 DATA = regression_data(sizes=SIZES)
-EXPRESS = "asteria-express"  # their thread name (kExpressThreadName)
 OPTIMIZERS = {"shampoo": asteria.Shampoo, "soap": asteria.SOAP, "kl-shampoo": asteria.KLShampoo}
-
-
-def express_threads() -> int:
-    """The express workers of this process, counted by their thread name."""
-    return sum(1 for task in Path("/proc/self/task").iterdir() if (task / "comm").read_text().strip() == EXPRESS)
 
 
 def test_by_default_as_many_as_the_pinned_workers_where_some_block_is_at_most_half_the_largest():
@@ -45,19 +37,19 @@ def test_the_engine_refuses_a_negative_count_or_size_by_name():
 
 def test_the_express_workers_start_with_the_optimizer_and_end_at_close():
     model = small_mlp(sizes=SIZES)
-    before = express_threads()
+    before = worker_threads(EXPRESS_THREAD_NAME)
     opt = asteria.Shampoo(model.parameters(), precondition_frequency=2,
                           runtime=asteria.RuntimeConfig(workers=2, device_refresh=False))
-    assert express_threads() == before + 2
+    assert worker_threads(EXPRESS_THREAD_NAME) == before + 2
     train(model, opt, 6, data=DATA)
     stats = opt.runtime_stats()
     assert stats["express_workers"] == 2 and stats["workers"] == 2
     opt.close()
-    assert express_threads() == before
+    assert worker_threads(EXPRESS_THREAD_NAME) == before
     model = small_mlp(sizes=SIZES)
     with asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(workers=2, express_workers=0,
                                                                           device_refresh=False)) as opt:
-        assert express_threads() == before
+        assert worker_threads(EXPRESS_THREAD_NAME) == before
         assert opt.runtime_stats()["express_workers"] == 0
 
 
