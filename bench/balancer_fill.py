@@ -24,8 +24,9 @@ from asteria.train import cli
 UTILIZATION_RANGE = (0.1, 1.0)
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """This script's options, and the ``asteria bench`` arguments after them."""
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], Path]:
+    """This script's options, the ``asteria bench`` arguments after them, and the bench's output folder. The bench's
+    arguments are checked here, before the fill changes, so that a bad one fails before anything runs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-utilization", type=float, default=balance.WORKER_UTILIZATION,
                         help="the share of the workers' interval the plan fills (default: %(default)s)")
@@ -38,19 +39,18 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     rest = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     if not rest:
         parser.error("no asteria bench arguments: give them after --")
-    return args, rest
+    return args, rest, Path(cli.build_parser().parse_args(["bench", *rest]).out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the bench under the fill, and records it beside the bench's results (``balancer_fill.json``): the
     runs' own configs hold the stagger's unit, not the fill."""
-    args, rest = parse(argv)
+    args, rest, out = parse(argv)
     balance.WORKER_UTILIZATION = args.worker_utilization
     print(f"worker utilization {args.worker_utilization}", flush=True)
     code = cli.main(["bench", *rest])
-    out = cli.build_parser().parse_args(["bench", *rest]).out
     if code == 0:
-        (Path(out) / "balancer_fill.json").write_text(json.dumps({"worker_utilization": args.worker_utilization}))
+        (out / "balancer_fill.json").write_text(json.dumps({"worker_utilization": args.worker_utilization}))
     return code
 
 

@@ -28,7 +28,7 @@
 #           traffic beside the training thread and the copies) shorten the steps more than they cost in refreshes,
 #           and how far each run's quietest position in the interval (the bench's interval profile) lies above
 #           native mode's;
-#   seeds   the loss target: olmo-160m at 8 x 1024, each optimizer async beside native mode with torch's strict
+#   seeds   the loss target: olmo-160m at $SEEDS_BATCH x 1024 (default: 8), each optimizer async beside native mode with torch's strict
 #           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
 #           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes;
 #   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
@@ -164,7 +164,7 @@ if has workers; then
 fi
 if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do
-    STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m 8 "${SEEDS_STEPS:-300}" \
+    STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m "${SEEDS_BATCH:-8}" "${SEEDS_STEPS:-300}" \
       ${SEEDS_CONFIGS:-shampoo-async shampoo-sync soap-async soap-sync kl-shampoo-async kl-shampoo-sync}
   done
 fi

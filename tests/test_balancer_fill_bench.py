@@ -21,6 +21,7 @@ TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-by
     (["--worker-utilization", "1.2", "--", "--steps", "2"], r"--worker-utilization=1.2: give a share .* \[0.1, 1.0\]"),
     (["--worker-utilization", "0", "--", "--steps", "2"], r"--worker-utilization=0.0"),
     (["--worker-utilization", "0.9"], "no asteria bench arguments"),
+    (["--worker-utilization", "0.9", "--", "--steps", "two"], r"argument --steps: invalid int value: 'two'"),
 ])
 def test_values_the_plan_cannot_use_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
