@@ -2,7 +2,8 @@
 
 Writes ``DIR/<config>/`` runs (every step's wall and CUDA-event time, energy and memory in their
 ``metrics.jsonl``), ``DIR/results.json`` (per config: step-time median, p99, max and max/median, wall
-and CUDA-event; peak GPU memory; energy per step; staleness seen; waits; final loss; ratios to AdamW),
+and CUDA-event; peak GPU memory; energy per step; staleness seen; waits; final loss; ratios to AdamW; an async
+config's validation loss against native mode's and its peers' of the same bench),
 ``DIR/step_time_series.png`` (one panel per config), ``DIR/energy_per_step.png`` and the report
 (``report.md``, ``loss.png``, ``step_time.png``).
 """
@@ -49,6 +50,30 @@ def parse_config(label: str) -> tuple[str, str, int | None]:
         return "adamw", "sync", None
     optimizer, mode = base.rsplit("-", 1)
     return optimizer, mode, frequency
+
+
+def loss_references(labels: list[str]) -> dict[str, list[str]]:
+    """Per Asteria config in async mode among ``labels``, the configs of the same bench whose validation loss the
+    loss target compares it with: native mode of the same optimizer at the bench's f (``<optimizer>-sync``) and
+    that optimizer's peers (Distributed Shampoo's, heavyball's), where the bench runs them."""
+    present = set(labels)
+    references = {}
+    for label in labels:
+        optimizer, mode, _ = parse_config(label)
+        if mode != "async":
+            continue
+        found = [ref for ref in (f"{optimizer}-sync", *(peer for peer, of in PEERS.items() if of == optimizer))
+                 if ref in present]
+        if found:
+            references[label] = found
+    return references
+
+
+def relative_loss(loss: float | None, reference: float | None) -> float | None:
+    """``loss / reference - 1``; None where either is missing or not a positive finite number."""
+    if loss is None or reference is None or not (math.isfinite(loss) and math.isfinite(reference)) or reference <= 0:
+        return None
+    return loss / reference - 1
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -262,6 +287,9 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             if s["energy_joules_per_step"] and ref["energy_joules_per_step"]:
                 row["energy_vs_adamw"] = s["energy_joules_per_step"] / ref["energy_joules_per_step"]
         rows[label] = row
+    for label, references in loss_references(list(rows)).items():
+        rows[label]["val_loss_vs"] = {ref: relative_loss(rows[label]["final_val_loss"], rows[ref]["final_val_loss"])
+                                      for ref in references}
     results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows,
                "failed": failed, "software": software()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -381,6 +409,13 @@ def format_table(results: dict[str, Any]) -> str:
         for label, by_side in sides.items():
             lines.append(f"  {label:<18} " + ", ".join(f"{s['side']}: {s['mean_steps']:.2f} ({s['installs']})"
                                                        for s in by_side if s["installs"]))
+    pairs = {label: r["val_loss_vs"] for label, r in results["runs"].items() if r.get("val_loss_vs")}
+    if pairs:
+        lines.append("validation loss against native mode and the peers (this config's / theirs - 1; the target: "
+                     "within 1%):")
+        for label, against in pairs.items():
+            lines.append(f"  {label:<18} " + ", ".join(
+                f"vs {ref} " + ("n/a" if gap is None else f"{100 * gap:+.2f}%") for ref, gap in against.items()))
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:
