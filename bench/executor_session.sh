@@ -28,9 +28,10 @@
 #           traffic beside the training thread and the copies) shorten the steps more than they cost in refreshes,
 #           and how far each run's quietest position in the interval (the bench's interval profile) lies above
 #           native mode's;
-#   seeds   the loss target: olmo-160m at $SEEDS_BATCH x 1024 (default: 8), each optimizer async beside native mode with torch's strict
-#           deterministic kernels (runs of identical math otherwise scatter by 1-3%), per seed in $SEEDS (default:
-#           0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes;
+#   seeds   the loss target: olmo-160m at $SEEDS_BATCH x 1024 (default: 8), each optimizer async beside native
+#           mode with torch's strict deterministic kernels (runs of identical math otherwise scatter by 1-3%), per
+#           seed in $SEEDS (default: 0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes at
+#           8 x 1024 and 300 steps, 6 at 32 x 1024 and 200;
 #   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
 #           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix.
 #   hb      heavyball's SOAP and KL-Shampoo beside Asteria's and AdamW on olmo-160m at 8 x 1024 ($HB_STEPS,
@@ -164,7 +165,8 @@ if has workers; then
 fi
 if has seeds; then
   for seed in ${SEEDS:-0 1 2}; do
-    STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m "${SEEDS_BATCH:-8}" "${SEEDS_STEPS:-300}" \
+    STAGE_ARGS="--seed $seed --deterministic-kernels" bench "seeds-s$seed" olmo-160m "${SEEDS_BATCH:-8}" \
+      "${SEEDS_STEPS:-300}" \
       ${SEEDS_CONFIGS:-shampoo-async shampoo-sync soap-async soap-sync kl-shampoo-async kl-shampoo-sync}
   done
 fi

@@ -19,13 +19,14 @@ TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-by
 
 def test_each_async_config_is_paired_with_its_native_mode_and_its_peers():
     labels = ["adamw", "shampoo-sync", "shampoo-async", "soap-async", "soap-async-f5", "soap-sync-f5", "ds-soap",
-              "hb-soap", "kl-shampoo-async", "ds-shampoo", "kl-shampoo-sync"]
+              "hb-soap", "kl-shampoo-async", "ds-shampoo", "kl-shampoo-sync", "kl-shampoo-async-f2"]
     assert loss_references(labels) == {
         "shampoo-async": ["shampoo-sync", "ds-shampoo"],
-        # native mode at another f is not the bench's native pair; the peers run at the bench's f
+        # native mode at another f is not a pair of the bench's f; native at the same f is
         "soap-async": ["ds-soap", "hb-soap"],
-        "soap-async-f5": ["ds-soap", "hb-soap"],
+        "soap-async-f5": ["soap-sync-f5", "ds-soap", "hb-soap"],
         "kl-shampoo-async": ["kl-shampoo-sync"],
+        "kl-shampoo-async-f2": ["kl-shampoo-sync"],  # no native run at f = 2: native at the bench's f
     }
     assert loss_references(["adamw", "shampoo-sync", "ds-shampoo", "soap-async"]) == {}  # nothing async is paired
 

@@ -54,16 +54,18 @@ def parse_config(label: str) -> tuple[str, str, int | None]:
 
 def loss_references(labels: list[str]) -> dict[str, list[str]]:
     """Per Asteria config in async mode among ``labels``, the configs of the same bench whose validation loss the
-    loss target compares it with: native mode of the same optimizer at the bench's f (``<optimizer>-sync``) and
-    that optimizer's peers (Distributed Shampoo's, heavyball's), where the bench runs them."""
+    loss target compares it with, where the bench runs them: native mode of the same optimizer at the same f
+    (``soap-sync-f5`` for ``soap-async-f5``), then at the bench's f (``soap-sync``), then the optimizer's peers
+    (Distributed Shampoo's, heavyball's, at the bench's f)."""
     present = set(labels)
     references = {}
     for label in labels:
         optimizer, mode, _ = parse_config(label)
         if mode != "async":
             continue
-        found = [ref for ref in (f"{optimizer}-sync", *(peer for peer, of in PEERS.items() if of == optimizer))
-                 if ref in present]
+        candidates = (label.replace("-async", "-sync", 1), f"{optimizer}-sync",
+                      *(peer for peer, of in PEERS.items() if of == optimizer))
+        found = [ref for ref in dict.fromkeys(candidates) if ref in present]
         if found:
             references[label] = found
     return references
