@@ -45,6 +45,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+#: a CLI run (train or bench) small enough for the CPU in seconds: OLMo-2's tiny shapes on 200 kB of the corpus, f = 3,
+#: one worker, staleness 1
+TINY_RUN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu",
+            "--precondition-frequency", "3", "--workers", "1", "--staleness", "1"]
+
 #: the names the C++ worker pool gives its workers and its express workers (``kWorkerThreadName``,
 #: ``kExpressThreadName``)
 WORKER_THREAD_NAME = "asteria-worker"

@@ -7,14 +7,11 @@ import json
 import re
 
 import pytest
-from conftest import bench_script
+from conftest import TINY_RUN, bench_script
 
 import asteria.pipeline.balance as balance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu",
-        "--precondition-frequency", "3", "--workers", "1", "--staleness", "1"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -33,7 +30,7 @@ def test_values_the_plan_cannot_use_are_refused_by_name(argv, message, capsys):
 def test_the_bench_runs_under_the_chosen_fill_and_unit(tmp_path, monkeypatch):
     monkeypatch.setattr(balance, "WORKER_UTILIZATION", balance.WORKER_UTILIZATION)  # restored afterwards
     argv = ["--worker-utilization", "0.85", "--", "--stagger-sets-per-step", "3", "--out", str(tmp_path), "--steps",
-            "7", "--eval-every", "7", "--configs", "adamw", "shampoo-async", *TINY]
+            "7", "--eval-every", "7", "--configs", "adamw", "shampoo-async", *TINY_RUN]
     assert bench_script("balancer_fill").main(argv) == 0
     assert balance.WORKER_UTILIZATION == 0.85
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]

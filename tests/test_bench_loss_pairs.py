@@ -7,14 +7,12 @@ import json
 import math
 
 import pytest
+from conftest import TINY_RUN
 
 from asteria.train.bench import loss_references, relative_loss
 from asteria.train.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu",
-        "--precondition-frequency", "3", "--workers", "1", "--staleness", "1"]
 
 
 def test_each_async_config_is_paired_with_its_native_mode_and_its_peers():
@@ -42,7 +40,7 @@ def test_the_gap_is_relative_and_absent_where_a_loss_is(loss, reference, expecte
 
 def test_the_bench_reports_the_gap_to_native_mode(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), "--steps", "9", "--eval-every", "9", "--configs", "shampoo-async",
-                 "shampoo-sync", "soap-async", *TINY]) == 0
+                 "shampoo-sync", "soap-async", *TINY_RUN]) == 0
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     val = {label: json.loads((tmp_path / label / "summary.json").read_text())["final_val_loss"] for label in runs}
     assert runs["shampoo-async"]["val_loss_vs"] == {
