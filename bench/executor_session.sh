@@ -14,8 +14,9 @@
 #           of its own, costs the training thread's kernel launches (a launch-bound chain, then a GPU-bound one);
 #   dims    olmo-160m at 8 x 1024 once per max_preconditioner_dim in $DIMS (default: 1024 2048), $DIMS_CONFIGS
 #           ($DIMS_STEPS): what smaller blocks cost in loss against the work they save (bench/refresh_demand.py);
-#   sweep   olmo-160m at 8 x 1024 for each beta2 in $BETA2S (default: 0.95 0.999) and lr schedule in $SCHEDULES
-#           (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the hyperparameter range;
+#   sweep   olmo-160m at $SWEEP_BATCH x 1024 (default: 8) for each beta2 in $BETA2S (default: 0.95 0.999) and lr
+#           schedule in $SCHEDULES (default: cosine constant), $SWEEP_CONFIGS ($SWEEP_STEPS): the issue's
+#           hyperparameter range (EXTRA_ARGS=--deterministic-kernels pairs async with native as the seeds stage does);
 #   first   SOAP's first-basis rule on olmo-160m at 8 x 1024 and f = $FIRST_F (default: 50), per seed in $FIRST_SEEDS
 #           (default: 0 1): SOAP at its default (eigh) beside Distributed Shampoo's, then with --first-basis qr
 #           (Distributed Shampoo's rule) ($FIRST_STEPS);
@@ -92,7 +93,8 @@ if has cuda; then
   # (written as it runs, so that a call cut off at its limit still brings back how far it got; a test that
   # hangs prints every thread's stack after 120 s)
   run python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/test_cuda.py \
-    tests/test_cuda_tiers.py tests/test_pager.py tests/distributed/test_cuda_distributed.py > "$OUT/cuda.txt" 2>&1
+    tests/test_cuda_tiers.py tests/test_pager.py tests/test_lane_segments.py tests/distributed/test_cuda_distributed.py \
+    > "$OUT/cuda.txt" 2>&1
   tail -25 "$OUT/cuda.txt"
   summary=$(grep -E "^=+ .* in [0-9.]+s" "$OUT/cuda.txt" | tail -1)  # (-v names tests with "error" in them)
   if ! dry && ! [[ $summary == *" passed"* && $summary != *failed* && $summary != *error* ]]; then
@@ -137,7 +139,7 @@ fi
 if has sweep; then
   for beta2 in ${BETA2S:-0.95 0.999}; do
     for schedule in ${SCHEDULES:-cosine constant}; do
-      STAGE_ARGS="--beta2 $beta2 --lr-schedule $schedule" bench "sweep-$beta2-$schedule" olmo-160m 8 \
+      STAGE_ARGS="--beta2 $beta2 --lr-schedule $schedule" bench "sweep-$beta2-$schedule" olmo-160m "${SWEEP_BATCH:-8}" \
         "${SWEEP_STEPS:-300}" ${SWEEP_CONFIGS:-adamw shampoo-async shampoo-sync}
     done
   done

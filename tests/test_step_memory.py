@@ -191,6 +191,4 @@ def test_running_out_of_gpu_memory_in_a_step_names_what_the_state_holds():
                     "GiB of preconditioners in pinned host memory (and turns the device lane off); a smaller "
                     "max_preconditioner_dim shrinks the factors and preconditioners; "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, lets memory freed "
-                    "between tensors of different sizes serve the next ones (with the device lane in a process of its "
-                    "own, where ptrace restrictions do not refuse it the pidfd_getfd call that sharing such memory "
-                    "takes)")
+                    "between tensors of different sizes serve the next ones")

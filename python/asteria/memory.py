@@ -3,7 +3,9 @@ a configuration's needs with (the optimizer's state, the refresh buffers, the de
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,7 +63,47 @@ def explain_out_of_memory(error: BaseException, optimizer: Any) -> str:
                 "memory (and turns the device lane off)"] if preconditioners and report["placement"] != "host" else []
     remedies += ["a smaller max_preconditioner_dim shrinks the factors and preconditioners",
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, lets memory freed between "
-                 "tensors of different sizes serve the next ones (with the device lane in a process of its own, where "
-                 "ptrace restrictions do not refuse it the pidfd_getfd call that sharing such memory takes)"]
+                 "tensors of different sizes serve the next ones"]
     return (f"{error}\nIn {type(optimizer).__name__}.step(): the optimizer's state holds "
             f"{gib(sum(device.values()))} on the device ({kinds}); {'; '.join(remedies)}")
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``'s syntax)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return str(getter())
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+
+
+def _set_allocator_settings(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # (torch before the accelerator-wide setting)
+        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter(settings)
+
+
+def expandable_segments() -> bool:
+    """Whether torch's CUDA allocator maps its memory in expandable segments."""
+    for option in allocator_settings().split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
+@contextlib.contextmanager
+def fixed_segments(device: torch.device) -> Iterator[None]:
+    """Within the block, ``device``'s new CUDA allocations take segments of fixed size even where the allocator
+    maps expandable ones. Why: another process opens an expandable segment's memory through ``pidfd_getfd``,
+    which needs ptrace rights over this process and is refused without them (unprivileged containers:
+    pytorch/pytorch#165685); a fixed segment crosses as a plain CUDA IPC handle. The setting comes back after
+    the block."""
+    if device.type != "cuda" or not expandable_segments():
+        yield
+        return
+    _set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        _set_allocator_settings("expandable_segments:True")

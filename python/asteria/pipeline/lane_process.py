@@ -9,8 +9,9 @@ kernels do not run side by side as two streams' do), so the lane still costs tra
 
 Data crosses once. At the start each of the lane's threads shares a slot with its thread in the child: one flat
 buffer, sized for the largest set, that holds a job's snapshot (and, for eigenbases, the bases in use) on the way
-in and its result, in the snapshot's place, on the way out; a CUDA slot crosses as a CUDA IPC handle, a CPU slot
-as an open shared file (Linux). A job is then one message each way on the thread's own pipe: the parent copies
+in and its result, in the snapshot's place, on the way out; a CUDA slot crosses as a CUDA IPC handle (from a segment
+of fixed size, also where the allocator maps expandable ones: ``memory.fixed_segments``), a CPU slot as an open
+shared file (Linux). A job is then one message each way on the thread's own pipe: the parent copies
 into the slot and waits for the copy, the child computes on its own stream with native mode's math
 (``refresh_math.refresh_set``), writes the result into the slot, waits for it and replies; the parent copies the
 result out.
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asteria.memory import device_available, gib
+from asteria.memory import device_available, fixed_segments, gib
 from asteria.pipeline.factors import FactorSet, RootRequest
 from asteria.pipeline.partition import Partition, check_partition
 from asteria.pipeline.refresh_math import Refreshed, load_linalg, refresh_set
@@ -120,8 +121,9 @@ class LaneProcess:
         try:
             size = need // threads
             for _ in range(threads):
-                if device.type == "cuda":
-                    self.slots.append(torch.empty(size, dtype=torch.uint8, device=device))
+                if device.type == "cuda":  # (a plain IPC handle: see fixed_segments)
+                    with fixed_segments(device):
+                        self.slots.append(torch.empty(size, dtype=torch.uint8, device=device))
                     continue
                 fd, path = tempfile.mkstemp(prefix="asteria-lane-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                             else None)
