@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import threading
 
 import numpy as np
@@ -80,6 +81,42 @@ def test_a_block_whose_buffers_would_need_a_converted_copy_is_refused():
         assert engine.num_blocks == 0
     finally:
         engine.close()
+
+
+def test_the_engine_keeps_a_blocks_arrays_alive_and_refuses_bad_calls_before_any_change():
+    """The workers write a block's arrays until the engine is gone, so the engine holds them; a wait beyond 1e9 s
+    (the core counts int64 nanoseconds from now) is refused by name rather than wrapping to an instant timeout;
+    a submit or release refused leaves the block as it was (a refused submit left its snapshot pinned, and the
+    buffer's next version waited for it until its timeout)."""
+    engine = _core.RefreshEngine(workers=1, staleness=0)
+    try:
+        snapshots, results = np.zeros((1, 4, 4), np.float32), np.zeros((1, 4, 4), np.float32)
+        held = sys.getrefcount(snapshots), sys.getrefcount(results)
+        engine.add_block(snapshots, results)
+        assert (sys.getrefcount(snapshots), sys.getrefcount(results)) == (held[0] + 1, held[1] + 1)
+        for call in (lambda: engine.activate(1, 1e10), lambda: engine.drain(float("inf")),
+                     lambda: engine.begin_snapshot([0], 1, 2e9)):
+            with pytest.raises(ValueError, match=r"Invalid timeout_s=.*: must be a number of seconds in \(0, 1e9\]"):
+                call()
+        with pytest.raises(ValueError, match=r"Invalid max_delay_s=1e\+10|Invalid max_delay_s=10000000000"):
+            engine.set_random_delay(1e10)
+        # A refused call changes nothing: no snapshot pinned or published, no version marked released.
+        engine.begin_snapshot([0], 1, 5.0)
+        with pytest.raises(ValueError, match="block 0: Invalid version=1: the block is listed twice"):
+            engine.submit([0, 0], 1, 1, -0.25, 1e-12)
+        with pytest.raises(ValueError, match="block 0: Invalid version=2: must be > the newest snapshot, version 0, "
+                                             "and written since begin_snapshot"):
+            engine.submit([0], 2, 2, -0.25, 1e-12)
+        engine.submit([0], 1, 1, -0.25, 1e-12)
+        assert engine.activate(1, 30.0) == [(0, 1)]
+        with pytest.raises(ValueError, match="version 3 is not acquired"):
+            engine.release(0, 3)
+        engine.release(0, 1)
+        assert np.array_equal(results[0], np.eye(4, dtype=np.float32))  # a zero factor's root: the identity
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"Invalid slot_timeout_s=nan"):
+        _core.RefreshEngine(workers=1, slot_timeout_s=float("nan"))
 
 
 def test_blocking_calls_release_the_gil():

@@ -5,25 +5,28 @@ internal error; each must go on."""
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 
 import pytest
+import torch
 from conftest import hold_plan, regression_data, small_mlp, train
 
 import asteria
 from asteria import testing
-from asteria.pipeline import device_lane
+from asteria.pipeline import async_refresh, device_lane
 
 SIZES = (8, 8, 8)
 DATA = regression_data(sizes=SIZES)
 
 
-def make(name: str, **runtime):
+def make(name: str, frequency: int = 2, **runtime):
     model = small_mlp(sizes=SIZES)
     config = dict(mode="async", staleness=2, workers=2, deterministic=False, stagger=False, device_refresh=True,
                   device_process=False, timeout_s=20.0, in_flight=2) | runtime
     optimizer = {"soap": asteria.SOAP, "shampoo": asteria.Shampoo}[name]
-    return model, optimizer(list(model.named_parameters()), lr=0.01, precondition_frequency=2,
+    return model, optimizer(list(model.named_parameters()), lr=0.01, precondition_frequency=frequency,
                             runtime=asteria.RuntimeConfig(**config))
 
 
@@ -157,3 +160,157 @@ def test_a_version_is_deferred_while_an_unsettled_one_holds_its_host_buffers():
         train(model, opt, 1, data=DATA)
         assert all(min(fset.versions) > first + 1 for fset in refresher.sets)
         assert opt.runtime_stats()["refresh_failures"] == 0
+
+
+def lane_versions(monkeypatch) -> threading.local:
+    """Makes each lane job's version known to the math it calls, on the lane's thread (``.version``)."""
+    local = threading.local()
+    real = device_lane.DeviceLane._compute
+
+    def compute(self, job, inline=False, slot=0):
+        local.version = job.version
+        return real(self, job, inline, slot)
+
+    monkeypatch.setattr(device_lane.DeviceLane, "_compute", compute)
+    return local
+
+
+def test_a_lane_version_that_outlives_a_failed_newer_one_comes_into_use_from_its_own_result(monkeypatch):
+    """Version v computes on a slow lane while v + 1, on the workers, fails. The engine's figures alone would then
+    count v as failed too: v must stay on its way, and come into use from the lane's result once it ends (it was
+    installed from the workers' host buffers, which hold nothing of it: garbage, or NaN)."""
+    model, opt = make("shampoo")
+    with opt:
+        refresher = opt._refresher
+        train(model, opt, 5, data=DATA)
+        computed, real = {}, device_lane.refresh_set
+
+        def slow(fset, *args, **kwargs):
+            time.sleep(1.0)
+            refreshed = real(fset, *args, **kwargs)
+            computed[fset.name] = refreshed.new.clone()
+            return refreshed
+
+        monkeypatch.setattr(device_lane, "refresh_set", slow)
+        version = max(refresher._newest_versions) + 1
+        hold_plan(refresher, True)
+        train_until(model, opt, version)
+        hold_plan(refresher, False)
+        for param in ("0.weight", "2.weight"):
+            testing.inject_fault(opt, param, "nonfinite", version=version + 1)
+        train_until(model, opt, version + 1)
+        refresher.engine.drain(20.0)
+        train(model, opt, 1, data=DATA)
+        refresher.lane.drain(20.0)
+        train(model, opt, 1, data=DATA)
+        for fset in refresher.sets:
+            assert fset.versions == [version] * fset.batch
+            assert torch.equal(fset.preconditioners, computed[fset.name])
+        assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+def test_two_lane_versions_of_a_set_coming_into_use_at_once_each_install_their_blocks(monkeypatch):
+    """Shampoo, f = 1: lane versions v and v + 1 of every set end before the same activation, and v + 1 is not
+    usable for block 0. Block 0 then comes to use v and block 1 v + 1, each from its own result (the install took
+    one version per set, and the step raised)."""
+    model, opt = make("shampoo", frequency=1, staleness=3)
+    local, real = lane_versions(monkeypatch), device_lane.refresh_set
+    with opt:
+        refresher = opt._refresher
+        train(model, opt, 5, data=DATA)
+        hold_plan(refresher, True)
+        version = max(refresher._newest_versions) + 1
+        computed = {}
+
+        def refresh(fset, *args, **kwargs):
+            refreshed = real(fset, *args, **kwargs)
+            if local.version == version + 1:  # (block 0's factor as if not finite)
+                refreshed.new[0] = float("nan")
+                refreshed.usable[0] = False
+            computed[(fset.name, local.version)] = refreshed.new.clone()
+            return refreshed
+
+        monkeypatch.setattr(device_lane, "refresh_set", refresh)
+        with refresher.lane._lock:  # (the training thread takes it again; the lane's thread waits: both queue)
+            train_until(model, opt, version + 1)
+        refresher.lane.drain(20.0)
+        train(model, opt, 1, data=DATA)
+        for fset in refresher.sets:
+            assert fset.versions == [version, version + 1]
+            assert torch.equal(fset.preconditioners[0], computed[(fset.name, version)][0])
+            assert torch.equal(fset.preconditioners[1], computed[(fset.name, version + 1)][1])
+        assert opt.runtime_stats()["refresh_failures"] == len(refresher.sets)  # block 0 of v + 1, per set
+
+
+def test_a_lane_eigenbasis_version_waits_until_no_other_version_of_its_set_is_on_its_way(monkeypatch):
+    """SOAP on the lane, two versions in flight allowed: a version warm-starts from the bases in use when it
+    computes, and its column order, relative to them, reorders the second moment at its install. Were v + 1 to
+    compute while v is on its way and v then come into use first, v + 1's order (relative to v - 1's bases) would
+    reorder state kept in v's order. So v + 1 is deferred, and every lane version's bases at its start are those
+    it is installed over."""
+    model, opt = make("soap", frequency=1, staleness=8, device_threads=4)
+    local, real = lane_versions(monkeypatch), device_lane.refresh_set
+    computed: dict[tuple[str, int], threading.Event] = collections.defaultdict(threading.Event)
+    gates: dict[int, threading.Event] = collections.defaultdict(threading.Event)  # version -> may end
+    started_over, installed_over = {}, {}
+
+    def gated(fset, *args, **kwargs):
+        version = local.version
+        started_over[(fset.name, version)] = list(fset.versions)
+        refreshed = real(fset, *args, **kwargs)
+        computed[(fset.name, version)].set()
+        gates[version].wait(20.0)
+        return refreshed
+
+    real_install = async_refresh.AsyncRefresher._install_from_lane
+
+    def install(self, index, items):
+        fset = self.sets[index]
+        installed_over[(fset.name, items[0][1])] = list(fset.versions)
+        return real_install(self, index, items)
+
+    with opt:
+        refresher = opt._refresher
+        train(model, opt, 5, data=DATA)
+        monkeypatch.setattr(device_lane, "refresh_set", gated)
+        monkeypatch.setattr(async_refresh.AsyncRefresher, "_install_from_lane", install)
+        hold_plan(refresher, True)
+        version = max(refresher._newest_versions) + 1
+        train_until(model, opt, version)  # v of each set on the lane, held before it ends
+        deferred = opt.runtime_stats()["refreshes_deferred"]
+        train(model, opt, 1, data=DATA)  # v + 1 comes due
+        later = [fset.name for index, fset in enumerate(refresher.sets) if (index, version + 1) in refresher._lane_of]
+        for name in later:  # (started: it computes from the bases before v's)
+            assert computed[(name, version + 1)].wait(20.0)
+        assert later or opt.runtime_stats()["refreshes_deferred"] > deferred
+        ids = [block_ids[0] for block_ids in refresher.ids]
+
+        def end(v: int) -> None:
+            gates[v].set()
+            waited = time.monotonic()  # (bounded: v's end, which no event of the library's marks)
+            while any(refresher.engine.status(i)["newest_finished"] < v for i in ids):
+                assert time.monotonic() - waited < 20.0
+                time.sleep(0.01)
+            train(model, opt, 1, data=DATA)  # v comes into use
+
+        end(version)
+        if later:
+            end(version + 1)
+        for v in range(version + 1, version + 40):
+            gates[v].set()
+        train(model, opt, 3, data=DATA)
+        refresher.lane.drain(20.0)
+        train(model, opt, 1, data=DATA)
+        checked = [key for key in installed_over if key in started_over]
+        assert len(checked) >= 2 * len(refresher.sets)
+        for key in checked:
+            assert started_over[key] == installed_over[key], key
+        assert opt.runtime_stats()["refresh_failures"] == 0
+
+
+def test_the_sides_of_versions_done_with_are_forgotten_without_a_lane():
+    """Each version's side is kept while it is on its way only, also without the device lane."""
+    model, opt = make("shampoo", frequency=1, device_refresh=False)
+    with opt:
+        train(model, opt, 40, data=DATA)
+        assert len(opt._refresher._lane_of) <= 2 * len(opt._refresher.sets)

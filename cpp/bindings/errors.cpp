@@ -2,6 +2,8 @@
 #include <Python.h>
 #include <nanobind/stl/string.h>
 
+#include <string>
+
 #include "asteria/common/errors.h"
 #include "bindings.h"
 
@@ -37,6 +39,15 @@ void set_pager_error(PyObject* type, const PagerIOError& e) {
 }
 
 }  // namespace
+
+std::chrono::nanoseconds seconds_arg(double seconds, const char* name, bool zero_allowed) {
+  if (!(zero_allowed ? seconds >= 0.0 : seconds > 0.0) || !(seconds <= 1e9)) {
+    throw InvalidArgument(std::string("Invalid ") + name + "=" + std::to_string(seconds) +
+                          ": must be a number of seconds in " + (zero_allowed ? "[0" : "(0") + ", 1e9]" +
+                          (zero_allowed ? " (0 turns it off)" : ""));
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
+}
 
 void init_errors(nb::module_& m) {
   g_cancelled = new_exception(m, "CancelledError", PyExc_RuntimeError,

@@ -24,13 +24,6 @@ using store::NodeStore;
 using store::Published;
 using store::VersionStatus;
 
-std::chrono::nanoseconds timeout_arg(double seconds) {
-  if (!(seconds > 0.0) || !std::isfinite(seconds)) {
-    throw InvalidArgument("Invalid timeout_s=" + std::to_string(seconds) + ": must be a finite number of seconds > 0");
-  }
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
-}
-
 VersionStatus status_arg(const std::string& status) {
   if (status == "ok") return VersionStatus::kOk;
   if (status == "failed") return VersionStatus::kFailed;
@@ -101,7 +94,7 @@ void init_node_store(nb::module_& m) {
           "wait",
           [](NodeStore& s, const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions,
              double timeout_s) {
-            const auto timeout = timeout_arg(timeout_s);
+            const auto timeout = seconds_arg(timeout_s, "timeout_s");
             std::vector<Published> seen;
             {
               nb::gil_scoped_release release;
@@ -120,7 +113,9 @@ void init_node_store(nb::module_& m) {
       .def("done", &NodeStore::done, "local_rank"_a)
       .def(
           "wait_done",
-          [](NodeStore& s, std::int64_t step, double timeout_s) { s.wait_done(step, timeout_arg(timeout_s)); },
+          [](NodeStore& s, std::int64_t step, double timeout_s) {
+            s.wait_done(step, seconds_arg(timeout_s, "timeout_s"));
+          },
           "step"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
           "Waits (GIL released, bounded) until every local rank has marked `step` done.")
       .def("stats", [](const NodeStore& s) {

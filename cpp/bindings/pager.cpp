@@ -30,13 +30,6 @@ using store::Pager;
 using HostArray = nb::ndarray<nb::c_contig>;
 using ReadOnlyArray = nb::ndarray<nb::ro, nb::c_contig>;
 
-std::chrono::nanoseconds timeout_arg(double seconds) {
-  if (!(seconds > 0.0) || !std::isfinite(seconds)) {
-    throw InvalidArgument("Invalid timeout_s=" + std::to_string(seconds) + ": must be a finite number of seconds > 0");
-  }
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
-}
-
 std::uint64_t key_arg(std::int64_t key, const char* name) {
   if (key < 0) throw InvalidArgument(std::string("Invalid ") + name + "=" + std::to_string(key) + ": must be >= 0");
   return static_cast<std::uint64_t>(key);
@@ -165,7 +158,7 @@ void init_pager(nb::module_& m) {
       .def(
           "wait",
           [](PyPager& p, Pager::Ticket ticket, double timeout_s) {
-            const auto timeout = timeout_arg(timeout_s);
+            const auto timeout = seconds_arg(timeout_s, "timeout_s");
             std::exception_ptr error;
             bool timed_out = false;
             {
@@ -200,7 +193,7 @@ void init_pager(nb::module_& m) {
       .def(
           "acquire",
           [](PyPager& p, std::int64_t key, double timeout_s) {
-            const auto timeout = timeout_arg(timeout_s);
+            const auto timeout = seconds_arg(timeout_s, "timeout_s");
             const std::uint64_t k = key_arg(key, "key");
             nb::gil_scoped_release release;
             const store::Acquired a = p.pager->acquire(k, timeout);
@@ -222,7 +215,7 @@ void init_pager(nb::module_& m) {
           "read",
           [](PyPager& p, std::int64_t key, HostArray dst, double timeout_s) {
             check_host(dst, "dst");
-            const auto timeout = timeout_arg(timeout_s);
+            const auto timeout = seconds_arg(timeout_s, "timeout_s");
             const std::uint64_t k = key_arg(key, "key");
             nb::gil_scoped_release release;
             const store::ReadResult r = p.pager->read(k, static_cast<std::byte*>(dst.data()), dst.nbytes(), timeout);
@@ -234,7 +227,7 @@ void init_pager(nb::module_& m) {
       .def(
           "drain",
           [](PyPager& p, double timeout_s) {
-            const auto timeout = timeout_arg(timeout_s);
+            const auto timeout = seconds_arg(timeout_s, "timeout_s");
             nb::gil_scoped_release release;
             p.pager->drain(timeout);
           },

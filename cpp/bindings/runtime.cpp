@@ -25,14 +25,6 @@ using runtime::RefreshEngine;
 using Ring = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
 using AnyRing = nb::ndarray<float, nb::device::cpu>;
 
-std::chrono::nanoseconds seconds_arg(double seconds, const char* name) {
-  if (!(seconds > 0.0) || !std::isfinite(seconds)) {
-    throw InvalidArgument(std::string("Invalid ") + name + "=" + std::to_string(seconds) +
-                          ": must be a finite number of seconds > 0");
-  }
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
-}
-
 std::string shape_text(const Ring& ring) {
   return "(" + std::to_string(ring.shape(0)) + ", " + std::to_string(ring.shape(1)) + ", " +
          std::to_string(ring.shape(2)) + ")";
@@ -187,6 +179,7 @@ void init_runtime(nb::module_& m) {
             return e.add_block(memory);
           },
           "snapshots"_a.noconvert(), "results"_a.noconvert(), "kind"_a = "root", "first_basis"_a = "eigh",
+          nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),  // (the workers write there until the engine is gone)
           "Registers a block. `snapshots` is a float32 host array of `depth` buffers: (depth, n, n), or (depth, "
           "n (n + 1) / 2) holding each factor's lower triangle row by row (torch.tril_indices order; half the "
           "memory, unpacked by the worker). No converted copy is made: the engine reads and writes the caller's "
@@ -315,13 +308,7 @@ void init_runtime(nb::module_& m) {
       .def(
           "set_random_delay",
           [](RefreshEngine& e, double max_delay_s, std::uint64_t seed) {
-            if (!(max_delay_s >= 0.0) || !std::isfinite(max_delay_s)) {
-              throw InvalidArgument("Invalid max_delay_s=" + std::to_string(max_delay_s) +
-                                    ": must be a finite number of seconds >= 0 (0 turns the delay off)");
-            }
-            e.set_random_delay(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::duration<double>(max_delay_s)),
-                               seed);
+            e.set_random_delay(seconds_arg(max_delay_s, "max_delay_s", /*zero_allowed=*/true), seed);
           },
           "max_delay_s"_a, "seed"_a = 0,
           "Test-only: every job without an injected fault first sleeps a pseudo-random time in [0, max_delay_s), "

@@ -128,7 +128,8 @@ class RuntimeConfig:
         max_nonfinite_grad_steps: skipped steps of one block in a row before ``step()`` raises.
         in_flight: newest-finished rule: versions of a set on their way at once (each holds pinned
             snapshot and result buffers, by version number modulo in_flight); a turn beyond that is deferred,
-            as is a workers' turn whose buffers an unsettled version still holds.
+            as is a workers' turn whose buffers an unsettled version still holds, and an eigenbasis set's turn
+            on the device lane while any version of the set is on its way (it starts from the bases in use).
         queue_order: newest-finished rule: the order in which the workers take queued refreshes after the
             ``sync_refreshes`` (which are waited for). ``"deadline"``: by the step each is due at, the largest
             blocks first within one; ``"shortest"``: the smallest blocks first, so that a cheap refresh never

@@ -186,6 +186,16 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
   if (!(std::isfinite(skip_tol) && skip_tol >= 0)) {
     throw InvalidArgument("Invalid skip_tol=" + std::to_string(skip_tol) + ": must be a finite number >= 0");
   }
+  // Every block is checked before any changes: a refused call leaves no snapshot pinned or published.
+  for (auto it = blocks.begin(); it != blocks.end(); ++it) {
+    const std::int64_t newest = registry_.status(*it).newest_snapshot;
+    const bool twice = std::find(blocks.begin(), it, *it) != it;
+    if (twice || version <= newest || block(*it).snapshots.state(version) != store::SlotState::kWriting) {
+      throw InvalidArgument("[RefreshEngine::submit] " + block_name(*it) + ": Invalid version=" +
+                            std::to_string(version) + (twice ? ": the block is listed twice" : ": must be > the newest "
+                            "snapshot, version " + std::to_string(newest) + ", and written since begin_snapshot"));
+    }
+  }
   {
     std::lock_guard lock(mutex_);
     if (closed_) throw CancelledError("[RefreshEngine::submit] the engine is closed");
@@ -359,6 +369,12 @@ void RefreshEngine::run_job(std::int64_t id, std::int64_t version, const linalg:
         gate_result(id, version, output, nn);
       } else {
         outcome = compute_eigenbasis(b, id, version, input, output, spec, skip_tol, poison);
+        if (outcome.passed_over) {
+          // (the deterministic rule's jobs never skip their wait for the previous one: there it is a defect)
+          if (config_.registry.deterministic) throw Error("the eigenbasis chain holds a newer version's basis");
+          superseded = true;
+          throw Superseded{};
+        }
       }
     } catch (...) {
       b.snapshots.release(version);
@@ -411,16 +427,19 @@ std::vector<coherence::Activation> RefreshEngine::activate(std::int64_t step, st
 
 void RefreshEngine::release(std::int64_t id, std::int64_t version) {
   Block& b = block(id);
-  bool external = false;
+  const bool external = [&] {
+    std::lock_guard lock(mutex_);
+    return b.external.contains(version);
+  }();
+  if (!external) b.results.release(version);  // (a version never activated throws here, before any change)
   {
     std::lock_guard lock(mutex_);
-    external = b.external.erase(version) > 0;
+    b.external.erase(version);
     // Older external versions that were passed over are not needed either; one still computing is dropped when
     // it ends (finish_external).
     std::erase_if(b.external, [version](const auto& entry) { return entry.first < version && entry.second; });
     b.released = std::max(b.released, version);
   }
-  if (!external) b.results.release(version);
   // The caller has its own copy of this version now; neither it nor anything older is needed again.
   b.results.retire_through(version);
 }

@@ -246,6 +246,7 @@ class RefreshEngine {
   struct JobOutcome {
     bool used_float64 = false;
     bool skipped = false;
+    bool passed_over = false;  // an eigenbasis job that found a newer version's basis in the chain: not computed
   };
   struct Fault {
     FaultKind kind;

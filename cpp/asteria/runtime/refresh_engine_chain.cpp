@@ -92,6 +92,13 @@ RefreshEngine::JobOutcome RefreshEngine::compute_eigenbasis(Block& b, std::int64
   float* perm = estimates + b.n;
   JobOutcome outcome;
   std::lock_guard chain(b.chain_mutex);
+  // A newer version's basis already in the chain: this job started late, behind a superseded job that ended
+  // without waiting for its own predecessor (or a seed came meanwhile). Its result could only be passed over,
+  // and warm-started from the newer basis and kept, it would move the chain back to an older version.
+  if (b.good_version > version) {
+    outcome.passed_over = true;
+    return outcome;
+  }
   // No basis yet, or the identity of a zero factor (a block whose parameter had no gradient yet): the
   // full eigendecomposition, as at a block's first refresh, or one QR step from the identity.
   const bool first = b.good_version == 0 || linalg::is_identity(b.n, b.good_basis.data());

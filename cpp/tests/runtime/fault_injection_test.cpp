@@ -12,10 +12,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "asteria/common/clock.h"
 #include "asteria/common/errors.h"
+#include "asteria/linalg/eigenbasis.h"
 #include "asteria/runtime/refresh_engine.h"
 
 namespace asteria::runtime {
@@ -142,6 +144,42 @@ TEST(FaultInjection, NonFiniteEigenbasisNeverBecomesTheChainsGoodBasis) {
   const std::vector<float> poisoned = run(FaultKind::kNonFinite), thrown = run(FaultKind::kThrow);
   EXPECT_TRUE(all_finite(poisoned));
   EXPECT_EQ(std::memcmp(poisoned.data(), thrown.data(), poisoned.size() * sizeof(float)), 0);
+}
+
+TEST(FaultInjection, AnOlderEigenbasisJobNeverMovesTheChainBack) {
+  // Under the newest-finished rule version 2 is superseded before it waits for version 1, which is still
+  // computing, so version 3 ends first. Version 1 must then be passed over: warm-started from version 3's
+  // basis and kept as the chain's, it would move the chain back, and version 4 would start from it.
+  constexpr int kN = 8;
+  EngineConfig config = engine_config(/*workers=*/2);
+  config.registry.deterministic = false;
+  config.registry.staleness = 10;
+  RefreshEngine engine(config);
+  Block root(engine, 2, /*depth=*/2);
+  Block chain(engine, kN, /*depth=*/4, RefreshKind::kEigenbasis);
+  engine.inject_fault(chain.id, 1, FaultKind::kPause);
+  chain.refresh(engine, 1);
+  engine.wait_paused(1, 10s);  // version 1 holds a worker, past its supersede checks
+  engine.inject_fault(root.id, 1, FaultKind::kDelay, 300ms);
+  root.refresh(engine, 1);  // (due first: the other worker takes it, and versions 2 and 3 queue behind it)
+  chain.refresh(engine, 2);
+  chain.refresh(engine, 3);
+  const auto waited = Clock::now();  // (a bounded wait for version 3's end: no latch reaches into a job)
+  while (engine.status(chain.id).newest_finished < 3 && seconds_since(waited) < 30.0) std::this_thread::yield();
+  ASSERT_EQ(engine.status(chain.id).newest_ok, 3);
+  engine.release_pauses();
+  engine.drain(10s);
+  chain.refresh(engine, 4);
+  engine.drain(10s);
+  const std::vector<float> v3 = chain.result(3), v4 = chain.result(4);
+  const float* a4 = chain.snapshots.data() + (4 % chain.depth) * kN * kN;
+  std::vector<float> q(kN * kN), estimates(kN), perm(kN);
+  linalg::qr_refresh(kN, a4, v3.data(), q.data(), estimates.data(), perm.data(), kRoot.scale, 0.0);
+  EXPECT_EQ(std::memcmp(v4.data(), q.data(), q.size() * sizeof(float)), 0) << "version 4 did not start from 3's basis";
+  const auto stats = engine.stats();
+  EXPECT_EQ(stats.refreshes_superseded, 2u);  // versions 2 and 1
+  EXPECT_EQ(stats.refreshes_ok, 3u);           // the root's, versions 3 and 4
+  EXPECT_EQ(engine.status(chain.id).newest_ok, 4);
 }
 
 TEST(FaultInjection, HangTimesOutTheActivationAndCloseEndsIt) {

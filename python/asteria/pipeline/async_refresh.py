@@ -178,15 +178,18 @@ class AsyncRefresher(WorkerRefresher):
         return DEVICE if self.balancer.plan[index] else CPU
 
     def _held_up(self, index: int, version: int, lane: str, in_flight: list[int]) -> bool:
-        """Whether ``version`` of set ``index``, for the workers, must be deferred though fewer than ``in_flight``
-        versions are on their way (with ``RuntimeConfig.in_flight`` > 1): an unsettled workers' version holds its
+        """Whether ``version`` of set ``index`` must be deferred though fewer than ``in_flight`` versions are on
+        their way (with ``RuntimeConfig.in_flight`` > 1): for the device lane, an eigenbasis set's with any
+        version of it on its way (see below); for the workers, where an unsettled workers' version holds its
         host buffers (``version % depth``), which it would wait for while the step waits for it; or an eigenbasis
         set comes back from the lane while one of its jobs still runs on the workers, whose chain cannot take the
         bases in use (``_seed``) until that job ends, or while a version of it still computes on the lane: the seed
         is named after the set's newest version, whose bases are not yet the ones in use, and the column orders of
         the versions after it would be composed relative to the wrong basis."""
         if lane != CPU:
-            return False
+            # A lane eigenbasis version starts from the bases in use when it computes, and its column order is
+            # relative to them: another version of the set installed meanwhile would be reordered by it wrongly.
+            return self.sets[index].kind == "eigenbasis" and bool(in_flight)
         if any(v % self.depth == version % self.depth and self._lane_of.get((index, v), CPU) == CPU
                for v in in_flight):
             return True
@@ -199,8 +202,12 @@ class AsyncRefresher(WorkerRefresher):
 
     def _settled(self, index: int, version: int) -> bool:
         """Whether ``version`` of set ``index`` is done with: every block uses it (or newer), or its refresh of
-        the block failed. Until then its host buffers hold its snapshot or result."""
+        the block failed. Until then its host buffers hold its snapshot or result. A device lane version is
+        not done with while it computes: a newer version's failure (which the engine's figures would count as
+        its own) leaves it to come into use later, from the lane's result."""
         fset = self.sets[index]
+        if self._lane_of.get((index, version)) == DEVICE and not self.lane.ended(index, version):
+            return all(used >= version for used in fset.versions)
         for block, used in enumerate(fset.versions):
             if used >= version:
                 continue
@@ -262,12 +269,14 @@ class AsyncRefresher(WorkerRefresher):
             raise TimeoutError(f"refresh of {fset.describe(block)} of parameter {fset.block_params[block]!r} "
                                f"(version {timeout.version}) not done within timeout_s={self.config.timeout_s}: "
                                f"{timeout}") from timeout
-        by_set: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        # The workers' versions of a set install together; the lane's one version at a time (with in_flight > 1
+        # two of a set may come at once, where the newer one is not usable for some blocks).
+        by_set: dict[tuple[int, str, int], list[tuple[int, int, int]]] = {}
         for block_id, version in changes:
             index, block = self.owner[block_id]
             lane = self._lane_of.get((index, version), CPU)
-            by_set.setdefault((index, lane), []).append((block, version, block_id))
-        for (index, lane), items in by_set.items():
+            by_set.setdefault((index, lane, version if lane == DEVICE else 0), []).append((block, version, block_id))
+        for (index, lane, _), items in sorted(by_set.items()):
             if lane == DEVICE:
                 self._install_from_lane(index, items)
             else:
@@ -292,7 +301,7 @@ class AsyncRefresher(WorkerRefresher):
             done = due <= step
         else:
             done = self._settled(index, version)
-        if done and self.lane is not None and self._lane_of.pop((index, version), CPU) == DEVICE:
+        if done and self._lane_of.pop((index, version), CPU) == DEVICE:
             self.lane.release(index, version, self.side[self.sets[index].device].stream)
         return done
 
@@ -333,7 +342,7 @@ class AsyncRefresher(WorkerRefresher):
         self._installed(index, items, side)
 
     def _install_from_lane(self, index: int, items: list[tuple[int, int, int]]) -> None:
-        """Installs a version the device lane computed (one version of a set is in flight at a time)."""
+        """Installs a version the device lane computed (``items``: its blocks that come to use it)."""
         items = sorted(items)
         fset = self.sets[index]
         side = self.side[fset.device]
@@ -374,6 +383,9 @@ class AsyncRefresher(WorkerRefresher):
         if self._lane_of.get((index, version), CPU) == CPU:
             return packing.unpack(self.snapshots[index][version % self.depth], fset.dim)
         snapshot = self.lane.snapshot(index, version)
+        side = self.side[fset.device]
+        if snapshot is not None and side.cuda:  # (copied on the side stream, which the main stream need not wait
+            side.stream.synchronize()            # for until the next factor update)
         # An inline version (the start-up's) was computed from the factors as they still are between steps.
         return (fset.factors if snapshot is None else snapshot).detach().to("cpu", torch.float32)
 

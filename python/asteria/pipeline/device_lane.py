@@ -10,8 +10,8 @@ Life of version k of a set on the lane:
    refresh with the native mode's math (``refresh_math.refresh_set``) there or, with ``process``, in the
    lane's child process (``lane_process``: on a GPU, in a CUDA context that cannot hold training's launches),
    waits for it, and reports the blocks' outcome to the registry (``finish_external``). An eigenbasis
-   warm-starts from the bases in use: a set has one version in flight at a time, so those are the previous
-   version's.
+   warm-starts from the bases in use: an eigenbasis set's lane version starts only while no other version of
+   the set is on its way (``AsyncRefresher._held_up``), so those are the previous version's.
 3. An activation that picks k installs it from the lane's result on the side stream, releases it in the
    engine, and drops the lane's tensors (their memory stays the side stream's until the copy is done).
 
@@ -84,6 +84,7 @@ class DeviceLane:
         self._jobs: collections.deque[LaneJob] = collections.deque()       # guarded by _lock
         self._results: dict[tuple[int, int], Refreshed] = {}               # guarded by _lock
         self._snapshots: dict[tuple[int, int], Tensor] = {}                # guarded by _lock; kept for checkpoints
+        self._ended: set[tuple[int, int]] = set()                          # guarded by _lock: jobs done, unreleased
         self._by_dim: dict[int, list[float]] = {}                          # guarded by _lock: n -> [seconds, blocks]
         self._inline_by_dim: dict[int, list[float]] = {}                   # guarded by _lock: the same, inline
         self._busy_seconds = 0.0                                           # guarded by _lock
@@ -142,11 +143,17 @@ class DeviceLane:
         with self._lock:
             return self._results[(index, version)]
 
+    def ended(self, index: int, version: int) -> bool:
+        """Whether the refresh of ``version`` of set ``index`` has ended (computed or failed), until released."""
+        with self._lock:
+            return (index, version) in self._ended
+
     def release(self, index: int, version: int, stream: torch.cuda.Stream | None) -> None:
         """Drops the lane's tensors of ``version`` once ``stream`` (which copied them) is done with them."""
         with self._lock:
             refreshed = self._results.pop((index, version), None)
             self._snapshots.pop((index, version), None)
+            self._ended.discard((index, version))
         if refreshed is not None and stream is not None:
             for tensor in (refreshed.new, refreshed.order):
                 if tensor is not None:
@@ -273,8 +280,10 @@ class DeviceLane:
         fset = self.sets[index]
         with self._lock:
             # (a version released while it computed was passed over by a newer one: nothing will take it)
-            if refreshed is not None and (inline or (index, version) in self._snapshots):
-                self._results[(index, version)] = refreshed
+            if inline or (index, version) in self._snapshots:
+                self._ended.add((index, version))
+                if refreshed is not None:
+                    self._results[(index, version)] = refreshed
             timing = (self._inline_by_dim if inline else self._by_dim).setdefault(fset.dim, [0.0, 0])
             timing[0] += seconds
             timing[1] += fset.batch
