@@ -45,7 +45,7 @@ def segment_of(tensor):
     return segment["is_expandable"]
 
 
-child = lane_process.LaneProcess(device, [fset], threads=1, timeout_s=120.0)
+child = lane_process.LaneProcess(device, [fset], threads=1, timeout_s=120.0 if fixed else 30.0)
 result = {"expandable_on": memory.expandable_segments(), "slot_expandable": segment_of(child.slots[0])}
 try:
     got, _ = child.refresh(0, fset, fset.factors, request, torch.cuda.current_stream())
@@ -80,7 +80,7 @@ def test_the_lanes_child_opens_its_slots_under_expandable_segments_without_ptrac
     control = run_case("control")
     assert control["slot_expandable"] is True
     if "failed" in control:  # (a machine whose root holds CAP_SYS_PTRACE opens it anyway)
-        assert control["failed"].startswith("the device lane's process could not start")
+        assert control["failed"].startswith("the device lane's process"), control["failed"]
 
 
 def test_fixed_segments_leaves_the_setting_as_it_found_it():
