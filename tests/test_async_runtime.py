@@ -94,6 +94,10 @@ def test_the_engine_keeps_a_blocks_arrays_alive_and_refuses_bad_calls_before_any
         held = sys.getrefcount(snapshots), sys.getrefcount(results)
         engine.add_block(snapshots, results)
         assert (sys.getrefcount(snapshots), sys.getrefcount(results)) == (held[0] + 1, held[1] + 1)
+        deep = np.zeros((2**20 + 1, 1, 1), np.float32)  # (the engine counts n and depth in int)
+        with pytest.raises(ValueError, match=r"Invalid results shape \(1048577, 1, 1\): n and depth must be <= "
+                                             "1048576"):
+            engine.add_block(deep, deep.copy())
         for call in (lambda: engine.activate(1, 1e10), lambda: engine.drain(float("inf")),
                      lambda: engine.begin_snapshot([0], 1, 2e9)):
             with pytest.raises(ValueError, match=r"Invalid timeout_s=.*: must be a number of seconds in \(0, 1e9\]"):

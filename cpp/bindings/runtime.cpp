@@ -147,6 +147,11 @@ void init_runtime(nb::module_& m) {
             memory.first_from_identity = first_basis == "qr";
             const std::string expected = extra_rows == 0 ? "(depth, n, n)" : "(depth, n + 2, n)";
             memory.result_stride = ring_stride(results, "results", extra_rows, expected + " for kind='" + kind + "'");
+            constexpr std::size_t kMaxSide = 1 << 20;  // (n * n and depth * stride stay far inside int64)
+            if (results.shape(2) > kMaxSide || results.shape(0) > kMaxSide) {
+              throw InvalidArgument("Invalid results shape " + shape_text(results) + ": n and depth must be <= " +
+                                    std::to_string(kMaxSide));
+            }
             memory.n = static_cast<int>(results.shape(2));
             memory.depth = static_cast<int>(results.shape(0));
             memory.packed = snapshots.ndim() == 2;
