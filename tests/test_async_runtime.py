@@ -86,7 +86,7 @@ def test_a_block_whose_buffers_would_need_a_converted_copy_is_refused():
 def test_the_engine_keeps_a_blocks_arrays_alive_and_refuses_bad_calls_before_any_change():
     """The workers write a block's arrays until the engine is gone, so the engine holds them; a wait beyond 1e9 s
     (the core counts int64 nanoseconds from now) is refused by name rather than wrapping to an instant timeout;
-    a submit or release refused leaves the block as it was (a refused submit left its snapshot pinned, and the
+    a submit, skip or release refused leaves the block as it was (a refused submit left its snapshot pinned, and the
     buffer's next version waited for it until its timeout)."""
     engine = _core.RefreshEngine(workers=1, staleness=0)
     try:
@@ -116,6 +116,9 @@ def test_the_engine_keeps_a_blocks_arrays_alive_and_refuses_bad_calls_before_any
         with pytest.raises(ValueError, match="version 3 is not acquired"):
             engine.release(0, 3)
         engine.release(0, 1)
+        with pytest.raises(ValueError, match="Invalid blocks: block 0 is listed twice"):
+            engine.skip([0, 0], 2)
+        engine.skip([0], 2)  # (the refused call skipped nothing)
         assert np.array_equal(results[0], np.eye(4, dtype=np.float32))  # a zero factor's root: the identity
     finally:
         engine.close()
