@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from asteria.memory import _set_allocator_settings, expandable_segments, fixed_segments
+from asteria import memory
+from asteria.memory import fixed_segments
 
 # The training process as an unprivileged container makes it: not dumpable, so that another process of the same
 # user has no ptrace rights over it (unless it holds CAP_SYS_PTRACE). The lane's refresh of a set of roots through
@@ -83,17 +84,23 @@ def test_the_lanes_child_opens_its_slots_under_expandable_segments_without_ptrac
         assert control["failed"].startswith("the device lane's process"), control["failed"]
 
 
-def test_fixed_segments_leaves_the_setting_as_it_found_it():
-    """Off the GPU, and where the allocator's segments are fixed already, the block changes nothing; where they
-    are expandable, they are fixed inside and expandable again after, also when the block raises."""
-    before = expandable_segments()
+@pytest.mark.parametrize("settings, calls", [
+    ("expandable_segments:True", ["expandable_segments:False", "expandable_segments:True"]),
+    ("max_split_size_mb:64,expandable_segments:true", ["expandable_segments:False", "expandable_segments:True"]),
+    ("expandable_segments:False", []), ("", []),
+])
+def test_fixed_segments_switches_expandable_segments_off_for_its_block_only(monkeypatch, settings, calls):
+    """Where the allocator's segments are expandable they are fixed inside the block and expandable again after,
+    also when the block raises; elsewhere, and off the GPU, nothing is set. (What the setting does to an
+    allocation is the GPU case's above, whose process starts with the setting.)"""
+    made = []
+    monkeypatch.setattr(memory, "allocator_settings", lambda: settings)
+    monkeypatch.setattr(memory, "_set_allocator_settings", made.append)
+    with pytest.raises(KeyError), fixed_segments(torch.device("cuda")):
+        assert made == calls[:1]
+        raise KeyError("inside")
+    assert made == calls
+    made.clear()
     with fixed_segments(torch.device("cpu")):
-        assert expandable_segments() == before
-    _set_allocator_settings("expandable_segments:True")
-    try:
-        with pytest.raises(KeyError), fixed_segments(torch.device("cuda")):
-            assert not expandable_segments()
-            raise KeyError("inside")
-        assert expandable_segments()
-    finally:
-        _set_allocator_settings(f"expandable_segments:{before}")
+        pass
+    assert made == []

@@ -69,7 +69,8 @@ def explain_out_of_memory(error: BaseException, optimizer: Any) -> str:
 
 
 def allocator_settings() -> str:
-    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``'s syntax)."""
+    """The CUDA caching allocator's settings as torch holds them (``PYTORCH_CUDA_ALLOC_CONF``'s syntax); with a
+    torch that has no getter for them, as the environment set them at the start."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         return str(getter())
