@@ -40,7 +40,7 @@ from typing import Any
 from gap import RUN_DIR, format_gap, gap_over_run, plot_gap
 
 from asteria.config import is_int
-from asteria.train.bench import CONFIGS, PEER_CONFIGS, parse_config, run_bench
+from asteria.train.bench import CONFIGS, PEER_CONFIGS, native_pairs, parse_config, run_bench
 from asteria.train.checkpoint import interrupted
 from asteria.train.cli import add_run_arguments, bench_base, out_dir
 from asteria.train.report import is_number
@@ -167,14 +167,11 @@ def native_config(label: str, available: list[str], asteria_only: bool) -> str |
     exist, else 'X-sync' (native at the bench's own f). None: nothing to compare with (AdamW, a label
     of no known config, or no such native run)."""
     try:
-        optimizer, mode, frequency = parse_config(label)
+        if asteria_only and parse_config(label)[1] != "async":
+            return None
+        return next((candidate for candidate in native_pairs(label) if candidate in available), None)
     except ValueError:
         return None
-    if optimizer == "adamw" or (asteria_only and mode != "async"):
-        return None
-    plain = f"{optimizer}-sync"
-    candidates = ([f"{plain}-f{frequency}"] if frequency else []) + [plain]
-    return next((candidate for candidate in candidates if candidate in available), None)
 
 
 #: settings that change neither the optimizer's math nor the data, so runs differing only in them pool

@@ -52,6 +52,17 @@ def parse_config(label: str) -> tuple[str, str, int | None]:
     return optimizer, mode, frequency
 
 
+def native_pairs(label: str) -> list[str]:
+    """The native configs that config ``label`` compares with, nearest first: native mode at its own f
+    (``soap-sync-f5`` for ``soap-async-f5`` or ``soap-sync-f5``), then at the bench's f (``soap-sync``); none for
+    AdamW or a peer."""
+    optimizer, _, frequency = parse_config(label)
+    if optimizer == "adamw" or optimizer in PEER_CONFIGS:
+        return []
+    plain = f"{optimizer}-sync"
+    return ([f"{plain}-f{frequency}"] if frequency else []) + [plain]
+
+
 def loss_references(labels: list[str]) -> dict[str, list[str]]:
     """Per Asteria config in async mode among ``labels``, the configs of the same bench whose validation loss the
     loss target compares it with, where the bench runs them: native mode of the same optimizer at the same f
@@ -63,8 +74,7 @@ def loss_references(labels: list[str]) -> dict[str, list[str]]:
         optimizer, mode, _ = parse_config(label)
         if mode != "async":
             continue
-        candidates = (label.replace("-async", "-sync", 1), f"{optimizer}-sync",
-                      *(peer for peer, of in PEERS.items() if of == optimizer))
+        candidates = (*native_pairs(label), *(peer for peer, of in PEERS.items() if of == optimizer))
         found = [ref for ref in dict.fromkeys(candidates) if ref in present]
         if found:
             references[label] = found
