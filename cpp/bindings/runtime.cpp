@@ -208,7 +208,10 @@ void init_runtime(nb::module_& m) {
             e.begin_snapshot(blocks, version, seconds_arg(timeout_s, "timeout_s"));
           },
           "blocks"_a, "version"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>(),
-          "Claims the snapshot buffers of `version`, waiting (GIL released) for jobs still reading them.")
+          "Claims the snapshot buffers of `version`, waiting (GIL released) for jobs still reading them. All or "
+          "nothing: a claim that fails gives back those made before it.")
+      .def("abandon_snapshot", &RefreshEngine::abandon_snapshot, "blocks"_a, "version"_a,
+           "Gives back the snapshot buffers begin_snapshot claimed for `version` and that were not submitted.")
       .def(
           "submit",
           [](RefreshEngine& e, const std::vector<std::int64_t>& blocks, std::int64_t version,

@@ -98,6 +98,18 @@ std::int64_t RefreshEngine::add_block(const BlockMemory& memory) {
   if (memory.snapshots == nullptr || memory.results == nullptr) {
     throw InvalidArgument("Invalid block memory: snapshot and result buffers must not be null");
   }
+  // Two blocks over the same bytes would read each other's snapshots and overwrite each other's results.
+  const std::string name = block_name(num_blocks());
+  std::vector<store::ByteExtents::Extent> extents;
+  for (int i = 0; i < memory.depth; ++i) {
+    extents.push_back({reinterpret_cast<const std::byte*>(memory.snapshots + i * memory.snapshot_stride),
+                       static_cast<std::size_t>(elems) * sizeof(float),
+                       name + "'s snapshot buffer " + std::to_string(i)});
+    extents.push_back({reinterpret_cast<const std::byte*>(memory.results + i * memory.result_stride),
+                       static_cast<std::size_t>(result_elems) * sizeof(float),
+                       name + "'s result buffer " + std::to_string(i)});
+  }
+  memory_.add(extents);  // all or nothing, before the block exists
   const std::int64_t id = registry_.add_block();
   blocks_.push_back(std::make_unique<Block>(id, memory));
   return id;
@@ -162,10 +174,16 @@ void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std:
   const auto started = Clock::now();
   const auto deadline = deadline_after(timeout);
   bool any_waited = false;
-  for (const std::int64_t id : blocks) {
-    bool waited = false;
-    block(id).snapshots.begin_write(version, time_left(deadline), &waited);
-    any_waited = any_waited || waited;
+  std::size_t claimed = 0;
+  try {
+    for (; claimed < blocks.size(); ++claimed) {
+      bool waited = false;
+      block(blocks[claimed]).snapshots.begin_write(version, time_left(deadline), &waited);
+      any_waited = any_waited || waited;
+    }
+  } catch (...) {
+    while (claimed > 0) block(blocks[--claimed]).snapshots.abandon_write(version);
+    throw;
   }
   if (any_waited) {
     // A snapshot buffer still being read means the workers lag the schedule: the training thread
@@ -175,6 +193,18 @@ void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std:
     snapshot_waits_ += 1;
     snapshot_wait_seconds_ += seconds;
   }
+}
+
+void RefreshEngine::abandon_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version) {
+  for (auto it = blocks.begin(); it != blocks.end(); ++it) {
+    const bool twice = std::find(blocks.begin(), it, *it) != it;
+    if (twice || block(*it).snapshots.state(version) != store::SlotState::kWriting) {
+      throw InvalidArgument("[RefreshEngine::abandon_snapshot] " + block_name(*it) + ": Invalid version=" +
+                            std::to_string(version) + (twice ? ": the block is listed twice"
+                                                             : ": must be claimed by begin_snapshot and not submitted"));
+    }
+  }
+  for (const std::int64_t id : blocks) block(id).snapshots.abandon_write(version);
 }
 
 void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t version,

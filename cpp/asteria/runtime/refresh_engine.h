@@ -17,6 +17,7 @@
 #include "asteria/coherence/registry.h"
 #include "asteria/linalg/inverse_root.h"
 #include "asteria/runtime/worker_pool.h"
+#include "asteria/store/byte_extents.h"
 #include "asteria/store/versioned_ring.h"
 
 namespace asteria::runtime {
@@ -144,8 +145,14 @@ class RefreshEngine {
   // there (CoherenceRegistry::resume_at), not from version 0. Before anything is submitted for them.
   void resume_at(const std::vector<std::int64_t>& blocks, const std::vector<std::int64_t>& versions);
   // Claims the snapshot buffers of `version` for `blocks`, waiting up to `timeout` for jobs still
-  // reading them, and returns nothing: the caller then fills buffer version % depth.
+  // reading them, and returns nothing: the caller then fills buffer version % depth. All or nothing: where
+  // one block's claim fails (a timeout, a bad id or version, a block listed twice, close()), the claims made
+  // before it are given back and the call throws, so that the same call may be made again.
   void begin_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version, std::chrono::nanoseconds timeout);
+  // Gives back the snapshot buffers that begin_snapshot claimed for `version` and that were not submitted
+  // (the caller failed to fill them): the blocks' rings are as before the claim. Every block is checked
+  // before any changes.
+  void abandon_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version);
   // Publishes the filled snapshots of `version` and queues one job per block computing the root
   // `spec` into the block's result ring. The jobs are due at `activation_step` (their deadline); among
   // jobs of one deadline the pool starts those of the largest blocks first (cost n^3).
@@ -282,6 +289,7 @@ class RefreshEngine {
   const EngineConfig config_;
   coherence::CoherenceRegistry registry_;
   std::vector<std::unique_ptr<Block>> blocks_;
+  store::ByteExtents memory_;  // every block's snapshot and result buffers, which add_block keeps disjoint
   mutable std::mutex mutex_;
   std::vector<JobHandle> in_flight_;          // guarded by mutex_
   std::uint64_t refreshes_ok_ = 0;            // guarded by mutex_

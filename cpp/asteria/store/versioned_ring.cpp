@@ -60,9 +60,21 @@ std::byte* VersionedRing::begin_write(std::int64_t version, std::chrono::nanosec
     timed_out = changed_.wait_until(lock, deadline) == std::cv_status::timeout;
   }
   Slot& target = slots_[index(version, "begin_write")];
+  target.previous_version = target.version;
+  target.previous_state = target.state;
   target.version = version;
   target.state = SlotState::kWriting;
   return buffer(version);
+}
+
+void VersionedRing::abandon_write(std::int64_t version) {
+  {
+    std::lock_guard lock(mutex_);
+    Slot& target = writing_slot(version, "abandon_write");
+    target.version = target.previous_version;
+    target.state = target.previous_state;
+  }
+  changed_.notify_all();  // (a writer of the next version in this buffer waits for this one to end)
 }
 
 void VersionedRing::close() {
@@ -76,12 +88,7 @@ void VersionedRing::close() {
 void VersionedRing::publish(std::int64_t version) {
   {
     std::lock_guard lock(mutex_);
-    Slot& target = slots_[index(version, "publish")];
-    if (target.version != version || target.state != SlotState::kWriting) {
-      throw InvalidArgument(where("publish") + "version " + std::to_string(version) +
-                            " is not being written (its buffer holds version " + std::to_string(target.version) +
-                            ", " + to_string(target.state) + ")");
-    }
+    Slot& target = writing_slot(version, "publish");
     target.state = SlotState::kPublished;
     latest_published_ = std::max(latest_published_, version);
   }
@@ -91,15 +98,20 @@ void VersionedRing::publish(std::int64_t version) {
 void VersionedRing::fail(std::int64_t version) {
   {
     std::lock_guard lock(mutex_);
-    Slot& target = slots_[index(version, "fail")];
-    if (target.version != version || target.state != SlotState::kWriting) {
-      throw InvalidArgument(where("fail") + "version " + std::to_string(version) +
-                            " is not being written (its buffer holds version " + std::to_string(target.version) +
-                            ", " + to_string(target.state) + ")");
-    }
+    Slot& target = writing_slot(version, "fail");
     target.state = SlotState::kFailed;
   }
   changed_.notify_all();
+}
+
+VersionedRing::Slot& VersionedRing::writing_slot(std::int64_t version, const char* method) {
+  Slot& target = slots_[index(version, method)];
+  if (target.version != version || target.state != SlotState::kWriting) {
+    throw InvalidArgument(where(method) + "version " + std::to_string(version) +
+                          " is not being written (its buffer holds version " + std::to_string(target.version) +
+                          ", " + to_string(target.state) + ")");
+  }
+  return target;
 }
 
 const std::byte* VersionedRing::acquire(std::int64_t version) {

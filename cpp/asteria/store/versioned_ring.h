@@ -43,6 +43,12 @@ class VersionedRing {
   // before (versions may arrive out of order: two workers may write v and v + 1 at once).
   // `waited`, when given, says whether the call had to block for the buffer.
   std::byte* begin_write(std::int64_t version, std::chrono::nanoseconds timeout, bool* waited = nullptr);
+  // Gives back the buffer that begin_write(v) claimed, before anything was published from it: the buffer's
+  // bookkeeping returns to what it was (the version it held, and that version's state), and v may be written
+  // again. For an owner that claims several rings' buffers as one step and must undo the claims made before
+  // one that failed. The bytes are not restored: the caller must not have written to the buffer. Throws
+  // InvalidArgument unless v is being written.
+  void abandon_write(std::int64_t version);
   // Makes version v visible to readers and wakes waiters. Throws InvalidArgument unless v is being written.
   void publish(std::int64_t version);
   // Marks version v as failed (its buffer holds nothing usable and is free for version v + depth)
@@ -81,10 +87,15 @@ class VersionedRing {
     std::int64_t version = 0;
     SlotState state = SlotState::kEmpty;
     int readers = 0;
+    // What the buffer held before the version being written claimed it (for abandon_write).
+    std::int64_t previous_version = 0;
+    SlotState previous_state = SlotState::kEmpty;
   };
   // Index of the buffer of `version`; throws InvalidArgument, naming `method`, if version < 1.
   std::size_t index(std::int64_t version, const char* method) const;
   bool writable(std::int64_t version) const;  // requires mutex_
+  // The slot of `version`, which must be being written (else InvalidArgument naming `method`). Requires mutex_.
+  Slot& writing_slot(std::int64_t version, const char* method);
   // Whether `version`, the one before a writer in its buffer, is done with it. Requires mutex_.
   bool done_with_buffer(std::int64_t version) const;
   // Throws InvalidArgument if `version` may never be written. Requires mutex_.

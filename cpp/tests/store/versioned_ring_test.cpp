@@ -298,6 +298,34 @@ TEST(VersionedRingTest, ASkippedVersionHandsItsBufferOnInOrder) {
   EXPECT_NE(ring.begin_write(6, 1s), nullptr);
 }
 
+TEST(VersionedRingTest, AnAbandonedWriteLeavesTheBufferAsItWas) {
+  using namespace std::chrono_literals;
+  Buffers memory(2, 4);
+  VersionedRing ring(memory.base(), memory.bytes(), memory.bytes(), 2, "two buffers");
+  fill(ring.begin_write(1, 1s), memory.elements, 1);
+  ring.publish(1);
+  ring.retire_through(1);
+  ring.begin_write(3, 1s);  // takes version 1's buffer
+  EXPECT_EQ(ring.state(1), SlotState::kEmpty);
+  ring.abandon_write(3);
+  EXPECT_EQ(ring.state(1), SlotState::kPublished);  // back, and its bytes were never touched
+  EXPECT_EQ(ring.state(3), SlotState::kEmpty);
+  EXPECT_THROW(ring.abandon_write(3), InvalidArgument);  // not being written any more
+  EXPECT_THROW(ring.abandon_write(1), InvalidArgument);  // published, not being written
+  EXPECT_EQ(memory.data[memory.elements], 1);
+  // The version can be claimed again; one abandoned from an empty buffer leaves it empty.
+  EXPECT_NE(ring.begin_write(3, 1s), nullptr);
+  ring.publish(3);
+  ring.begin_write(2, 1s);
+  ring.abandon_write(2);
+  EXPECT_EQ(ring.state(2), SlotState::kEmpty);
+  EXPECT_NE(ring.begin_write(2, 1s), nullptr);
+  // A writer of the next version in the buffer, waiting for the abandoned one, keeps waiting (it is neither
+  // retired nor failed): abandoning hands the buffer back, not on.
+  ring.abandon_write(2);
+  EXPECT_THROW(ring.begin_write(4, 10ms), TimeoutError);
+}
+
 TEST(VersionedRingTest, NamesSlotStates) {
   EXPECT_STREQ(to_string(SlotState::kEmpty), "empty");
   EXPECT_STREQ(to_string(SlotState::kWriting), "writing");

@@ -14,6 +14,7 @@ from asteria.checks import check_arg, check_saved_request, check_saved_snapshot
 from asteria.config import is_int
 from asteria.pipeline.factors import RootRequest
 from asteria.pipeline.refresh import SAVED
+from asteria.pipeline.worker_refresh import claimed
 
 if TYPE_CHECKING:
     from asteria.distributed.refresher import DistributedRefresher
@@ -86,10 +87,10 @@ def restore(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
             snapshot = entry["snapshots"][index]
             if not refresher.ids[index]:
                 continue
-            refresher.engine.begin_snapshot(refresher.ids[index], version, refresher.config.timeout_s)
-            refresher.snapshots[index][version % refresher.depth].copy_(snapshot)
-            request.for_blocks(refresher.owned[index]).submit(refresher.engine, refresher.ids[index], version, due,
-                                                         refresher.sets[index].exponent)
+            with claimed(refresher.engine, refresher.ids[index], version, refresher.config.timeout_s):
+                refresher.snapshots[index][version % refresher.depth].copy_(snapshot)
+                request.for_blocks(refresher.owned[index]).submit(refresher.engine, refresher.ids[index], version,
+                                                                  due, refresher.sets[index].exponent)
         refresher._scheduled.append((version, due, requests))
 
 

@@ -26,7 +26,7 @@ from asteria.pipeline.backlog import BacklogMonitor
 from asteria.pipeline.balance import LaneBalancer
 from asteria.pipeline.device_lane import DeviceLane
 from asteria.pipeline.factors import FactorSet, RootRequest
-from asteria.pipeline.worker_refresh import Seed, WorkerRefresher
+from asteria.pipeline.worker_refresh import Seed, WorkerRefresher, claimed
 
 CPU, DEVICE = "cpu", "device"
 #: the largest block size whose root the workers' prior times itself (larger ones scale from it by n^3: BLAS runs
@@ -453,9 +453,9 @@ class AsyncRefresher(WorkerRefresher):
                 lane = DEVICE
             else:
                 ids = [self.ids[index][b] for b in blocks]
-                self.engine.begin_snapshot(ids, version, self.config.timeout_s)
-                self.snapshots[index][version % self.depth].copy_(packing.pack(entry["snapshot"]))
-                request.for_blocks(blocks).submit(self.engine, ids, version, due, fset.exponent)
+                with claimed(self.engine, ids, version, self.config.timeout_s):
+                    self.snapshots[index][version % self.depth].copy_(packing.pack(entry["snapshot"]))
+                    request.for_blocks(blocks).submit(self.engine, ids, version, due, fset.exponent)
                 lane = CPU
             self.lanes[index] = lane
             self._lane_of[(index, version)] = lane

@@ -5,6 +5,7 @@ engine's start and stop."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any, NamedTuple
 
 import torch
@@ -25,6 +26,22 @@ def ring_depth(config: RuntimeConfig, interval: int, lag: int) -> int:
     newest-finished rule a set has at most ``in_flight`` versions on their way (a refresh due beyond that is
     deferred), so one buffer each for their snapshots and results."""
     return lag // interval + 1 if config.deterministic else config.in_flight
+
+
+@contextmanager
+def claimed(engine: Any, ids: list[int], version: int, timeout_s: float) -> Iterator[None]:
+    """The snapshot buffers of ``version`` for blocks ``ids``, claimed (``begin_snapshot``) for the body, which
+    fills them and may submit them. Where the body raises first, the claims are given back, so that the same
+    version can be staged again rather than finding its buffers claimed."""
+    engine.begin_snapshot(ids, version, timeout_s)
+    try:
+        yield
+    except BaseException:
+        # (Nothing to give back where the body's submit went through, or the engine closed meanwhile: the
+        # body's error is the one to raise.)
+        with suppress(ValueError, RuntimeError):
+            engine.abandon_snapshot(ids, version)
+        raise
 
 
 class Seed(NamedTuple):
@@ -80,10 +97,9 @@ class SnapshotStager:
         """Copies ``source()`` (evaluated on the side stream) into ``slot`` for ``version`` of set ``index``,
         and ``seed``'s bases into its rows first: on the side stream, after the installs queued there, so the
         training thread neither waits for the device nor copies them (the engine's job reads them)."""
-        self.engine.begin_snapshot(ids, version, self.timeout_s)
         device = self.sets[index].device
         side = self.side[device]
-        with side.staging():
+        with claimed(self.engine, ids, version, self.timeout_s), side.staging():
             if seed is not None:
                 for block in range(seed.bases.shape[0]):  # (each block's rows are contiguous, the slab is not)
                     seed.rows[block].copy_(seed.bases[block], non_blocking=side.cuda)
