@@ -268,3 +268,63 @@ def test_the_page_folders_of_killed_owners_are_reclaimed_and_live_ones_kept(tmp_
         assert sorted(os.listdir(tmp_path)) == [os.path.basename(live)]  # this optimizer's own folder went too
     finally:
         owners[0].communicate("\n", timeout=30)
+
+
+class _Set:
+    """What the tier reads of a factor set: its identity, name and block names."""
+
+    def __init__(self, index: int) -> None:
+        self.name, self.block_params = f"set {index}", [f"p{index}"]
+
+
+def test_a_refused_write_leaves_the_tiers_version_as_it_was(tmp_path):
+    """The pager refuses a write of the wrong size; the tier's count of its set's versions must not move, or
+    every later read would take the set's newest version for lost."""
+    from asteria.pipeline.nvme import PagedSets
+
+    fset = _Set(0)
+    tier = PagedSets(str(tmp_path), [fset], [torch.ones(2, 8, 8)], pin=False, timeout_s=30.0)
+    try:
+        with pytest.raises(ValueError, match="Invalid bytes"):
+            tier.write(fset, torch.ones(2, 8, 8, dtype=torch.float64))
+        tier.write(fset, torch.full((2, 8, 8), 3.0))
+        tier.schedule([fset])
+        buffer, pager, index = tier.acquire(fset)  # (before, StateLostError: "lost their newest version")
+        assert pager.version(0) == 2 and torch.equal(buffer, torch.full((2, 8, 8), 3.0))
+        tier.release_after(pager, index, None)
+    finally:
+        tier.close()
+
+
+def test_a_scratch_buffer_still_written_from_is_not_handed_out_after_a_timeout(tmp_path):
+    """``scratch_for`` waits for the previous write from its buffer; where that wait times out the buffer stays
+    held, so the next call waits again instead of handing out memory the write still reads (its half-new
+    content would go to disk as the version, with a valid checksum). The write is kept in flight by a queue of
+    larger writes ahead of it on the pager's two I/O threads."""
+    from asteria.pipeline.nvme import PagedSets
+
+    shape = (4, 512, 512)  # 4 MiB a version
+    sets = [_Set(i) for i in range(8)]
+    tier = PagedSets(str(tmp_path), sets, [torch.zeros(shape) for _ in sets], pin=False, timeout_s=30.0)
+    try:
+        pager, fset, timed_out = tier.pagers[shape], sets[0], 0
+        for version in range(2, 8):
+            ahead = [pager.write(k, version, torch.full(shape, 9.0)) for k in range(1, 8)]
+            scratch = tier.scratch_for(fset, current=False)
+            scratch.fill_(float(version))
+            tier.commit(fset, scratch)  # queued behind the writes ahead
+            tier.timeout_s = 1e-6
+            try:
+                tier.scratch_for(fset, current=False)
+            except TimeoutError:
+                timed_out += 1
+            tier.timeout_s = 30.0
+            again = tier.scratch_for(fset, current=False)
+            assert again is scratch and pager.version(0) == version  # handed out only once written
+            for ticket in ahead:
+                pager.wait(ticket, 30.0)
+        assert timed_out > 0  # (a write ahead of 28 MiB takes far longer than the 1 us wait)
+        out = torch.empty(shape)
+        assert torch.equal(tier.read_into(fset, out), torch.full(shape, 7.0))
+    finally:
+        tier.close()

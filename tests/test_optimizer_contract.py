@@ -168,6 +168,37 @@ def test_a_sync_optimizer_may_load_again():
     assert opt._step == 4
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_load_that_fails_midway_leaves_the_optimizer_refusing_to_step(mode, monkeypatch):
+    """Past every check a load can still fail (an I/O error on the NVMe tier, the engine closed meanwhile; here the
+    refresher raises as its part begins): the state is then part old, part loaded, so the optimizer refuses to step
+    or be saved, by name, until a load goes through (sync) or for good (async: its engine cannot go back)."""
+    model, opt = make(asteria.SOAP, mode, staleness=1)
+    with opt:
+        train(model, opt, 4)
+        saved = opt.state_dict()
+    model, fresh = make(asteria.SOAP, mode, staleness=1)
+    with fresh:
+        def fail(state: dict) -> None:
+            raise OSError("the refresher's part could not be read")
+
+        monkeypatch.setattr(fresh._refresher, "load_state", fail)
+        with pytest.raises(OSError, match="could not be read"):
+            fresh.load_state_dict(saved)
+        monkeypatch.undo()
+        for call in (lambda: train(model, fresh, 1), fresh.state_dict):
+            with pytest.raises(RuntimeError, match=r"Invalid (step|state_dict)\(\): a load_state_dict\(\) into this "
+                                                   r"SOAP failed after it had begun changing its state"):
+                call()
+        if mode == "async":
+            with pytest.raises(ValueError, match="that has already failed midway through a load_state_dict"):
+                fresh.load_state_dict(saved)
+        else:
+            fresh.load_state_dict(saved)  # a load that goes through makes it whole
+            train(model, fresh, 2)
+            assert fresh._step == 6
+
+
 @pytest.mark.parametrize("optimizer", [asteria.Shampoo, asteria.SOAP], ids=lambda c: c.__name__)
 def test_resuming_with_a_smaller_staleness_is_refused_and_a_larger_one_works(optimizer):
     model, opt = make(optimizer, staleness=2)
@@ -306,10 +337,21 @@ def malformed(path: tuple, value) -> Callable[[dict], None]:
 REFRESHER = r"Invalid state_dict\['refresher'\]"
 
 
+def edited(key: str, value) -> Callable[[dict], None]:
+    """Sets ``state[key]`` to ``value`` (or to ``value(old)`` when callable)."""
+    def apply(state: dict) -> None:
+        state[key] = value(state[key]) if callable(value) else value
+    return apply
+
+
+def in_use(versions: list) -> list:
+    return [[99] + list(versions[0][1:])] + list(versions[1:])
+
+
 @pytest.mark.parametrize("mode, change, match", [
     ("sync", malformed(("newest_versions",), [1, 2]), REFRESHER + r"\['newest_versions'\]=\[1, 2\]: must be 4 ints"),
     ("sync", malformed(("consecutive_failures", 1), ["x"]),
-     REFRESHER + r"\['consecutive_failures'\]\[1\]=\['x'\]: must be 1 ints >= 0"),
+     REFRESHER + r"\['consecutive_failures'\]\[1\]=\['x'\]: must be 1 ints in \[0, 2\^62\]"),
     ("sync", malformed(("consecutive_failures",), 3), REFRESHER + r"\['consecutive_failures'\]=3: must be a list"),
     ("async", malformed(("scheduled",), 7), REFRESHER + r"\['scheduled'\]='int': must be a tuple"),
     ("async", malformed(("scheduled",), lambda s: (s[0], {"set": 0})),
@@ -326,6 +368,17 @@ REFRESHER = r"Invalid state_dict\['refresher'\]"
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: torch.full_like(t, float("nan"))),
      r"\['snapshot'\]='tensor with non-finite values'"),
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t.tolist()), r"\['snapshot'\]='list'"),
+    ("async", malformed(("scheduled",), lambda s: (*s, s[0])), r"\['scheduled'\]\[4\]\['version'\]=3: must differ "
+     r"from the other scheduled versions of .* \(listed twice\)"),
+    ("async", malformed(("scheduled", 0, "version"), 2**63), r"\['version'\]=9223372036854775808: must be an int in "
+     r"\[1, 2\^62\]"),
+    ("async", malformed(("newest_versions",), lambda n: [2**63] + n[1:]), r"must be 4 ints in \[0, 2\^62\]"),
+    ("async", edited("activated_step", 10**9), r"Invalid state_dict\['activated_step'\]=1000000000: must be at most "
+     r"\d+, the newest activation by step 5"),
+    ("async", edited("bound", {"staleness": 1, "lag_steps": "2"}), r"Invalid state_dict\['bound'\]=.*lag_steps \(an "
+     r"int or None\)"),
+    ("sync", edited("versions", in_use), r"Invalid state_dict\['versions'\]\[0\]=\[99\]: must be at most \d+, "
+     r"the newest version of .* snapshotted"),
 ])
 def test_a_malformed_refresher_state_is_refused_by_name_before_anything_changes(mode, change, match):
     """The refresher's part of a checkpoint is checked like the rest: a bad entry (a corrupted or edited

@@ -47,14 +47,18 @@ def check_count(value: Any, name: str, minimum: int = 1, optional: bool = False)
               f"must be {prefix}an int >= {minimum}")
 
 
+#: the largest step or version count a checkpoint may hold: the core counts them in signed 64 bits, with room
+MAX_COUNT = 2**62
+
+
 def check_counts(value: Any, name: str, length: int, what: str, minimum: int = 0) -> None:
     """``value`` must be a list (or tuple, or a 1-D integer NumPy array, as older checkpoints hold) of
-    ``length`` ints >= ``minimum``: ``what`` says what they are."""
+    ``length`` ints in [``minimum``, 2^62]: ``what`` says what they are."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
         value = value.tolist()
     check_arg(isinstance(value, (list, tuple)) and len(value) == length
-              and all(is_int(v) and v >= minimum for v in value), name, value,
-              f"must be {length} ints >= {minimum}, {what}")
+              and all(is_int(v) and minimum <= v <= MAX_COUNT for v in value), name, value,
+              f"must be {length} ints in [{minimum}, 2^62], {what}")
 
 
 def check_saved_request(saved: Any, batch: int, name: str) -> None:

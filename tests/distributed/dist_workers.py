@@ -391,17 +391,19 @@ def _fsdp_stage(rank: int, kinds: tuple[str, str], steps: int) -> dict[str, Any]
 
 # ---- checkpoint and resume on every rank -------------------------------------------------------------
 def malformed_loads(opt: Any, saved: dict[str, Any], rank: int) -> list[str]:
-    """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled: its request, or
-    the snapshot of a set this rank owns blocks of. The errors, or "accepted"."""
+    """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled (its request, or
+    the snapshot of a set this rank owns blocks of), or its saved layout emptied. The errors, or "accepted"."""
     errors = []
-    for spoil in ("request", "snapshot"):
+    for spoil in ("request", "snapshot", "layout"):
         bad = copy.deepcopy(saved)
         entry = bad[f"rank{rank}"]["refresher"]["scheduled"][0]
         index = next(i for i, snapshot in entry["snapshots"].items() if snapshot is not None)
         if spoil == "request":
             entry["requests"][index] = (1.0,)
-        else:
+        elif spoil == "snapshot":
             entry["snapshots"][index] = entry["snapshots"][index][..., :1]
+        else:
+            bad[f"rank{rank}"]["refresher"]["distributed"] = {}
         try:
             opt.load_state_dict(bad)
             errors.append("accepted")

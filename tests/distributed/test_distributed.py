@@ -297,11 +297,13 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
             assert result[key]["identical"], (key, rank)
             assert result[key]["dcp_identical"], (key, rank)  # the same through torch.distributed.checkpoint
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
-            request, snapshot = result[key]["malformed"]  # a spoiled entry of it was refused by name first
+            request, snapshot, layout = result[key]["malformed"]  # spoiled entries were refused by name first
             assert re.search(r"Invalid state_dict\['refresher'\]\['scheduled'\]\[0\]\['requests'\]\[\d+\]="
                              r"\(1.0,\): must be \(scale, eps, skip_tol, relative_eps\)", request), request
             assert re.search(r"\['scheduled'\]\[0\]\['snapshots'\]\[\d+\]='torch.float32 \(\d+, \d+, 1\)': "
                              r"must be torch.float32", snapshot), snapshot
+            assert re.search(r"Invalid state_dict\['refresher'\]\['distributed'\]=\{\}: must be a dict with the "
+                             r"saving rank's world_size", layout), layout  # (before: a raw KeyError, half loaded)
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD
 
 
@@ -327,10 +329,12 @@ def test_older_checkpoint_formats_pass_the_refresher_check():
 
     from asteria.distributed.refresher import DistributedRefresher
 
-    refresher = object.__new__(DistributedRefresher)  # the check reads only the sets and the snapshot rings
+    refresher = object.__new__(DistributedRefresher)  # the check reads only the sets, snapshot rings and layout
     refresher.sets = [SimpleNamespace(batch=2, name="set 0"), SimpleNamespace(batch=1, name="set 1")]
     refresher.snapshots = [torch.zeros(3, 2, 4, 4), None]
-    old = {"distributed": {}, "newest_version": 3,
+    layout = {"world_size": 2, "local_world_size": 1, "rank": 0, "owners": [[0, 1], [1]]}
+    refresher.identity = lambda: layout
+    old = {"distributed": dict(layout), "newest_version": 3,
            "consecutive_failures": [np.zeros(2, np.int64), np.zeros(1, np.int64)],
            "scheduled": ({"version": 3, "due": 9, "requests": [(1.0, 1e-8), ([1.0], 1e-8, 0.0)],  # no skip_tol
                           "snapshots": [torch.ones(2, 4, 4), None]},)}
@@ -343,7 +347,9 @@ def test_older_checkpoint_formats_pass_the_refresher_check():
              r"\['scheduled'\]\[0\]\['snapshots'\]\[1\]='Tensor': must be None: this rank owns no block"),
             (lambda s: s["scheduled"][0].update(requests={0: (1.0, 1e-8, 0.0), "x": (1.0, 1e-8, 0.0)},
                                                 snapshots={0: None, "x": None}),
-             r"\['scheduled'\]\[0\]\['requests'\]=\[0, 'x'\]: must be keyed by factor set indices")):
+             r"\['scheduled'\]\[0\]\['requests'\]=\[0, 'x'\]: must be keyed by factor set indices"),
+            (lambda s: s.update(distributed={}), r"\['distributed'\]=\{\}: must be a dict with the saving rank's"),
+            (lambda s: s["distributed"].update(rank=1), r"saved by rank 1 of world size 2 .*: rank 1 != 0")):
         bad = copy.deepcopy(old)
         change(bad)
         with pytest.raises(ValueError, match=match):

@@ -24,6 +24,11 @@ namespace {
 constexpr std::uint64_t kMagic = 0x4153544552494131ULL;  // "ASTERIA1"
 constexpr std::size_t kAlign = 64;
 constexpr int kMaxLocalRanks = 1 << 16;
+// Floats per block slot, blocks and bytes of a whole store: far above any machine's memory, and low enough that
+// the layout's sums (two 64-byte-aligned slots a block) cannot overflow size_t.
+constexpr std::int64_t kMaxCapacity = std::int64_t{1} << 40;
+constexpr std::size_t kMaxStoreBytes = std::size_t{1} << 56;
+constexpr std::size_t kMaxBlocks = std::size_t{1} << 20;
 // Liveness of local ranks is checked this often while waiting.
 constexpr auto kPeerCheckInterval = std::chrono::milliseconds(20);
 
@@ -169,10 +174,15 @@ void NodeStore::check_layout(const std::string& where, int local_ranks, const st
                           std::to_string(kMaxLocalRanks) + "]");
   }
   for (std::size_t i = 0; i < capacities.size(); ++i) {
-    if (capacities[i] < 1) {
+    if (capacities[i] < 1 || capacities[i] > kMaxCapacity) {
       throw InvalidArgument(where + "Invalid capacities[" + std::to_string(i) + "]=" + std::to_string(capacities[i]) +
-                            ": must be >= 1 float");
+                            ": must be >= 1 float and <= 2^40 floats");
     }
+  }
+  // A block takes under 2^44 bytes, so below 2^20 blocks layout_bytes cannot overflow.
+  if (capacities.size() > kMaxBlocks || layout_bytes(local_ranks, capacities) > kMaxStoreBytes) {
+    throw InvalidArgument(where + "Invalid capacities: " + std::to_string(capacities.size()) +
+                          " blocks; a store holds at most 2^20 blocks and 2^56 bytes");
   }
 }
 
@@ -418,7 +428,8 @@ void NodeStore::publish(std::int64_t block, std::int64_t version, VersionStatus 
   if (version <= now.version || version >= (std::int64_t{1} << 54)) {
     throw InvalidArgument("[NodeStore::publish] block " + std::to_string(block) + ": Invalid version=" +
                           std::to_string(version) + ": must be newer than the published version " +
-                          std::to_string(now.version) + " (one writer per block, versions in increasing order)");
+                          std::to_string(now.version) + " (one writer per block, versions in increasing order) "
+                          "and below 2^54");
   }
   Published next{version, status, now.good_slot};
   if (status == VersionStatus::kOk) next.good_slot = now.good_slot == 0 ? 1 : 0;

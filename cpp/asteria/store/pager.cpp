@@ -103,9 +103,12 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
     throw InvalidArgument(where("Pager") + "Invalid directory='" + config_.directory +
                           "': exists and is not a directory");
   }
+  const std::string lock_path = config_.directory + "/" + kLockName;
+  bool created_lock = false, locked = false;  // (a refused construction removes the lock file it made)
   try {
-    const std::string lock_path = config_.directory + "/" + kLockName;
-    lock_fd_ = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+    lock_fd_ = ::open(lock_path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    created_lock = lock_fd_ >= 0;
+    if (lock_fd_ < 0 && errno == EEXIST) lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
     if (lock_fd_ < 0) {
       const int e = errno;
       throw PagerIOError(where("Pager") + "cannot open lock file " + lock_path + ": " + errno_text(e), lock_path, 0, 0,
@@ -116,6 +119,7 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
       throw InvalidArgument(where("Pager") + "directory=" + config_.directory +
                             " is in use by another pager (lock file " + lock_path + ": " + errno_text(e) + ")");
     }
+    locked = true;
     std::string why;
     switch (config_.mode) {
       case IoModeRequest::kBuffered: mode_ = IoMode::kBuffered; break;
@@ -148,12 +152,11 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
     }
     work_.notify_all();
     for (auto& t : threads_) t.join();
+    // The lock file goes as close() would take it (and where this call made it), only while this pager holds it.
+    if (locked && (created_lock || !config_.keep_files || created_directory_)) ::unlink(lock_path.c_str());
     if (lock_fd_ >= 0) ::close(lock_fd_);
     lock_fd_ = -1;
-    if (created_directory_) {
-      ::unlink((config_.directory + "/" + kLockName).c_str());
-      ::rmdir(config_.directory.c_str());
-    }
+    if (created_directory_) ::rmdir(config_.directory.c_str());
     throw;
   }
 }

@@ -204,6 +204,7 @@ class Pager {
     // Set when an I/O thread takes the job.
     int slot = -1;                 // slot written or read
     bool create = false;           // write: the file does not exist yet
+    bool had_live = false;         // write: the key had a live version when the write began
     bool file_created = false;     // write: this job created the file
     bool checksum_failed = false;  // read: the page failed validation
     std::exception_ptr failure;

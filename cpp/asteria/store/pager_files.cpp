@@ -195,6 +195,7 @@ void Pager::io_loop(std::byte* bounce) {
     if (job.is_write) {
       const int live = live_slot(k);
       job.slot = live == 0 ? 1 : 0;
+      job.had_live = live >= 0;
       job.create = !k.file_exists;
       k.slots[job.slot] = {job.version, SlotState::kWriting, 0, {}};
     } else {
@@ -289,32 +290,55 @@ void Pager::run_write(Job& job, std::byte* bounce) {
   const std::uint64_t offset = static_cast<std::uint64_t>(job.slot) * slot_bytes_;
   const std::string what = " (key " + std::to_string(job.key) + ", version " + std::to_string(job.version) + ")";
   encode_page(job.key, job.version, {job.src, job.bytes}, {bounce, slot_bytes_});
-  // What a failed write leaves readable: the key's first write has nothing before it.
-  const std::string kept = job.create ? "; the key has no earlier version to read instead"
-                                      : "; the previous version stays live";
+  // What a failed write leaves readable: nothing where the key has no version yet (its first write, or every
+  // write so far failed).
+  const std::string kept = job.had_live ? "; the previous version stays live"
+                                        : "; the key has no earlier version to read instead";
   int flags = O_WRONLY | O_CLOEXEC | (mode_ == IoMode::kDirect ? O_DIRECT : 0);
   if (job.create) flags |= O_CREAT | (config_.keep_files ? 0 : O_EXCL);
   const int fd = open_page(path, flags, where("write"), "write", offset, slot_bytes_, what);
   if (job.create) job.file_created = true;
   FdGuard guard{fd};
-  std::size_t done = 0;
-  while (done < slot_bytes_) {
-    const ssize_t n = ::pwrite(fd, bounce + done, slot_bytes_ - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int e = n < 0 ? errno : EIO;
-      throw PagerIOError(where("write") + "pwrite of " + std::to_string(slot_bytes_) + " bytes at offset " +
-                             std::to_string(offset) + " of " + path + " failed after " + std::to_string(done) +
-                             " bytes" + what + ": " + errno_text(e) + kept,
-                         path, offset, slot_bytes_, e);
+  // The header's block goes last: a write that fails leaves no valid header of its version on disk, which a
+  // pager reopened with keep_files would otherwise recover as the live version (a small payload shares the
+  // header's block, so a failure after that block alone left a complete page behind). In buffered mode the rest
+  // is made durable before the header is written.
+  const auto write_range = [&](std::size_t begin, std::size_t end) {
+    for (std::size_t done = begin; done < end;) {
+      const ssize_t n = ::pwrite(fd, bounce + done, end - done, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int e = n < 0 ? errno : EIO;
+        throw PagerIOError(where("write") + "pwrite of bytes [" + std::to_string(begin) + ", " + std::to_string(end) +
+                               ") of the " + std::to_string(slot_bytes_) + "-byte page at offset " +
+                               std::to_string(offset) + " of " + path + " failed after " + std::to_string(done - begin) +
+                               " bytes" + what + ": " + errno_text(e) + kept,
+                           path, offset, slot_bytes_, e);
+      }
+      done += static_cast<std::size_t>(n);
     }
-    done += static_cast<std::size_t>(n);
-  }
-  if (mode_ == IoMode::kBuffered && ::fdatasync(fd) != 0) {
+  };
+  const auto sync = [&](const char* after) {
+    if (mode_ != IoMode::kBuffered || ::fdatasync(fd) == 0) return;
     const int e = errno;
-    throw PagerIOError(where("write") + "fdatasync after writing " + std::to_string(slot_bytes_) + " bytes at offset " +
-                           std::to_string(offset) + " of " + path + " failed" + what + ": " + errno_text(e) + kept,
+    throw PagerIOError(where("write") + "fdatasync after writing " + after + " of the " + std::to_string(slot_bytes_) +
+                           "-byte page at offset " + std::to_string(offset) + " of " + path + " failed" + what + ": " +
+                           errno_text(e) + kept,
                        path, offset, slot_bytes_, e);
+  };
+  write_range(kPageAlignment, slot_bytes_);
+  if (slot_bytes_ > kPageAlignment) sync("its payload");
+  try {
+    write_range(0, kPageAlignment);
+    sync("its header");
+  } catch (const PagerIOError&) {
+    // The header may have reached the disk whole: best effort, put a block of zeros (no page) in its place.
+    std::memset(bounce, 0, kPageAlignment);
+    if (::pwrite(fd, bounce, kPageAlignment, static_cast<off_t>(offset)) == static_cast<ssize_t>(kPageAlignment) &&
+        mode_ == IoMode::kBuffered) {
+      (void)::fdatasync(fd);
+    }
+    throw;
   }
   guard.fd = -1;
   if (::close(fd) != 0) {

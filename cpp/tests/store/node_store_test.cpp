@@ -105,6 +105,28 @@ TEST(NodeStoreTest, RejectsBadArguments) {
   EXPECT_THROW(store->mark_done(1, 3), InvalidArgument);                     // one local rank only
   EXPECT_THROW(store->register_rank(0, 0), InvalidArgument);
   EXPECT_THROW(NodeStore::private_memory({4, 0}), InvalidArgument);
+  // Capacities whose byte counts would overflow (before, 2^62 floats wrapped to a 192-byte store that a write
+  // then ran past), and a total beyond the cap.
+  try {
+    NodeStore::private_memory({4, std::int64_t{1} << 62});
+    FAIL() << "a capacity of 2^62 floats accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "Invalid capacities[1]=4611686018427387904: must be >= 1 float and <= 2^40",
+                        e.what());
+  }
+  try {
+    NodeStore::private_memory(std::vector<std::int64_t>(1 << 17, std::int64_t{1} << 40));
+    FAIL() << "2^57 bytes accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "Invalid capacities: 131072 blocks; a store holds at most 2^20 blocks and 2^56",
+                        e.what());
+  }
+  try {
+    store->publish(1, std::int64_t{1} << 54, VersionStatus::kOk);
+    FAIL() << "version 2^54 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_PRED_FORMAT2(IsSubstring, "and below 2^54", e.what());
+  }
   EXPECT_THROW(NodeStore::create("no-slash", 1, {4}), InvalidArgument);
   EXPECT_THROW(NodeStore::create("/a/b", 1, {4}), InvalidArgument);
   EXPECT_THROW(NodeStore::create(unique_name("ranks"), 0, {4}), InvalidArgument);

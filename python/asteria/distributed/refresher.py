@@ -516,6 +516,7 @@ class DistributedRefresher(WorkerRefresher):
 
     def check_state(self, state: dict[str, Any]) -> None:
         super().check_state(state)
+        resume.check_layout(self, state)
         resume.check_scheduled(self, state, self._scheduled_entries(state, ("version", "due", "requests",
                                                                                   "snapshots")))
 

@@ -46,15 +46,18 @@ def check_scheduled(refresher: DistributedRefresher, state: dict[str, Any],
                 check_saved_snapshot(snapshots[index], tuple(mine.shape[1:]), f"{name}['snapshots'][{index}]")
 
 
-def restore(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
-    """Loads this rank's saved part (checked by ``check_scheduled``) into ``refresher``: the layout must be
-    the one it was saved on; the scheduled versions are resubmitted from their snapshots."""
+def check_layout(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
+    """Refuses, by name, a saved rank state from another layout of ranks and block owners (before anything is
+    loaded)."""
     saved = state.get("distributed")
     mine = refresher.identity()
     if saved is None:
         raise ValueError(f"Invalid state_dict: saved by a single-process run; this optimizer runs on rank "
                          f"{mine['rank']} of {mine['world_size']} (load each rank's own state_dict)")
-    for key in ("world_size", "local_world_size", "rank", "owners"):
+    keys = ("world_size", "local_world_size", "rank", "owners")
+    check_arg(isinstance(saved, dict) and all(key in saved for key in keys), f"{SAVED}['distributed']", saved,
+              f"must be a dict with the saving rank's {', '.join(keys)}")
+    for key in keys:
         if saved[key] != mine[key]:
             shown = ("block owners differ (another layout, or an Asteria version before each rank owned an "
                      "equal share of every factor set)") if key == "owners" else f"{saved[key]} != {mine[key]}"
@@ -63,6 +66,11 @@ def restore(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
                              f"rank {mine['rank']} of {mine['world_size']} (local world size "
                              f"{mine['local_world_size']}): {key} {shown}; resume with the same layout and load "
                              "each rank's own state_dict")
+
+
+def restore(refresher: DistributedRefresher, state: dict[str, Any]) -> None:
+    """Loads this rank's saved part (checked by ``check_layout`` and ``check_scheduled``) into ``refresher``;
+    the scheduled versions are resubmitted from their snapshots."""
     scheduled = [_with_set_indices(entry, len(refresher.sets)) for entry in state["scheduled"]]
     refresher._newest_versions = list(state["newest_versions"]) if "newest_versions" in state else (
         [state["newest_version"]] * len(refresher.sets))  # written before staggered multi-rank schedules

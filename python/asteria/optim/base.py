@@ -282,8 +282,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             raise
 
     def _check_process(self, call: str) -> None:
-        """Raises ``RuntimeError`` in a process forked after an async optimizer was built: its workers are
-        threads of the parent, which a fork does not copy (a step there would wait ``timeout_s`` for them)."""
+        """Raises ``RuntimeError`` after a ``load_state_dict`` that failed midway, and in a process forked after an
+        async optimizer was built: its workers are threads of the parent, which a fork does not copy."""
+        checkpoint.check_whole(self, call)
         if self.runtime.mode == "async" and os.getpid() != self._pid:
             raise RuntimeError(f"Invalid {call} in a process forked (pid {os.getpid()}) from the one that built this "
                                f"async optimizer (pid {self._pid}): its refresh workers stay in that process; build "
@@ -430,11 +431,10 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
             self._backward.clear()
 
     def _activate(self, step: int) -> None:
-        """Runs the activation of ``step`` unless done already, and lets the current stream wait for
-        the installs (done here or earlier by ``prefetch``) before anything reads them. Under
-        ``deterministic=False`` a step that ``prefetch`` activated is activated again here: versions
-        that finished during the forward and backward passes are used at once instead of a step later
-        (the schedule of the deterministic rule would give the same answer twice)."""
+        """Runs the activation of ``step`` unless done already, and lets the current stream wait for the installs
+        (done here or earlier by ``prefetch``) before anything reads them. Under ``deterministic=False`` a step
+        that ``prefetch`` activated is activated again here: versions that finished during the forward and backward
+        passes are used at once instead of a step later (the deterministic rule would give the same answer twice)."""
         again = self.runtime.mode == "async" and not self.runtime.deterministic
         if step >= 1 and (self._activated_step < step or again):
             if again:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asteria.checks import check_arg, check_dense, check_entry
+from asteria.checks import MAX_COUNT, check_arg, check_dense, check_entry
 from asteria.config import is_int, plain
 from asteria.optim.groups import ShapeGroup
 from asteria.pipeline.timeline import RefreshSchedule
@@ -26,7 +26,7 @@ FORMAT = "asteria.v1"
 #: the format of a state_dict taken on several ranks: each rank's own state under "rank<r>"
 RANKS_FORMAT = "asteria.ranks.v1"
 #: the largest step a checkpoint may hold: the core counts steps (and activation steps beyond them) in int64
-MAX_STEP = 2**62
+MAX_STEP = MAX_COUNT
 
 STATE_DICT_KEYS = ("step", "activated_step", "layout", "param_groups", "groups", "versions", "refresher",
                    "runtime_mode", "distributed")
@@ -39,6 +39,17 @@ class EngineUse(enum.Enum):
     FRESH = "fresh"
     STEPPED = "stepped"
     LOADED = "loaded a state_dict"
+    #: a load that raised after it began changing the optimizer (past every check, so not a bad input the checks
+    #: know of): its state is part old, part new, and only a load that goes through makes it whole again
+    BROKEN = "failed midway through a load_state_dict"
+
+
+def check_whole(opt: SecondOrderOptimizer, call: str) -> None:
+    """Refuses ``call`` (a step, a state_dict) on an optimizer whose last load failed midway."""
+    if opt._used is EngineUse.BROKEN:
+        raise RuntimeError(f"Invalid {call}: a load_state_dict() into this {type(opt).__name__} failed after it had "
+                           "begun changing its state, which is now part old and part loaded; load a state_dict that "
+                           "goes through, or build a new optimizer")
 
 
 def layout(groups: list[ShapeGroup]) -> list[list]:
@@ -97,6 +108,7 @@ def bound(opt: SecondOrderOptimizer) -> dict[str, int | None]:
 def take(opt: SecondOrderOptimizer) -> dict[str, Any]:
     """``opt``'s state; on several ranks under this rank's own key, so that torch.distributed.checkpoint saves
     every rank's part (it keeps one copy of a key that every rank has) and each rank loads its own."""
+    check_whole(opt, "state_dict()")
     state = _own_state(opt)
     identity = opt._refresher.identity()
     if identity is None:
@@ -157,6 +169,15 @@ def restore(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
         raise ValueError(f"Invalid load_state_dict into an async {type(opt).__name__} that has already {done}: "
                          "its refresh engine cannot go back to earlier versions; build a new optimizer and "
                          "load the state_dict into it")
+    try:
+        load(opt, state_dict)
+    except BaseException:
+        opt._used = EngineUse.BROKEN
+        raise
+
+
+def load(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """Loads a checked ``state_dict`` into ``opt`` (``restore`` marks ``opt`` broken where this raises)."""
     placement = opt._placement
     for index, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups, strict=True)):
         paged = placement.paged_keys.get(index, {})
@@ -220,6 +241,12 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         check_arg(is_int(state_dict[key]) and 0 <= state_dict[key] <= MAX_STEP, f"state_dict[{key!r}]",
                   state_dict[key], f"must be an int in [0, {MAX_STEP}] (the core counts steps in 64 bits)")
     step = state_dict["step"]
+    # (prefetch may have activated the step the next update reads; an activation beyond it never comes, so every
+    # later version would wait for it)
+    newest_activation = max(step, opt.timeline.activation_read_at(step + 1))
+    check_arg(state_dict["activated_step"] <= newest_activation, "state_dict['activated_step']",
+              state_dict["activated_step"], f"must be at most {newest_activation}, the newest activation by step "
+              f"{step}")
     for key, expected, what in (("groups", len(opt._groups), "shape group"),
                                 ("param_groups", len(opt.param_groups), "param group"),
                                 ("versions", len(opt._set_groups), "factor set refreshed (the sets are split for "
@@ -260,6 +287,12 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         check_arg(isinstance(versions, (list, tuple)) and len(versions) == fset.batch
                   and all(is_int(v) and v >= 0 for v in versions), f"state_dict['versions'][{i}]", versions,
                   f"must be {fset.batch} ints >= 0, the versions in use by the blocks of {fset.name}")
+    newest = refresher.get("newest_versions")
+    for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
+        if newest is not None and max(versions, default=0) > newest[i]:
+            raise ValueError(f"Invalid state_dict['versions'][{i}]={list(versions)}: must be at most "
+                             f"{newest[i]}, the newest version of {fset.name} snapshotted "
+                             "(state_dict['refresher']['newest_versions'])")
     for key, what in (("block_steps", "the step counts"), ("block_first_steps", "the steps of the first gradients")):
         entries = state_dict.get(key)  # None: written before blocks counted their own steps
         check_arg(entries is None or (isinstance(entries, (list, tuple)) and len(entries) == len(opt._groups)),
@@ -303,8 +336,10 @@ def check_bound(opt: SecondOrderOptimizer, saved: Any) -> None:
     checkpoint's ``bound`` entry (None: written before it was recorded; not checked)."""
     if saved is None or opt.runtime.mode != "async":
         return
-    check_arg(isinstance(saved, dict) and is_int(saved.get("staleness")), "state_dict['bound']", saved,
-              "must be a dict with the staleness (an int) and lag_steps the checkpoint was written with")
+    check_arg(isinstance(saved, dict) and is_int(saved.get("staleness"))
+              and (saved.get("lag_steps") is None or is_int(saved["lag_steps"])), "state_dict['bound']", saved,
+              "must be a dict with the staleness (an int) and lag_steps (an int or None) the checkpoint was written "
+              "with")
     mine = bound(opt)
     if mine["staleness"] < saved["staleness"]:
         raise ValueError(f"Invalid state_dict: saved with staleness={saved['staleness']}, this optimizer has "

@@ -89,6 +89,13 @@ class EigenbasisOptimizer(SecondOrderOptimizer):
         if changed:
             self._mark_unordered(group)
 
+    def _direction(self, group: ShapeGroup, step: int, accumulated: Tensor | None) -> Tensor | None:
+        """The base's, once the first real bases that came into use during ``step`` are carried into (the next
+        step would do it first thing otherwise): a checkpoint taken between the two steps then holds the carried
+        state, as ``load_state_dict``, which sees only the versions in use, takes it to."""
+        self._enter_first_bases(group, step + 1)
+        return accumulated
+
     def _mark_unordered(self, group: ShapeGroup) -> None:
         """Keeps, per dimension of ``group``, the device mask of the blocks still awaiting their first real
         basis; their installs skip the column reordering. Their state is in plain coordinates, which the

@@ -402,6 +402,7 @@ class AsyncRefresher(WorkerRefresher):
 
     def check_state(self, state: dict[str, Any]) -> None:
         super().check_state(state)
+        seen: set[tuple[int, int]] = set()
         for name, entry in self._scheduled_entries(state, ("set", "version", "due", "request", "snapshot")):
             index = entry["set"]
             check_arg(is_int(index) and 0 <= index < len(self.sets), f"{name}['set']", index,
@@ -410,6 +411,9 @@ class AsyncRefresher(WorkerRefresher):
             newest = state["newest_versions"][index]
             check_arg(entry["version"] <= newest, f"{name}['version']", entry["version"],
                       f"must be an int in [1, {newest}], a version of {fset.name} snapshotted")
+            check_arg((index, entry["version"]) not in seen, f"{name}['version']", entry["version"],
+                      f"must differ from the other scheduled versions of {fset.name} (listed twice)")
+            seen.add((index, entry["version"]))
             check_saved_request(entry["request"], fset.batch, f"{name}['request']")
             check_saved_snapshot(entry["snapshot"], (fset.batch, fset.dim, fset.dim), f"{name}['snapshot']")
 

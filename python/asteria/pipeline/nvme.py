@@ -95,8 +95,15 @@ class PagedSets:
         self._turn[shape] = turn + 1
         slot = slots[turn % len(slots)]
         if slot[1] is not None:  # its previous write must have left the buffer
-            pending, slot[1] = slot[1], None  # waited for once, whatever it gives: a failed ticket is gone
-            self._wait_write(shape, *pending)
+            try:
+                self._wait_write(shape, *slot[1])
+            except TimeoutError:  # still being written from: the buffer stays held (the ticket stays valid)
+                self._turn[shape] = turn
+                raise
+            except BaseException:
+                slot[1] = None  # waited for once: a failed ticket is gone
+                raise
+            slot[1] = None
         if current:
             self.read_into(fset, slot[0])
         return slot[0]
@@ -108,8 +115,9 @@ class PagedSets:
     def write(self, fset: FactorSet, content: Tensor) -> None:
         key = self.key[id(fset)]
         shape = self.shape_of[id(fset)]
-        self._versions[key] += 1
-        ticket = self.pagers[shape].write(key, self._versions[key], content)
+        version = self._versions[key] + 1
+        ticket = self.pagers[shape].write(key, version, content)
+        self._versions[key] = version  # (only once the pager took it: a refused write changes nothing)
         for slot in self.scratch.get(shape, []):
             if slot[0] is content:
                 slot[1] = (ticket, fset, key)

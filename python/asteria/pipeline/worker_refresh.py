@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from asteria import _core, cpus
-from asteria.checks import check_arg, check_entry
+from asteria.checks import MAX_COUNT, check_arg, check_entry
 from asteria.config import RuntimeConfig, is_int
 from asteria.pipeline import streams
 from asteria.pipeline.factors import FactorSet, RootRequest
@@ -150,10 +150,10 @@ class WorkerRefresher(Refresher):
         for i, entry in enumerate(scheduled):
             name = f"{SAVED}['scheduled'][{i}]"
             check_entry(entry, keys, name)
-            check_arg(is_int(entry["version"]) and entry["version"] >= 1, f"{name}['version']", entry["version"],
-                      "must be an int >= 1")
-            check_arg(is_int(entry["due"]) and entry["due"] >= 0, f"{name}['due']", entry["due"],
-                      "must be an int >= 0, the step the version is due")
+            check_arg(is_int(entry["version"]) and 1 <= entry["version"] <= MAX_COUNT, f"{name}['version']",
+                      entry["version"], "must be an int in [1, 2^62]")
+            check_arg(is_int(entry["due"]) and 0 <= entry["due"] <= MAX_COUNT, f"{name}['due']", entry["due"],
+                      "must be an int in [0, 2^62], the step the version is due")
             yield name, entry
 
     def __init__(self, sets: list[FactorSet], config: RuntimeConfig, interval: int) -> None:
