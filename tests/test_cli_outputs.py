@@ -53,6 +53,44 @@ def test_an_earlier_run_is_refused_unless_overwritten(tmp_path, capsys):
     assert len(list((out / "tensorboard").iterdir())) == 1  # the earlier run's events went with it
 
 
+def test_an_overwrite_refused_before_its_first_step_keeps_the_earlier_run(tmp_path, capsys):
+    """--overwrite holds the earlier run's files aside until the new run is set up: one refused before (its batch
+    larger than the data, its data missing) gives them back, where before it left neither run."""
+    out = tmp_path / "run"
+    assert main(["train", "--optimizer", "adamw", "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
+                 *BASE]) == 0
+    for bad in (["--batch-size", "100000"], ["--data", str(tmp_path / "absent.txt")]):
+        assert main(["train", "--steps", "2", "--out", str(out), "--overwrite", *RUN, *bad]) == 2
+        assert "Invalid" in capsys.readouterr().err
+        assert steps_of(out) == [1, 2, 3, 4] and (out / "checkpoints").is_dir()
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "summary.json", "tensorboard"]
+    assert main(["train", "--steps", "2", "--out", str(out), "--overwrite", *RUN]) == 0  # set up: replaced
+    assert steps_of(out) == [1, 2] and not (out / "checkpoints").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "summary.json", "tensorboard"]
+
+
+def test_settings_that_fail_only_later_are_refused_before_the_first_step(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 2
+    assert "its 'checkpoints' is a file, where checkpoint_every=2 writes a folder" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists()  # (before: 2 steps trained, then a raw FileExistsError)
+    assert main(["train", "--steps", "2", "--out", str(tmp_path / "b"), *RUN, "--max-bytes", str(10**20)]) == 2
+    assert "Invalid max_bytes=100000000000000000000: must be an int in [4096, 2^62]" in capsys.readouterr().err
+
+
+def test_a_resume_under_another_activation_rule_is_refused(tmp_path, capsys):
+    """The deterministic rule and the newest-finished one activate other versions: a resume that switched would
+    go on another run than the checkpoint's (its losses differed from the resume on)."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--deterministic", "--out", str(out),
+                 *RUN]) == 0
+    assert main(["train", "--steps", "6", "--resume", "--no-deterministic", "--out", str(out), *RUN]) == 2
+    assert "deterministic=True (this run: False)" in capsys.readouterr().err
+    assert main(["train", "--steps", "6", "--resume", "--deterministic", "--out", str(out), *RUN]) == 0
+
+
 def test_resume_with_overwrite_resumes_a_checkpoint_or_replaces_a_run_without_one(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--optimizer", "adamw", "--steps", "3", "--out", str(out), *BASE]) == 0
@@ -297,17 +335,21 @@ def interrupt_when_training(argv: list[str], out: Path) -> tuple[int, str]:
     return process.returncode, err
 
 
-@pytest.mark.parametrize("checkpoints", [False, True])
+@pytest.mark.parametrize("checkpoints", [False, True, "rare"])
 def test_ctrl_c_ends_with_a_hint_and_no_traceback(tmp_path, checkpoints):
+    """With checkpoints, also where the step it stops after is not one of them: that step is checkpointed, so that
+    --resume goes on from it rather than redo the steps since the last checkpoint."""
     out = tmp_path / "run"
-    extra = ["--checkpoint-every", "1"] if checkpoints else []
+    extra = {False: [], True: ["--checkpoint-every", "1"], "rare": ["--checkpoint-every", "100000"]}[checkpoints]
     code, err = interrupt_when_training(["train", "--steps", "100000", "--out", str(out), *RUN, *extra], out)
     assert code == 130
     hint = "(pass --resume to continue" if checkpoints else "(no checkpoint to resume from: --overwrite starts it"
     assert "asteria: stopping after this step" in err and f"asteria: interrupted {hint}" in err
     assert "Traceback" not in err and "leaked" not in err
-    if checkpoints:  # stopped between steps: no checkpoint cut short
+    if checkpoints:  # stopped between steps: no checkpoint cut short, and the last step's there
         assert not list((out / "checkpoints").glob(".tmp-*"))
+        newest = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+        assert newest == steps_of(out)[-1]
 
 
 def test_version_and_help_name_the_choices(capsys):

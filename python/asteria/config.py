@@ -6,7 +6,7 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from asteria import cpus
@@ -71,8 +71,9 @@ class MemoryConfig:
         _check(self.placement in PLACEMENTS, "placement", self.placement, f"must be one of {PLACEMENTS}")
         if isinstance(self.nvme_dir, os.PathLike):
             self.nvme_dir = os.fspath(self.nvme_dir)
-        _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir.strip() != ""),
-               "nvme_dir", self.nvme_dir, "must be None or a directory path (a str or os.PathLike)")
+        _check(self.nvme_dir is None or (isinstance(self.nvme_dir, str) and self.nvme_dir.strip() != ""
+                                         and "\0" not in self.nvme_dir),
+               "nvme_dir", self.nvme_dir, "must be None or a directory path (a str or os.PathLike, no NUL byte)")
         _check(self.nvme_budget is None or self.nvme_dir is not None, "nvme_budget", self.nvme_budget,
                "bounds the page files under nvme_dir: set nvme_dir too, or leave nvme_budget None")
 
@@ -270,6 +271,12 @@ class RuntimeConfig:
                "use 'auto' or 'device', or mode='async'")
         _check(self.local_world_size is None or (is_int(self.local_world_size) and self.local_world_size >= 1),
                "local_world_size", self.local_world_size, "must be None or an int >= 1")
+
+    def checked_copy(self) -> RuntimeConfig:
+        """A copy, its memory settings too, checked again: the caller's object may have been changed since it was
+        built (the checks run in ``__post_init__``), or be reused for another optimizer."""
+        memory = replace(self.memory) if isinstance(self.memory, MemoryConfig) else self.memory
+        return replace(self, memory=memory)
 
     def resolved_deterministic(self, several_ranks: bool) -> bool:
         """``deterministic`` resolved: None means the deterministic rule on several ranks (which need it), where

@@ -25,15 +25,76 @@ def device_capacity(device: torch.device) -> int | None:
 
 
 def host_available() -> int | None:
-    """The host memory that can still be given without swapping (Linux's MemAvailable), or None."""
+    """The host memory this process can still be given: the least of what the machine can give without swapping
+    (Linux's MemAvailable), the room under its cgroup's memory limit (a container's) and the room under its
+    address-space limit (``RLIMIT_AS``); None where none of them is known. Past any of them an allocation fails or
+    the process is killed, so the checks made before allocating compare with the least."""
+    known = [room for room in (meminfo_available(), cgroup_room(), address_space_room()) if room is not None]
+    return min(known) if known else None
+
+
+def _read_int(path: str, field: str | None = None) -> int | None:
+    """The integer in file ``path`` (or on its line starting with ``field``, in kB: bytes returned); None where
+    the file or the number is missing ("max": no limit)."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
+        with open(path) as file:
+            for line in file:
+                if field is None:
+                    return int(line.split()[0])
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def meminfo_available() -> int | None:
+    return _read_int("/proc/meminfo", "MemAvailable:")
+
+
+#: a cgroup v1 limit at or above this is the kernel's "unlimited" (PAGE_COUNTER_MAX pages)
+UNLIMITED = 2**62
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The bytes this process's memory cgroup can still charge (its limit less its usage), from cgroup v2's
+    ``memory.max`` and ``memory.current`` or v1's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``; None
+    where there is no limit or no cgroup file can be read. The cgroup's path is looked up under ``root`` and, as in a
+    container whose own cgroup is mounted there, at ``root`` itself."""
+    try:
+        with open(proc_cgroup) as file:
+            entries = [line.rstrip("\n").split(":", 2) for line in file if line.count(":") >= 2]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in entries:
+        if controllers == "":  # v2: one unified hierarchy
+            candidates += [(os.path.join(root, path.lstrip("/")), "memory.max", "memory.current"), (
+                root, "memory.max", "memory.current")]
+        elif "memory" in controllers.split(","):
+            for base in (os.path.join(root, "memory"), root):
+                candidates += [(os.path.join(base, path.lstrip("/")), "memory.limit_in_bytes", "memory.usage_in_bytes"),
+                               (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    for folder, limit_file, usage_file in candidates:
+        limit, usage = _read_int(os.path.join(folder, limit_file)), _read_int(os.path.join(folder, usage_file))
+        if os.path.exists(os.path.join(folder, limit_file)):
+            return None if limit is None or usage is None or limit >= UNLIMITED else max(limit - usage, 0)
+    return None
+
+
+def address_space_room() -> int | None:
+    """The bytes of address space this process may still map under ``RLIMIT_AS`` (its limit less its VmSize), or
+    None where it has no such limit."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    used = _read_int("/proc/self/status", "VmSize:")
+    return None if used is None else max(limit - used, 0)
 
 
 def device_available(device: torch.device) -> int | None:

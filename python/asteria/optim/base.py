@@ -98,7 +98,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                   "must be None or an asteria.RuntimeConfig")
         super().__init__(params, {k: plain(v) for k, v in defaults.items()})
         # A copy (checked again): the caller's object may be changed or reused for another optimizer.
-        self.runtime = RuntimeConfig() if runtime is None else replace(runtime, memory=replace(runtime.memory))
+        self.runtime = RuntimeConfig() if runtime is None else runtime.checked_copy()
         several_ranks = topology(replace(self.runtime, deterministic=True)) is not None
         self.runtime.deterministic = self.runtime.resolved_deterministic(several_ranks)
         self.max_preconditioner_dim = max_preconditioner_dim

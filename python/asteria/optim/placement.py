@@ -284,7 +284,9 @@ class Placement:
             tiers["device"]["lane_slots"] = lane
             tiers["device"]["lane_cache"] = self.refresher.lane_cache_bytes()  # (its math's, measured: 0 at first)
         paged = self.tier.paged
-        if paged is not None:
+        if paged is not None and paged.closed:  # (its page files and buffers went at close())
+            tiers["nvme"] = dict.fromkeys(tiers["nvme"], 0)
+        elif paged is not None:
             tiers["host"]["nvme_buffers"] = paged.host_bytes
             tiers["nvme"]["page_files"] = paged.nvme_bytes - sum(tiers["nvme"].values())
         for tier in tiers.values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import shutil
 import tempfile
@@ -33,11 +34,14 @@ class PagedSets:
 
     def __init__(self, directory: str, sets: list[FactorSet], contents: list[Tensor], pin: bool,
                  timeout_s: float, buffers_per_shape: int = 2) -> None:
+        #: the folders this tier made on the way to ``directory`` (the outermost first), removed at close if empty
+        self._made = missing_folders(directory)
         try:  # the directory is created if missing; the page files go to a fresh directory inside it
             os.makedirs(directory, exist_ok=True)
             reclaim_dead_roots(directory)
             self.root, self._owner = claim_root(directory)
         except OSError as error:
+            self._remove_made()
             raise ValueError(f"Invalid memory.nvme_dir={directory!r}: must be a directory this process can create "
                              f"files in ({error.strerror or error})") from error
         self.timeout_s = timeout_s
@@ -74,8 +78,9 @@ class PagedSets:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned bytes the tier holds: read-ahead buffers and install scratch."""
-        scratch = sum(slot[0].numel() * 4 for slots in self.scratch.values() for slot in slots)
+        """Pinned bytes the tier holds: read-ahead buffers and install scratch, one (B, n, n) set per shape, counted
+        from the start (it is made at the shape's first install: a budget checked before must allow for it)."""
+        scratch = sum(math.prod(shape) * 4 for shape in self.pagers)
         return sum(b.numel() for b in self.buffers.values()) + scratch
 
     @property
@@ -224,6 +229,33 @@ class PagedSets:
             os.rmdir(self.root)
         except OSError:
             pass
+        self.buffers, self.scratch = {}, {}
+        self._remove_made()
+
+    @property
+    def closed(self) -> bool:
+        return self._owner is None
+
+    def _remove_made(self) -> None:
+        """Removes the folders this tier made on the way to its directory, the innermost first, while empty."""
+        for folder in reversed(self._made):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break  # (not empty: something else lives there now)
+        self._made = []
+
+
+def missing_folders(directory: str) -> list[str]:
+    """The folders of ``directory``'s path that do not exist yet, the outermost first."""
+    missing, path = [], os.path.abspath(directory)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing[::-1]
 
 
 #: the lock its owner holds on a tier's directory for its life; the kernel drops it when the process dies

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from asteria.train.loop import make_optimizer, train
+from asteria.train.outdir import replacing
 from asteria.train.peers import PEERS
 from asteria.train.provenance import software
 from asteria.train.report import Run, load_run, plt, run_warmup, write_report
@@ -228,6 +229,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
     for label, cfg in cfgs.items():
         message = None
         try:
+            replacing(out / label)
             train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         except torch.OutOfMemoryError as error:
             message = str(error)

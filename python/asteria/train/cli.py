@@ -29,6 +29,7 @@ from asteria.train.checkpoint import interrupted
 from asteria.train.distributed import PARALLEL_MODES
 from asteria.train.loop import STOP_REQUESTED, train
 from asteria.train.model import PRESETS
+from asteria.train.outdir import replacing
 from asteria.train.peers import PEERS
 from asteria.train.report import write_report
 from asteria.train.run_config import (
@@ -382,6 +383,7 @@ def _main(argv: list[str] | None) -> int:
             runs = []
             for optimizer, mode in (("adamw", "sync"), ("shampoo", "async")):
                 cfg = run_config_from_args(args, optimizer=optimizer, mode=mode)
+                replacing(args.out / cfg.label)
                 summary = train(cfg, args.out / cfg.label, overwrite=True)
                 print(f"{summary['label']:>14}: final loss {summary['final_loss']:.4f}, "
                       f"val {summary['final_val_loss']:.4f}, median step {1e3 * summary['median_step_seconds']:.1f} ms")

@@ -8,7 +8,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import statistics
 import threading
 import time
@@ -34,6 +33,7 @@ from asteria.train.distributed import (
 )
 from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes, thread_sched
 from asteria.train.model import build_model, decoder_layers, next_token_loss, parameter_count
+from asteria.train.outdir import claim_out, settle_replaced
 from asteria.train.peers import ASTERIA_CLASSES, PEERS, betas_with, make_peer
 from asteria.train.profiling import StepProfiler, check_profile_steps
 from asteria.train.provenance import software
@@ -54,8 +54,6 @@ from asteria.train.run_config import resolved_stagger_split as resolved_stagger_
 
 #: set by the CLI's first Ctrl-C (one process): the loop stops after the step in progress and its checkpoint
 STOP_REQUESTED = threading.Event()
-RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "checkpoints")  # what a run writes in --out
-TRACE_PREFIX = "trace-rank"  # and, with --profile-steps, its traces
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> None:
@@ -195,40 +193,29 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     software()  # fingerprints the code as it is when the run starts (cached: a later reinstall changes nothing)
     if out.exists() and not out.is_dir():
         raise ValueError(f"Invalid out={str(out)!r}: it is an existing file, not a folder")
+    if cfg.checkpoint_every and (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
+        raise ValueError(f"Invalid out={str(out)!r}: its 'checkpoints' is a file, where checkpoint_every="
+                         f"{cfg.checkpoint_every} writes a folder of checkpoints; remove it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not (overwrite and layout.rank != 0):  # rank 0 alone replaces an earlier run; the others need not look
-        _claim_out(out, resume, overwrite)
-    with deterministic_kernels(cfg.deterministic_kernels):
-        if not layout.distributed:
-            return _train(cfg, out, progress, resume, None, profile_steps)
-        run = DistributedRun(layout, cfg.device, cfg.parallel)
-        try:
-            summary = _train(cfg, out, progress, resume, run, profile_steps)
-        except BaseException:
-            if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
-                run.shutdown()
-            raise
-        run.shutdown()
-        return summary
-
-
-def _claim_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuses a folder that holds an earlier run (``ValueError``), unless ``resume`` continues it from a
-    checkpoint or ``overwrite`` replaces it (with ``resume``: only when there is no checkpoint)."""
-    earlier = sorted({p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(TRACE_PREFIX)})
-    published = checkpoint.published(out / "checkpoints")
-    if resume and published:
-        return
-    if overwrite:
-        for name in earlier:
-            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
-    elif published:
-        raise ValueError(f"Invalid out={str(out)!r}: it holds checkpoints of an earlier run; pass --resume to "
-                         f"continue it, --overwrite to replace it, or choose another --out")
-    elif {"metrics.jsonl", "summary.json"} & set(earlier):
-        nothing = " and no checkpoint to resume from" if resume else ""
-        raise ValueError(f"Invalid out={str(out)!r}: it holds an earlier run ({', '.join(earlier)}){nothing}; "
-                         "choose another --out, or pass --overwrite to replace it")
+        claim_out(out, resume, overwrite)
+    try:
+        with deterministic_kernels(cfg.deterministic_kernels):
+            if not layout.distributed:
+                return _train(cfg, out, progress, resume, None, profile_steps)
+            run = DistributedRun(layout, cfg.device, cfg.parallel)
+            try:
+                summary = _train(cfg, out, progress, resume, run, profile_steps)
+            except BaseException:
+                if run.backend == "gloo":  # NCCL's teardown may wait on the failed collective: the exit ends it
+                    run.shutdown()
+                raise
+            run.shutdown()
+            return summary
+    except BaseException:
+        if layout.rank == 0:
+            settle_replaced(out, restore=True)  # a run refused before its first step gives the earlier one back
+        raise
 
 
 @contextlib.contextmanager
@@ -453,6 +440,8 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     parts = _setup(cfg, run, world, made)
     device = parts.device
     loop, resumed_from, records = _resume(cfg, out, resume, run, parts)
+    if lead:
+        settle_replaced(out, restore=False)  # set up: an earlier run this one replaces goes now
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
               if lead else None)
     energy, timer = EnergyMeter(device), StepTimer(device)
@@ -478,6 +467,9 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
                     _checkpoint(out / "checkpoints", cfg, parts, {"step": step, "cursor": cursor, "wall": wall},
                                 run, log)
                 if run is None and STOP_REQUESTED.is_set():
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every:  # (the step is kept: --resume goes on)
+                        _checkpoint(out / "checkpoints", cfg, parts, {"step": step, "cursor": cursor, "wall": wall},
+                                    run, log)
                     raise KeyboardInterrupt(f"stopped after step {step}")
     finally:
         profiler.close()  # the trace of a range the run did not reach the end of

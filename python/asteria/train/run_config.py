@@ -39,7 +39,7 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
                      "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split", "stagger_sets_per_step",
-                     "start_preconditioning_step", "precondition_1d", "first_basis")
+                     "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
@@ -165,7 +165,7 @@ class RunConfig:
         check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be a number >= 0")
         check(self.workers is None or (is_int(self.workers) and self.workers >= 1), "workers", "must be an int >= 1")
         check(0.0 < self.val_fraction < 1.0, "val_fraction", "must be in (0, 1)")
-        check(is_int(self.max_bytes) and self.max_bytes >= 4096, "max_bytes", "must be an int >= 4096")
+        check(is_int(self.max_bytes) and 4096 <= self.max_bytes <= 2**62, "max_bytes", "must be an int in [4096, 2^62]")
         check(self.seq_len <= PRESETS.get(self.model, PRESETS["tiny"]).max_seq_len, "seq_len",
               f"model {self.model!r} takes at most {PRESETS.get(self.model, PRESETS['tiny']).max_seq_len} tokens")
         check(self.parallel in PARALLEL_MODES, "parallel", f"must be one of {PARALLEL_MODES}")
@@ -286,13 +286,18 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     saved["precondition_1d"] = resolved_precondition_1d(manifest.config,
                                                         legacy="precondition_1d" not in manifest.config)
     this["precondition_1d"] = resolved_precondition_1d(asdict(cfg))
+    for config in (saved, this):  # the activation rule as it resolves (None: by the staleness, lag and ranks)
+        config["deterministic"] = asteria.RuntimeConfig(
+            staleness=config["staleness"], lag_steps=config["lag_steps"],
+            deterministic=config["deterministic"]).resolved_deterministic(processes > 1)
     saved["first_basis"] = saved["first_basis"] or "eigh"  # None: SOAP's own
     this["first_basis"] = this["first_basis"] or "eigh"
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
     for config in (saved, this):  # the cut only where the sets are split
         config["stagger_sets_per_step"] = config["stagger_sets_per_step"] if config["stagger_split"] else None
-    unused = (ASYNC_ONLY_SETTINGS if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS else ()) + (
+    unused = ((*ASYNC_ONLY_SETTINGS, "deterministic") if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS
+              else ()) + (
         SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
     if cfg.mode == "sync" and saved["stagger"] is not True and this["stagger"] is not True:
         unused += ("sync_refreshes",)  # it only aligns a staggered schedule (`train` refuses it here otherwise)
