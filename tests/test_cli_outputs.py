@@ -69,6 +69,21 @@ def test_an_overwrite_refused_before_its_first_step_keeps_the_earlier_run(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "summary.json", "tensorboard"]
 
 
+def test_an_earlier_run_left_aside_by_a_killed_overwrite_comes_back(tmp_path, capsys):
+    """An --overwrite killed while its run was being set up leaves the earlier run's files aside; the next call
+    without --overwrite puts them back (before, it went on as if the folder were empty, and removed them)."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", str(out), *RUN]) == 0
+    (out / ".replaced-run").mkdir()
+    for name in ("checkpoints", "metrics.jsonl", "summary.json", "tensorboard"):
+        (out / name).rename(out / ".replaced-run" / name)
+    assert main(["train", "--steps", "2", "--out", str(out), *RUN]) == 2
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err
+    assert steps_of(out) == [1, 2, 3, 4] and not (out / ".replaced-run").exists()
+    assert main(["train", "--steps", "6", "--resume", "--out", str(out), *RUN]) == 0
+    assert steps_of(out) == list(range(1, 7))
+
+
 def test_settings_that_fail_only_later_are_refused_before_the_first_step(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()

@@ -32,8 +32,13 @@ def test_the_cgroup_limit_bounds_the_room_v2_and_v1(tmp_path):
     write(root / "job/step/memory.max", "3000000\n")
     write(root / "job/step/memory.current", "1000000\n")
     assert memory.cgroup_room(str(cgroup), str(root)) == 2_000_000
-    write(root / "job/step/memory.max", "max\n")  # no limit
+    write(root / "job/step/memory.stat", "active_file 7\ninactive_file 500000\n")  # page cache the kernel reclaims
+    assert memory.cgroup_room(str(cgroup), str(root)) == 2_500_000
+    write(root / "job/step/memory.max", "max\n")  # no limit here, nor above
     assert memory.cgroup_room(str(cgroup), str(root)) is None
+    write(root / "job/memory.max", "8000000\n")  # a limit on a parent (Slurm's job, a systemd slice)
+    write(root / "job/memory.current", "6000000\n")
+    assert memory.cgroup_room(str(cgroup), str(root)) == 2_000_000
     inside = tmp_path / "container"  # a container's own cgroup mounted at the root
     write(inside / "memory.max", "5000\n")
     write(inside / "memory.current", "9000\n")  # over (the kernel reclaims): no room, not a negative one
@@ -104,6 +109,9 @@ def test_a_refused_nvme_tier_removes_the_folders_it_made(tmp_path):
     _, opt = make(str(tmp_path / "kept" / "pages"), host_budget=tight - 1 + (host["total"] - tight) // 2)
     opt.close()
     assert sorted(os.listdir(tmp_path)) == ["kept"]  # only what the tier made goes
+    with pytest.raises(ValueError, match=r"Invalid memory.nvme_dir=.*must be a directory this process can create"):
+        make(str(tmp_path / "made" / ("x" * 300)), host_budget=tight)  # a name too long: made/ is made, x... not
+    assert sorted(os.listdir(tmp_path)) == ["kept"]
 
 
 def test_memory_settings_changed_after_construction_are_refused_by_name(tmp_path):

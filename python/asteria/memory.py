@@ -57,28 +57,42 @@ UNLIMITED = 2**62
 
 
 def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The bytes this process's memory cgroup can still charge (its limit less its usage), from cgroup v2's
-    ``memory.max`` and ``memory.current`` or v1's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``; None
-    where there is no limit or no cgroup file can be read. The cgroup's path is looked up under ``root`` and, as in a
-    container whose own cgroup is mounted there, at ``root`` itself."""
+    """The bytes this process's memory cgroup can still charge: the least, over its cgroup and every parent with a
+    limit, of the limit less the usage, the usage without the inactive page cache the kernel reclaims before it
+    refuses (cgroup v2's ``memory.max``, ``memory.current`` and ``memory.stat``'s ``inactive_file``; v1's
+    ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``total_inactive_file``). None where no level has a
+    limit or none can be read. The hierarchy is looked up under ``root`` (v1: ``root/memory``) and, as in a
+    container whose own cgroup is mounted there, from ``root`` itself up."""
     try:
         with open(proc_cgroup) as file:
             entries = [line.rstrip("\n").split(":", 2) for line in file if line.count(":") >= 2]
     except OSError:
         return None
-    candidates = []
     for _, controllers, path in entries:
         if controllers == "":  # v2: one unified hierarchy
-            candidates += [(os.path.join(root, path.lstrip("/")), "memory.max", "memory.current"), (
-                root, "memory.max", "memory.current")]
+            files, mounts = ("memory.max", "memory.current", "inactive_file "), [root]
         elif "memory" in controllers.split(","):
-            for base in (os.path.join(root, "memory"), root):
-                candidates += [(os.path.join(base, path.lstrip("/")), "memory.limit_in_bytes", "memory.usage_in_bytes"),
-                               (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]
-    for folder, limit_file, usage_file in candidates:
-        limit, usage = _read_int(os.path.join(folder, limit_file)), _read_int(os.path.join(folder, usage_file))
-        if os.path.exists(os.path.join(folder, limit_file)):
-            return None if limit is None or usage is None or limit >= UNLIMITED else max(limit - usage, 0)
+            files, mounts = (("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file "),
+                             [os.path.join(root, "memory"), root])
+        else:
+            continue
+        for mount in mounts:
+            leaf = os.path.join(mount, path.strip("/"))
+            folder = leaf if os.path.exists(os.path.join(leaf, files[0])) else mount
+            if not os.path.exists(os.path.join(folder, files[0])):
+                continue
+            rooms = []
+            while True:  # the cgroup, then each parent up to the mount
+                limit = _read_int(os.path.join(folder, files[0]))
+                usage = _read_int(os.path.join(folder, files[1]))
+                if limit is not None and usage is not None and limit < UNLIMITED:
+                    # (memory.stat counts bytes, where _read_int reads a field's number as kB)
+                    inactive = (_read_int(os.path.join(folder, "memory.stat"), files[2]) or 0) // 1024
+                    rooms.append(max(limit - (usage - inactive), 0))
+                if os.path.normpath(folder) == os.path.normpath(mount):
+                    break
+                folder = os.path.dirname(folder)
+            return min(rooms) if rooms else None
     return None
 
 

@@ -349,6 +349,8 @@ def test_older_checkpoint_formats_pass_the_refresher_check():
                                                 snapshots={0: None, "x": None}),
              r"\['scheduled'\]\[0\]\['requests'\]=\[0, 'x'\]: must be keyed by factor set indices"),
             (lambda s: s.update(distributed={}), r"\['distributed'\]=\{\}: must be a dict with the saving rank's"),
+            (lambda s: s.update(scheduled=s["scheduled"] * 2), r"\['scheduled'\]\[1\]\['version'\]=3: must differ"),
+            (lambda s: s["scheduled"][0].update(version=4), r"\['version'\]=4: must be at most 3, the newest version"),
             (lambda s: s["distributed"].update(rank=1), r"saved by rank 1 of world size 2 .*: rank 1 != 0")):
         bad = copy.deepcopy(old)
         change(bad)

@@ -28,7 +28,12 @@ def check_scheduled(refresher: DistributedRefresher, state: dict[str, Any],
         check_arg(is_int(state.get("newest_version")) and state["newest_version"] >= 0,
                   f"{SAVED}['newest_version']", state.get("newest_version"),
                   "must be an int >= 0 (or newest_versions, one per factor set)")
+    newest = state["newest_versions"] if "newest_versions" in state else [state["newest_version"]] * len(refresher.sets)
+    seen: set[int] = set()
     for name, entry in entries:
+        check_arg(entry["version"] not in seen, f"{name}['version']", entry["version"],
+                  "must differ from the other scheduled versions (listed twice)")
+        seen.add(entry["version"])
         entry = _with_set_indices(entry, len(refresher.sets), name)
         requests, snapshots = entry["requests"], entry["snapshots"]
         check_arg(isinstance(snapshots, dict) and snapshots.keys() == requests.keys(), f"{name}['snapshots']",
@@ -37,6 +42,9 @@ def check_scheduled(refresher: DistributedRefresher, state: dict[str, Any],
         check_arg(all(is_int(index) and 0 <= index < len(refresher.sets) for index in requests), f"{name}['requests']",
                   sorted(requests, key=str), f"must be keyed by factor set indices in [0, {len(refresher.sets)})")
         for index, request in requests.items():
+            check_arg(entry["version"] <= newest[index], f"{name}['version']", entry["version"],
+                      f"must be at most {newest[index]}, the newest version of {refresher.sets[index].name} "
+                      "snapshotted")
             check_saved_request(request, refresher.sets[index].batch, f"{name}['requests'][{index}]")
             mine = refresher.snapshots[index]
             if mine is None:  # this rank owns no block of the set

@@ -96,7 +96,8 @@ def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int,
     available = host_available()
     if available is not None and refresh_bytes > available:
         raise ValueError(f"Invalid runtime={runtime!r}: the refresh buffers need {gib(refresh_bytes)} of pinned host "
-                         f"memory ({sized_by}), and the host can give {gib(available)} (MemAvailable); {fewer}, or "
+                         f"memory ({sized_by}), and the host can give this process {gib(available)} (the least of "
+                         f"MemAvailable, its cgroup's limit and RLIMIT_AS); {fewer}, or "
                          "use a host with more memory")
 
 

@@ -14,6 +14,7 @@ buffer; the pager publishes the new version only when its write has completed, s
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import math
 import os
@@ -241,8 +242,9 @@ class PagedSets:
         for folder in reversed(self._made):
             try:
                 os.rmdir(folder)
-            except OSError:
-                break  # (not empty: something else lives there now)
+            except OSError as error:  # not made (makedirs failed below it: continue up), or not empty (stop)
+                if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    break  # (something else lives there now)
         self._made = []
 
 

@@ -3,6 +3,7 @@ which holds the earlier run's files aside until the new run is set up."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ def replacing(out: Path) -> None:
 def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Refuses a folder that holds an earlier run (``ValueError``), unless ``resume`` continues it from a
     checkpoint or ``overwrite`` replaces it (with ``resume``: only when there is no checkpoint)."""
+    if not overwrite:  # an --overwrite cut off before its run was set up (killed) left the earlier run aside
+        settle_replaced(out, restore=True)
     earlier = earlier_run(out)
     published = checkpoint.published(out / "checkpoints")
     if resume and published:
@@ -59,8 +62,10 @@ def settle_replaced(out: Path, restore: bool) -> None:
     replaced = out / REPLACED
     if not replaced.exists():
         return
+    # (Several ranks sharing the folder may settle it at once: what another one moved or removed is skipped.)
     if restore:
-        for path in replaced.iterdir():
+        for path in list(replaced.iterdir()):
             if not (out / path.name).exists():
-                path.rename(out / path.name)
-    shutil.rmtree(replaced)
+                with contextlib.suppress(FileNotFoundError):
+                    path.rename(out / path.name)
+    shutil.rmtree(replaced, ignore_errors=True)
