@@ -60,7 +60,7 @@ def test_the_address_space_limit_bounds_what_the_host_can_give():
         import resource
         from asteria import memory
         assert memory.address_space_room() is None or resource.getrlimit(resource.RLIMIT_AS)[0] != -1
-        used = memory._read_int("/proc/self/status", "VmSize:")
+        used = memory._read_int("/proc/self/status", "VmSize:", unit=1024)
         resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
         room = memory.address_space_room()
         assert 2**29 < room <= 2**30, room

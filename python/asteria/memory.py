@@ -33,23 +33,23 @@ def host_available() -> int | None:
     return min(known) if known else None
 
 
-def _read_int(path: str, field: str | None = None) -> int | None:
-    """The integer in file ``path`` (or on its line starting with ``field``, in kB: bytes returned); None where
-    the file or the number is missing ("max": no limit)."""
+def _read_int(path: str, field: str | None = None, unit: int = 1) -> int | None:
+    """The integer in file ``path``, or on its line starting with ``field``, times ``unit`` (1024 for the kB of
+    /proc's files); None where the file or the number is missing ("max": no limit)."""
     try:
         with open(path) as file:
             for line in file:
                 if field is None:
-                    return int(line.split()[0])
+                    return int(line.split()[0]) * unit
                 if line.startswith(field):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * unit
     except (OSError, ValueError, IndexError):
         pass
     return None
 
 
 def meminfo_available() -> int | None:
-    return _read_int("/proc/meminfo", "MemAvailable:")
+    return _read_int("/proc/meminfo", "MemAvailable:", unit=1024)
 
 
 #: a cgroup v1 limit at or above this is the kernel's "unlimited" (PAGE_COUNTER_MAX pages)
@@ -86,8 +86,7 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
                 limit = _read_int(os.path.join(folder, files[0]))
                 usage = _read_int(os.path.join(folder, files[1]))
                 if limit is not None and usage is not None and limit < UNLIMITED:
-                    # (memory.stat counts bytes, where _read_int reads a field's number as kB)
-                    inactive = (_read_int(os.path.join(folder, "memory.stat"), files[2]) or 0) // 1024
+                    inactive = _read_int(os.path.join(folder, "memory.stat"), files[2]) or 0
                     rooms.append(max(limit - (usage - inactive), 0))
                 if os.path.normpath(folder) == os.path.normpath(mount):
                     break
@@ -107,7 +106,7 @@ def address_space_room() -> int | None:
         return None
     if limit == resource.RLIM_INFINITY:
         return None
-    used = _read_int("/proc/self/status", "VmSize:")
+    used = _read_int("/proc/self/status", "VmSize:", unit=1024)
     return None if used is None else max(limit - used, 0)
 
 

@@ -46,6 +46,7 @@ void write_identity(int n, float* out) {
 }  // namespace
 
 using detail::block_name;
+using detail::listed_before;
 using detail::job_name;
 using detail::result_elements;
 
@@ -146,7 +147,7 @@ void RefreshEngine::start_at(const std::vector<std::int64_t>& blocks, std::int64
 void RefreshEngine::skip(const std::vector<std::int64_t>& blocks, std::int64_t version) {
   // Every block is checked before any changes: a bad id, a version written or skipped before, a block listed twice.
   for (auto it = blocks.begin(); it != blocks.end(); ++it) {
-    if (std::find(blocks.begin(), it, *it) != it) {
+    if (listed_before(blocks, it)) {
       throw InvalidArgument("[RefreshEngine::skip] Invalid blocks: " + block_name(*it) + " is listed twice");
     }
     block(*it).snapshots.check_open(version);
@@ -197,7 +198,7 @@ void RefreshEngine::begin_snapshot(const std::vector<std::int64_t>& blocks, std:
 
 void RefreshEngine::abandon_snapshot(const std::vector<std::int64_t>& blocks, std::int64_t version) {
   for (auto it = blocks.begin(); it != blocks.end(); ++it) {
-    const bool twice = std::find(blocks.begin(), it, *it) != it;
+    const bool twice = listed_before(blocks, it);
     if (twice || block(*it).snapshots.state(version) != store::SlotState::kWriting) {
       throw InvalidArgument("[RefreshEngine::abandon_snapshot] " + block_name(*it) + ": Invalid version=" +
                             std::to_string(version) + (twice ? ": the block is listed twice"
@@ -226,7 +227,7 @@ void RefreshEngine::submit(const std::vector<std::int64_t>& blocks, std::int64_t
   // Every block is checked before any changes: a refused call leaves no snapshot pinned or published.
   for (auto it = blocks.begin(); it != blocks.end(); ++it) {
     const std::int64_t newest = registry_.status(*it).newest_snapshot;
-    const bool twice = std::find(blocks.begin(), it, *it) != it;
+    const bool twice = listed_before(blocks, it);
     if (twice || version <= newest || block(*it).snapshots.state(version) != store::SlotState::kWriting) {
       throw InvalidArgument("[RefreshEngine::submit] " + block_name(*it) + ": Invalid version=" +
                             std::to_string(version) + (twice ? ": the block is listed twice" : ": must be > the newest "

@@ -28,6 +28,11 @@ inline std::int64_t result_elements(int n, RefreshKind kind) {
 
 inline std::string block_name(std::int64_t id) { return "block " + std::to_string(id); }
 
+// Whether the block at `it` is listed earlier in `blocks` too (a call's blocks are all checked before any changes).
+inline bool listed_before(const std::vector<std::int64_t>& blocks, std::vector<std::int64_t>::const_iterator it) {
+  return std::find(blocks.begin(), it, *it) != it;
+}
+
 // Whether none of the `count` floats at `x` is infinite or NaN (a basis handed in, a job's result).
 inline bool all_finite(const float* x, std::size_t count) {
   return std::all_of(x, x + count, [](float v) { return std::isfinite(v); });

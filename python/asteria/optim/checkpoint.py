@@ -283,12 +283,11 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
                       f"{group.name} expects {dtype} {tuple(shape)}")
             check_arg(not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()), name,
                       "tensor with non-finite values", "optimizer state must be finite (a corrupted checkpoint?)")
+    newest = refresher.get("newest_versions")
     for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
         check_arg(isinstance(versions, (list, tuple)) and len(versions) == fset.batch
                   and all(is_int(v) and v >= 0 for v in versions), f"state_dict['versions'][{i}]", versions,
                   f"must be {fset.batch} ints >= 0, the versions in use by the blocks of {fset.name}")
-    newest = refresher.get("newest_versions")
-    for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
         if newest is not None and max(versions, default=0) > newest[i]:
             raise ValueError(f"Invalid state_dict['versions'][{i}]={list(versions)}: must be at most "
                              f"{newest[i]}, the newest version of {fset.name} snapshotted "

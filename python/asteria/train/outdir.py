@@ -27,8 +27,9 @@ def earlier_run(out: Path) -> list[str]:
 
 def replacing(out: Path) -> None:
     """Says on stderr that ``out``'s earlier run is being replaced (``bench`` and ``demo`` regenerate theirs)."""
-    if earlier_run(out):
-        print(f"asteria: replacing the earlier run in {out} ({', '.join(earlier_run(out))})", file=sys.stderr)
+    earlier = earlier_run(out)
+    if earlier:
+        print(f"asteria: replacing the earlier run in {out} ({', '.join(earlier)})", file=sys.stderr)
 
 
 def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
