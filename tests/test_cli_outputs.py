@@ -367,6 +367,24 @@ def test_ctrl_c_ends_with_a_hint_and_no_traceback(tmp_path, checkpoints):
         assert newest == steps_of(out)[-1]
 
 
+def test_ctrl_c_in_a_bench_still_compares_the_configs_it_finished(tmp_path):
+    """Ctrl-C in a bench's second config: the first one's results are written and printed, the second is named
+    as interrupted with the steps it recorded (they stay in its folder), and an earlier bench's results.json,
+    which would read as this one's, is gone."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "results.json").write_text('{"runs": {"stale": {}}}')
+    argv = ["bench", "--steps", "200", "--configs", "adamw", "shampoo-async", "--out", str(out), *RUN]
+    code, err = interrupt_when_training(argv, out / "shampoo-async")
+    assert code == 130 and "Traceback" not in err
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["runs"]) == ["adamw"] and results["runs"]["adamw"]["mean_step_seconds"] > 0
+    recorded = steps_of(out / "shampoo-async")
+    assert 3 <= len(recorded) < 200
+    assert results["failed"] == {"shampoo-async": f"interrupted after {len(recorded)} recorded steps"}
+    assert f"asteria: interrupted (the configs it finished: {out / 'results.json'})" in err
+
+
 def test_version_and_help_name_the_choices(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

@@ -546,3 +546,17 @@ def test_the_training_stream_has_the_runs_priority_and_the_side_streams_take_it(
         raise RuntimeError("inside the run")
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert streams.SideStream(torch.device("cuda")).stream.priority == least
+
+
+def test_a_checkpoint_keeps_the_random_state_of_its_runs_device_alone():
+    """A run on the CPU keeps no GPU's state, a run on a GPU only its own: the states of every visible GPU would
+    fail a resume where fewer are visible. Restoring gives the same draws again."""
+    from asteria.train.checkpoint import restore_rng, rng_state
+
+    assert rng_state(torch.device("cpu"))["cuda"] == []
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    saved = rng_state(device)
+    assert len(saved["cuda"]) == 1
+    first = torch.rand(4, device=device)
+    restore_rng(saved, device)
+    assert torch.equal(torch.rand(4, device=device), first)

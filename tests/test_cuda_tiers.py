@@ -90,3 +90,20 @@ def test_auto_placement_moves_preconditioners_to_the_host_under_a_gpu_budget():
     with pytest.raises(ValueError, match=r"Invalid gpu_budget=1000: too small .* device needs \d+ bytes"):
         asteria.Shampoo(model.parameters(), runtime=asteria.RuntimeConfig(
             memory=asteria.MemoryConfig(gpu_budget=1000, placement="host")))
+
+
+def test_a_host_placement_the_host_cannot_pin_is_refused_by_name(monkeypatch):
+    """The host's figure is replaced by one below the preconditioners' bytes (a machine cannot be made smaller):
+    the optimizer is refused by name before anything is pinned, not by the CUDA driver's raw error; with the real
+    figure the same optimizer is built."""
+    from asteria.optim import placement
+
+    model = small_mlp(sizes=SIZES).cuda()
+    runtime = asteria.RuntimeConfig(workers=1, memory=asteria.MemoryConfig(placement="host"))
+    monkeypatch.setattr(placement, "host_available", lambda: 4096)
+    with pytest.raises(ValueError, match=r"Invalid memory.placement='host': the preconditioners in use would take .* "
+                                         r"of pinned host memory, and the host can give this process 0\.00 GiB"):
+        OPTIMIZERS["shampoo"](model.parameters(), runtime)
+    monkeypatch.undo()
+    with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
+        assert opt.memory_report()["placement"] == "host"

@@ -360,6 +360,8 @@ def in_use(versions: list) -> list:
     ("async", malformed(("scheduled", 0, "version"), "2"), r"\['scheduled'\]\[0\]\['version'\]='2'"),
     ("async", malformed(("scheduled", 0, "version"), 5), r"\['version'\]=5: must be an int in \[1, 3\]"),
     ("async", malformed(("scheduled", 0, "due"), -1), r"\['scheduled'\]\[0\]\['due'\]=-1"),
+    ("async", malformed(("scheduled", 0, "due"), lambda due: due + 1),
+     r"\['scheduled'\]\[0\]\['due'\]=\d+: must be \d+, the step version \d+ of .* is due at under this schedule"),
     ("async", malformed(("scheduled", 0, "request"), (1.0,)), r"\['request'\]=\(1.0,\): must be \(scale, eps"),
     ("async", malformed(("scheduled", 0, "request"), ([1.0, 2.0], 1e-8, 0.0)), r"the scale one or 1 of them"),
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t[..., :3]),

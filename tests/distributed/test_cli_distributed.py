@@ -35,11 +35,12 @@ HSDP_ADAMW = [*PLAIN, "--batch-size", "1", "--steps", "4", "--eval-every", "2", 
               "--local-world-size", "2"]
 
 
-def torchrun(out: Path, args: list[str], *extra: str, procs: int = 2) -> subprocess.CompletedProcess:
-    """``asteria train`` on ``procs`` processes under torchrun."""
+def torchrun(out: Path, args: list[str], *extra: str, procs: int = 2, **environ: str) -> subprocess.CompletedProcess:
+    """``asteria train`` on ``procs`` processes under torchrun (``environ``: more of their environment)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
             "-m", "asteria.train.cli", "train", "--out", str(out), *args, *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+               **environ)
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -207,6 +208,22 @@ def test_hsdp_adamw_resume_is_bitwise(runs):
     fresh = [(r["step"], r["loss"], r.get("val_loss")) for r in records(root / "hsdp-adamw")]
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in records(root / "hsdp-adamw-resumed")] == fresh
     assert summary(root / "hsdp-adamw")["distributed"]["replica_agreement"]["bitwise_identical"] is True
+
+
+def test_an_overwrite_keeps_the_earlier_run_until_every_rank_is_set_up(runs, tmp_path, capsys):
+    """Rank 1 killed once set up, before the run starts: rank 0 waits for it rather than drop the earlier run."""
+    root, _ = runs
+    out = tmp_path / "run"
+    shutil.copytree(root / "fsdp-adamw", out)
+    earlier = (out / "metrics.jsonl").read_text()
+    result = torchrun(out, FSDP_ADAMW, "--overwrite", ASTERIA_TEST_KILL="set-up-rank1@0")
+    assert result.returncode != 0
+    # Rank 0 gave it back (Gloo's barrier failed once rank 1 was gone), or was killed holding it aside.
+    assert earlier in ((out / where / "metrics.jsonl").read_text() for where in (".", ".replaced-run")
+                       if (out / where / "metrics.jsonl").exists())
+    assert main(["train", "--out", str(out), *FSDP_ADAMW[:-2]]) == 2  # (one process: refused, the run given back)
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == earlier and not (out / ".replaced-run").exists()
 
 
 def test_hsdp_needs_two_nodes_of_two_ranks():

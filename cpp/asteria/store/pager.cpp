@@ -106,19 +106,18 @@ Pager::Pager(PagerConfig config, BufferPool buffers) : config_(std::move(config)
   const std::string lock_path = config_.directory + "/" + kLockName;
   bool created_lock = false, locked = false;  // (a refused construction removes the lock file it made)
   try {
-    lock_fd_ = ::open(lock_path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    created_lock = lock_fd_ >= 0;
-    if (lock_fd_ < 0 && errno == EEXIST) lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
-    if (lock_fd_ < 0) {
-      const int e = errno;
-      throw PagerIOError(where("Pager") + "cannot open lock file " + lock_path + ": " + errno_text(e), lock_path, 0, 0,
-                         e);
-    }
-    if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-      const int e = errno;
+    const detail::FileLock lock = detail::lock_file(lock_path);
+    if (lock.busy) {
       throw InvalidArgument(where("Pager") + "directory=" + config_.directory +
-                            " is in use by another pager (lock file " + lock_path + ": " + errno_text(e) + ")");
+                            " is in use by another pager (lock file " + lock_path + ": " + errno_text(lock.error) +
+                            ")");
     }
+    if (lock.fd < 0) {
+      throw PagerIOError(where("Pager") + "cannot lock lock file " + lock_path + ": " + errno_text(lock.error),
+                         lock_path, 0, 0, lock.error);
+    }
+    lock_fd_ = lock.fd;
+    created_lock = lock.created;
     locked = true;
     std::string why;
     switch (config_.mode) {

@@ -4,6 +4,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +32,44 @@ AlignedBuffer aligned_buffer(std::size_t bytes) {
 
 std::string errno_text(int error_number) {
   return std::string(std::strerror(error_number)) + " (errno " + std::to_string(error_number) + ")";
+}
+
+FileLock lock_file(const std::string& path, const std::function<void()>& after_open) {
+  // (Each retry follows a holder's release, which cannot repeat without end while this call waits on nothing.)
+  constexpr int kTries = 64;
+  for (int attempt = 1;; ++attempt) {
+    FileLock lock;
+    lock.fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    lock.created = lock.fd >= 0;
+    if (lock.fd < 0 && errno == EEXIST) lock.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (lock.fd < 0) {
+      lock.error = errno;
+      if (lock.error == ENOENT && attempt < kTries) continue;  // removed between the two opens
+      return lock;
+    }
+    if (after_open) after_open();
+    if (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) {
+      lock.error = errno;
+      lock.busy = lock.error == EWOULDBLOCK;
+      ::close(lock.fd);
+      lock.fd = -1;
+      return lock;
+    }
+    struct stat held {}, named {};
+    if (::fstat(lock.fd, &held) != 0) {
+      lock.error = errno;
+    } else if (::stat(path.c_str(), &named) != 0) {
+      lock.error = errno == ENOENT ? 0 : errno;  // (ENOENT: the holder removed it; take the one made next)
+    } else if (held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      return lock;
+    }
+    ::close(lock.fd);
+    lock.fd = -1;
+    if (lock.error != 0 || attempt >= kTries) {
+      if (lock.error == 0) lock.error = ESTALE;
+      return lock;
+    }
+  }
 }
 
 std::string page_file_name(std::uint64_t key) {

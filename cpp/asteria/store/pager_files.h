@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -30,6 +31,20 @@ struct FdGuard {
     if (fd >= 0) ::close(fd);
   }
 };
+
+// A directory's lock file, flocked by this process or not.
+struct FileLock {
+  int fd = -1;           // the held lock's descriptor (-1: not held)
+  bool created = false;  // this call made the file
+  bool busy = false;     // another holder has it (flock's EWOULDBLOCK)
+  int error = 0;         // errno of the open or flock that failed
+};
+
+// Opens `path` (creating it where absent) and flocks it without blocking. A holder that lets go removes the file
+// while it still holds the lock, so a lock taken on a file opened just before that removal would be on a file no
+// longer at `path`, beside a newer holder's: each lock taken is checked against the file `path` names then, and
+// taken again where they differ. `after_open` runs between the open and the flock (tests replace the file there).
+FileLock lock_file(const std::string& path, const std::function<void()>& after_open = {});
 
 // "page-<16 hex>.astp", the file of `key`.
 std::string page_file_name(std::uint64_t key);

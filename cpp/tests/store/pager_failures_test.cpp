@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -15,6 +16,7 @@
 
 #include "asteria/common/errors.h"
 #include "asteria/store/pager.h"
+#include "asteria/store/pager_files.h"
 
 namespace asteria::store {
 namespace {
@@ -135,6 +137,36 @@ TEST_P(PagerFailures, ARefusedPagerLeavesNoLockFileInTheCallersDirectory) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, PagerFailures, ::testing::Values(IoModeRequest::kAuto, IoModeRequest::kBuffered),
                          [](const auto& info) { return info.param == IoModeRequest::kAuto ? "Auto" : "Buffered"; });
+
+// A pager that closes removes its lock file while it holds it. A lock taken on the file as it was opened just
+// before (here: removed and made anew between the open and the flock, as a closing pager and a new one would) must
+// not count: the lock held is on the file the path names, and the next taker finds it busy.
+TEST(PagerLock, ALockFileReplacedBeforeItIsLockedIsLockedAgain) {
+  char tmpl[] = "/tmp/asteria_pager_lock_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl, path = dir + "/.astp.lock";
+  int opens = 0;
+  const detail::FileLock lock = detail::lock_file(path, [&] {
+    if (++opens > 1) return;
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  });
+  ASSERT_GE(lock.fd, 0) << detail::errno_text(lock.error);
+  EXPECT_EQ(opens, 2);
+  EXPECT_FALSE(lock.created);  // (the second open found the file the other taker made)
+  struct stat held {}, named {};
+  ASSERT_EQ(::fstat(lock.fd, &held), 0);
+  ASSERT_EQ(::stat(path.c_str(), &named), 0);
+  EXPECT_EQ(held.st_ino, named.st_ino);
+  const detail::FileLock second = detail::lock_file(path);
+  EXPECT_TRUE(second.busy);
+  EXPECT_EQ(second.fd, -1);
+  ::close(lock.fd);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
 
 }  // namespace
 }  // namespace asteria::store

@@ -269,6 +269,12 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     refresher = state_dict["refresher"]
     check_entry(refresher, opt._refresher.STATE_KEYS, "state_dict['refresher']")
     opt._refresher.check_state(refresher)
+    for k, entry in enumerate(refresher.get("scheduled") or ()):
+        if "set" in entry:  # (one process's refresher: a version of one set, due as the schedule and rule say)
+            due = opt.timeline.activation_step(entry["set"], entry["version"])
+            check_arg(entry["due"] == due, f"state_dict['refresher']['scheduled'][{k}]['due']", entry["due"],
+                      f"must be {due}, the step version {entry['version']} of {opt._refresher.sets[entry['set']].name} "
+                      "is due at under this schedule and activation rule")
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")

@@ -31,11 +31,13 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
     alone (float32, n x n for each preconditioned dimension of each block) beyond all of the device's memory,
     or the whole state (factors, the preconditioners in use where they stay on the device, ``moments``
     float32 tensors of each block's shape, and the start-up refreshes' results on a GPU) beyond what the
-    device can still give. The error names ``max_preconditioner_dim`` and the bytes; without it the
-    allocation fails inside the allocator, or on a host that overcommits memory the first steps are killed."""
+    device can still give, or under a host placement the pinned preconditioners beyond what the host can give.
+    The error names the setting and the bytes; without it the allocation fails inside the allocator or the CUDA
+    driver, or on a host that overcommits memory the first steps are killed."""
     factors: dict[torch.device, int] = {}
     state: dict[torch.device, int] = {}
     largest: dict[torch.device, tuple[int, ShapeGroup]] = {}
+    pinned = 0  # the preconditioners in use under a host placement, all pinned before any is paged to NVMe
     for group in groups:
         dims = refresh_dims(group)
         state[group.device] = state.get(group.device, 0) + moments * group.batch * 4 * math.prod(group.shape)
@@ -46,6 +48,7 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
         # The preconditioners in use, and on a GPU the start-up refreshes' results until they are installed.
         copies = 1 + (placement == "device") + (group.device.type == "cuda")
         state[group.device] += copies * nbytes
+        pinned += nbytes if placement != "device" else 0
         if max(dims) > largest.get(group.device, (0, group))[0]:
             largest[group.device] = (max(dims), group)
     for device, total in factors.items():
@@ -69,6 +72,13 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
             f"under placement {placement!r}, the moments and the start-up refreshes), and {device} can "
             f"still give {gib(available)}; a smaller max_preconditioner_dim, MemoryConfig(placement='host') "
             "(preconditioners in pinned host memory) or fewer parameters per optimizer would fit")
+    available = host_available() if pinned else None
+    if available is not None and pinned > available:
+        raise ValueError(
+            f"Invalid memory.placement={placement!r}: the preconditioners in use would take {gib(pinned)} of pinned "
+            f"host memory, and the host can give this process {gib(available)} (the least of MemAvailable, its "
+            "cgroup's limit and RLIMIT_AS); placement 'device' (on the GPU), a smaller max_preconditioner_dim, fewer "
+            "parameters per optimizer or a host with more memory would fit")
 
 
 def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int, groups: list[ShapeGroup],

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from asteria.train.checkpoint import interrupted
 from asteria.train.loop import make_optimizer, train
 from asteria.train.outdir import replacing
 from asteria.train.peers import PEERS
@@ -224,8 +225,10 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
     cfgs = {label: config_of(base, label) for label in labels}  # every config checked before the first run
     out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").unlink(missing_ok=True)  # (an earlier bench's: only this one's may be read after it)
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}  # a config the device's memory cannot hold: noted, and the others still run
+    stop: BaseException | None = None  # Ctrl-C: the configs finished before it are still compared
     for label, cfg in cfgs.items():
         message = None
         try:
@@ -233,14 +236,31 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
             train(cfg, out / label, progress=progress, overwrite=True)  # a bench regenerates its runs
         except torch.OutOfMemoryError as error:
             message = str(error)
+        except BaseException as error:
+            if not interrupted(error):
+                raise
+            stop = error
+            failed[label] = f"interrupted after {recorded_steps(out / label)} recorded steps"
+            failed.update({later: "not run (interrupted)" for later in list(cfgs)[list(cfgs).index(label) + 1:]})
+            break
         if message is not None:  # (out of the handler: the error's frames, which hold the run's tensors, are gone)
             failed[label] = out_of_memory(message, out / label)
             continue
         runs[label] = load_run(out / label)
+    if stop is not None:
+        if runs:
+            _compare(base, out, cfgs, runs, failed)
+        raise stop
     if not runs:
         raise ValueError(f"Invalid configs={list(configs)!r} for --model {base.model} at --batch-size "
                          f"{base.batch_size}: every one ran out of GPU memory ({failed}); a smaller batch, or "
                          "--placement host (the preconditioners in pinned host memory), would take less")
+    return _compare(base, out, cfgs, runs, failed)
+
+
+def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[str, Run],
+             failed: dict[str, str]) -> dict[str, Any]:
+    """Writes ``results.json``, the plots and the report of the configs in ``runs``; returns the results."""
     reference = runs.get("adamw")
     ref_profile = _profile([r["step_time"] for r in reference.records], run_warmup(reference)) if reference else None
     ref_loss = reference.summary["final_loss"] if reference else None
@@ -321,9 +341,13 @@ def out_of_memory(message: str, run: Path) -> str:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return f"out of GPU memory after {recorded_steps(run)} recorded steps: {message}"
+
+
+def recorded_steps(run: Path) -> int:
+    """The steps in ``run``'s ``metrics.jsonl`` (a config that did not finish keeps them)."""
     metrics = run / "metrics.jsonl"
-    steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-    return f"out of GPU memory after {steps} recorded steps: {message}"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 def _plot_series(runs: dict[str, Run], path: Path) -> None:

@@ -193,9 +193,25 @@ def _sha256(path: Path) -> str:
 
 def fault_point(point: str, step: int) -> None:
     """Test-only fault injection: ``ASTERIA_TEST_KILL=<point>@<step>`` SIGKILLs this process when it
-    reaches ``point`` at ``step`` (points: train-step, checkpoint-shards, checkpoint-manifest)."""
+    reaches ``point`` at ``step`` (points: train-step, checkpoint-shards, checkpoint-manifest, and under
+    torch.distributed set-up-rank<R>, where rank R is set up and its run is about to start)."""
     if os.environ.get(TEST_KILL_ENV) == f"{point}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The random states a resume on ``device`` restores: torch's CPU generator, and ``device``'s own where it is a
+    GPU (only it: the states of every visible GPU would fail a resume where fewer are visible)."""
+    return {"torch": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
+
+
+def restore_rng(rng: dict[str, Any], device: torch.device) -> None:
+    """Restores ``rng_state(device)``'s states (also those of checkpoints that kept every visible GPU's)."""
+    torch.set_rng_state(rng["torch"])
+    saved = rng["cuda"]
+    if device.type == "cuda" and saved:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_rng_state(saved[0] if len(saved) == 1 else saved[index], device)
 
 
 def rank_and_world() -> tuple[int, int]:

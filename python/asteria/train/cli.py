@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -390,7 +391,8 @@ def _main(argv: list[str] | None) -> int:
                 runs.append(args.out / cfg.label)
             print(f"report: {write_report(runs, args.out)}")
         elif args.command == "bench":
-            results = run_bench(bench_base(args), args.out, tuple(args.configs))
+            with stop_after_the_step(True):  # (Ctrl-C: the finished configs are still compared)
+                results = run_bench(bench_base(args), args.out, tuple(args.configs))
             print(format_table(results))
             print(f"results: {args.out / 'results.json'}")
             if results["failed"]:
@@ -413,6 +415,9 @@ def _main(argv: list[str] | None) -> int:
             hint = (" (pass --resume to continue from its newest checkpoint)"
                     if checkpoint.published(args.out / "checkpoints") else
                     " (no checkpoint to resume from: --overwrite starts it again)")
+        elif args.command == "bench" and (args.out / "results.json").exists():  # (this bench's: it removes older)
+            print(format_table(json.loads((args.out / "results.json").read_text())))
+            hint = f" (the configs it finished: {args.out / 'results.json'})"
         print(f"asteria: interrupted{hint}", file=sys.stderr)
         return 130
     return 0

@@ -130,11 +130,7 @@ def _restore(path: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.opti
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"Invalid checkpoint={str(path)!r}: its optimizer state does not fit this "
                               f"{type(opt).__name__}: {error}") from None
-    torch.set_rng_state(state["rng"]["torch"])
-    if run is not None and run.device.type == "cuda":
-        torch.cuda.set_rng_state(state["rng"]["cuda"][0], run.device)
-    elif torch.cuda.is_available() and state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    checkpoint.restore_rng(state["rng"], run.device if run is not None else torch.device(cfg.device))
     return state["loop"]
 
 
@@ -440,6 +436,12 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     parts = _setup(cfg, run, world, made)
     device = parts.device
     loop, resumed_from, records = _resume(cfg, out, resume, run, parts)
+    if profile_steps is not None and profile_steps[1] <= loop["step"]:
+        raise ValueError(f"Invalid profile_steps={profile_steps!r}: the run resumes after step {loop['step']}, so "
+                         "none of the range's steps would run; choose steps after it")
+    if run is not None:  # (every rank set up before an earlier run this one replaces goes)
+        checkpoint.fault_point(f"set-up-rank{run.layout.rank}", loop["step"])
+        run.barrier()
     if lead:
         settle_replaced(out, restore=False)  # set up: an earlier run this one replaces goes now
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
@@ -502,14 +504,10 @@ def _finish(cfg: RunConfig, out: Path, parts: _Parts, run: DistributedRun | None
 def _save(root: Path, cfg: RunConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
           loop: dict[str, Any], run: DistributedRun | None) -> Path:
     rank, world = checkpoint.rank_and_world()
-    if run is not None and run.device.type == "cuda":  # this rank's GPU only
-        cuda_rng = [torch.cuda.get_rng_state(run.device)]
-    else:
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     state = {
         "optimizer": opt.state_dict(),
         "loop": loop,
-        "rng": {"torch": torch.get_rng_state(), "cuda": cuda_rng},
+        "rng": checkpoint.rng_state(run.device if run is not None else torch.device(cfg.device)),
         "rank": rank,
         "world_size": world,
         "local_world_size": run.layout.local_world_size if run is not None else 1,

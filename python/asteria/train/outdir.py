@@ -58,15 +58,17 @@ def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def settle_replaced(out: Path, restore: bool) -> None:
-    """Ends ``--overwrite``'s hold on the earlier run: gives its files back (``restore``; those the new run has
-    not written again), or removes them once the new run is set up."""
+    """Ends ``--overwrite``'s hold on the earlier run: gives its files back (``restore``: the new run, not set up,
+    has written nothing of its own but its empty metrics), or removes them once the new run is set up."""
     replaced = out / REPLACED
     if not replaced.exists():
         return
     # (Several ranks sharing the folder may settle it at once: what another one moved or removed is skipped.)
     if restore:
         for path in list(replaced.iterdir()):
-            if not (out / path.name).exists():
-                with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                if not path.is_dir():  # (over what the new run wrote while being set up: its empty metrics.jsonl)
+                    path.replace(out / path.name)
+                elif not (out / path.name).exists():
                     path.rename(out / path.name)
     shutil.rmtree(replaced, ignore_errors=True)
