@@ -330,6 +330,8 @@ def test_max_bytes_reads_only_the_head_of_the_data(tmp_path, monkeypatch):
         (["train", "--steps", "4", "--profile-steps", "0", "2", "--out", "OUT"],
          "Invalid profile_steps=(0, 2): must be two steps FIRST LAST with 1 <= FIRST <= LAST <= steps (4)"),
         (["train", "--steps", "4", "--profile-steps", "3", "5", "--out", "OUT"], "Invalid profile_steps=(3, 5)"),
+        (["train", "--mode", "async", "--worker-nice", "20", "--out", "OUT"],
+         "Invalid worker_nice=20: must be an int in [0, 19]"),
         (["train", "--prefetch", "backward", "--out", "OUT"],
          "Invalid prefetch='backward': must be one of ('forward_start', 'forward_end', 'step')"),
         (["train", "--no-stagger", "--stagger-split", "--out", "OUT"],
@@ -455,6 +457,12 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         assert work["worker_ratio"] == pytest.approx(work["worker_core_seconds"] / capacity)
         assert work["device_seconds"] == 0.0 and work["device_ratio"] == 0.0  # no device lane on the CPU
         assert work["device_cpu_seconds"] is None
+        # How long the workers' jobs took from submission, and the small blocks' alone (the express workers' kind).
+        assert stats["job_mean_latency_seconds"] >= stats["job_mean_run_seconds"] > 0
+        assert stats["small_job_mean_latency_seconds"] >= stats["small_job_mean_run_seconds"] >= 0
+        assert work["job_latency"] == {key: stats[key] for key in (
+            "job_mean_latency_seconds", "job_mean_run_seconds", "small_jobs", "small_job_mean_latency_seconds",
+            "small_job_mean_run_seconds")}
     # The median step by position in the interval: 11 steps leave too few steady ones for f = 3 (steps 10-11),
     # and enough for f = 2 (steps 7-11).
     assert kl["interval_profile"] is None and adamw["interval_profile"] is None
@@ -498,6 +506,8 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table
+    latency = results["runs"]["kl-shampoo-async"]["refresh_work"]["job_latency"]["job_mean_latency_seconds"]
+    assert f"worker jobs from submission to end {1e3 * latency:.0f} ms (running " in table
     express = results["runs"]["kl-shampoo-async"]["refresh_work"]["express_workers"]
     assert (f", {express} express); device lane " in table) == (express > 0)
     (step, seconds), held = kl["slowest_steady_steps"][0], kl["slowest_steady_in_step_seconds"][0]

@@ -64,6 +64,9 @@ nb::dict pool_dict(const runtime::PoolStats& s) {
   d["max_latency_seconds"] = s.max_latency_seconds;
   d["mean_run_seconds"] = s.mean_run_seconds;
   d["max_run_seconds"] = s.max_run_seconds;
+  d["cheap_ended"] = s.cheap_ended;
+  d["cheap_mean_latency_seconds"] = s.cheap_mean_latency_seconds;
+  d["cheap_mean_run_seconds"] = s.cheap_mean_run_seconds;
   return d;
 }
 

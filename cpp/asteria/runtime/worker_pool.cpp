@@ -30,6 +30,7 @@ struct JobRecord {
   // it or the shutdown() that cancels it; so it needs no lock.
   std::function<void()> fn;
   const Clock::time_point submitted;
+  bool cheap = false;  // queued where the express workers take it (set before it is queued, then only read)
 
   std::mutex mutex;
   std::condition_variable changed;     // guarded by mutex
@@ -191,6 +192,7 @@ JobHandle WorkerPool::submit(std::int64_t deadline, std::function<void()> fn, do
     const std::uint64_t seq = next_seq_++;
     record = std::make_shared<JobRecord>(seq, deadline, std::move(fn));
     cheap = express_.count > 0 && cost <= express_.max_cost;
+    record->cheap = cheap;
     (cheap ? cheap_ : queue_).push(QueueEntry{deadline, cost, job_class, seq, record});
     stats_.submitted += 1;
     stats_.queue_depth = queue_.size() + cheap_.size();
@@ -240,6 +242,10 @@ PoolStats WorkerPool::stats() const {
   if (ended > 0) {
     out.mean_latency_seconds = latency_sum_ / static_cast<double>(ended);
     out.mean_run_seconds = (stats_.busy_seconds + stats_.express_busy_seconds) / static_cast<double>(ended);
+  }
+  if (stats_.cheap_ended > 0) {
+    out.cheap_mean_latency_seconds = cheap_latency_sum_ / static_cast<double>(stats_.cheap_ended);
+    out.cheap_mean_run_seconds = cheap_run_sum_ / static_cast<double>(stats_.cheap_ended);
   }
   return out;
 }
@@ -295,6 +301,11 @@ void WorkerPool::worker_loop(int blas_threads, bool express) {
     (express ? stats_.express_busy_seconds : stats_.busy_seconds) += run_seconds;
     stats_.max_run_seconds = std::max(stats_.max_run_seconds, run_seconds);
     latency_sum_ += latency_seconds;
+    if (record->cheap) {
+      stats_.cheap_ended += 1;
+      cheap_latency_sum_ += latency_seconds;
+      cheap_run_sum_ += run_seconds;
+    }
     stats_.max_latency_seconds = std::max(stats_.max_latency_seconds, latency_seconds);
     lock.unlock();
     settle(*record, error ? JobState::kFailed : JobState::kDone, error);

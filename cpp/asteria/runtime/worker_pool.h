@@ -61,6 +61,11 @@ struct PoolStats {
   double max_latency_seconds = 0.0;
   double mean_run_seconds = 0.0;
   double max_run_seconds = 0.0;
+  // The same for the cheap jobs alone (those the express workers may take, whichever thread ran them): where a
+  // small block's version comes late, whether it waited for a thread or ran slowly beside a costly job.
+  std::uint64_t cheap_ended = 0;
+  double cheap_mean_latency_seconds = 0.0;
+  double cheap_mean_run_seconds = 0.0;
 };
 
 // The name of every worker thread (Linux's 15-character limit): /proc/<pid>/task/<tid>/comm shows it.
@@ -158,6 +163,8 @@ class WorkerPool {
   std::uint64_t next_seq_ = 0;                                                      // guarded by mutex_
   PoolStats stats_;                                                                 // guarded by mutex_
   double latency_sum_ = 0.0;                                                        // guarded by mutex_
+  double cheap_latency_sum_ = 0.0;                                                  // guarded by mutex_
+  double cheap_run_sum_ = 0.0;                                                      // guarded by mutex_
   const std::chrono::steady_clock::time_point started_;
   // When shutdown() had joined the workers: the pool's life, over which busy_seconds is counted, ends there.
   std::optional<std::chrono::steady_clock::time_point> stopped_;  // guarded by mutex_

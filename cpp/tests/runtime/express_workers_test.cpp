@@ -64,6 +64,11 @@ TEST(ExpressWorkers, TakeACheapJobWhileEveryWorkerIsBusyAndLeaveTheCostlyOnes) {
   EXPECT_EQ(stats.express_workers, 1);
   EXPECT_EQ(stats.completed, 3u);
   EXPECT_GE(stats.express_busy_seconds, 0.0);
+  // The cheap job's own figures: counted alone, and its latency below the costly one's, which waited for the hold.
+  EXPECT_EQ(stats.cheap_ended, 1u);
+  EXPECT_GT(stats.cheap_mean_latency_seconds, 0.0);
+  EXPECT_GE(stats.cheap_mean_latency_seconds, stats.cheap_mean_run_seconds);
+  EXPECT_LT(stats.cheap_mean_latency_seconds, stats.max_latency_seconds);
 }
 
 TEST(ExpressWorkers, AWorkerTakesBothQueuesInTheOneOrder) {

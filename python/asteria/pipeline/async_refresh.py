@@ -499,6 +499,11 @@ class AsyncRefresher(WorkerRefresher):
             "jobs_queued": pool["queue_depth"],
             "job_mean_latency_seconds": pool["mean_latency_seconds"],
             "job_max_latency_seconds": pool["max_latency_seconds"],
+            "job_mean_run_seconds": pool["mean_run_seconds"],
+            # the small blocks' jobs alone (those the express workers take): waited for a thread, or ran slowly
+            "small_jobs": pool["cheap_ended"],
+            "small_job_mean_latency_seconds": pool["cheap_mean_latency_seconds"],
+            "small_job_mean_run_seconds": pool["cheap_mean_run_seconds"],
             "bytes_to_host": self._bytes_to_host,
             "bytes_to_device": self._bytes_to_device,
             "device_lane": self.lane is not None,

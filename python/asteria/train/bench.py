@@ -158,7 +158,11 @@ def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds
             "express_workers": stats.get("express_workers") or 0, "worker_core_seconds": worker,
             "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
             "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads),
-            "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals}
+            "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals,
+            # (absent from runs written before they were measured)
+            "job_latency": {key: stats.get(key) for key in (
+                "job_mean_latency_seconds", "job_mean_run_seconds", "small_jobs", "small_job_mean_latency_seconds",
+                "small_job_mean_run_seconds")}}
 
 
 # A record's host measure -> its median by position in the interval profile, that line's label, its meaning and its
@@ -430,6 +434,13 @@ def format_table(results: dict[str, Any]) -> str:
                          + f" ({w['device_ratio']:.2f}x)"
                          + (f", its threads' CPU {w['device_cpu_seconds']:.3g} s" if w.get("device_cpu_seconds")
                             else ""))
+            jobs = w.get("job_latency") or {}
+            if jobs.get("job_mean_run_seconds") is not None:
+                small = (f"; the {jobs['small_jobs']} small blocks' {1e3 * jobs['small_job_mean_latency_seconds']:.0f} "
+                         f"ms (running {1e3 * jobs['small_job_mean_run_seconds']:.0f})" if jobs["small_jobs"] else "")
+                lines.append(f"  {'':<18} worker jobs from submission to end "
+                             f"{1e3 * jobs['job_mean_latency_seconds']:.0f} ms (running "
+                             f"{1e3 * jobs['job_mean_run_seconds']:.0f}){small}")
     profiles = {label: r["interval_profile"] for label, r in results["runs"].items() if r.get("interval_profile")}
     if profiles:
         lines.append("median steady step by position in the interval (step mod f, ms; native mode refreshes at 0), "

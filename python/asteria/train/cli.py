@@ -83,6 +83,8 @@ HELP = {
     "express_workers": "CPU threads beside the workers that take only the refreshes of blocks at most half the "
                        "largest's size, preempting the workers' long roots (default: as many as the workers where "
                        "blocks are that small and the workers pinned; 0: none)",
+    "worker_nice": "the CPU workers' and the device lane's threads' Linux nice, 0..19; the express workers take half "
+                   "of it, so a higher value lets them preempt the workers' long roots more",
     "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
@@ -150,8 +152,8 @@ def stop_after_the_step(enabled: bool) -> Iterator[None]:
 # Options that only Asteria's async mode reads (native mode computes every refresh inside the step and uses
 # it there): the settings a resume ignores without it, and the workers; and those only a second-order
 # optimizer reads (AdamW ignores them all).
-ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "express_workers", "device_refresh",
-              "device_share", "device_sms", "device_threads", "device_process")
+ASYNC_ONLY = (*ASYNC_ONLY_SETTINGS, "workers", "in_flight", "queue_order", "express_workers", "worker_nice",
+              "device_refresh", "device_share", "device_sms", "device_threads", "device_process")
 SECOND_ORDER_ONLY = (*ASYNC_ONLY, "sync_refreshes", "precondition_frequency", "max_preconditioner_dim", "prefetch",
                      "start_preconditioning_step", "precondition_1d", "first_basis")
 

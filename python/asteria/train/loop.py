@@ -100,7 +100,7 @@ def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> aster
                                  else None, stagger_sets_per_step=cfg.stagger_sets_per_step,
                                  memory=memory, local_world_size=local_world_size, **(dict(
                                      in_flight=cfg.in_flight, queue_order=cfg.queue_order,
-                                     express_workers=cfg.express_workers,
+                                     express_workers=cfg.express_workers, worker_nice=cfg.worker_nice,
                                      device_refresh=cfg.device_refresh, device_share=float(cfg.device_share),
                                      device_sms=cfg.device_sms,
                                      device_threads=cfg.device_threads, device_process=cfg.device_process)

@@ -101,6 +101,7 @@ class RunConfig:
     in_flight: int = 1
     queue_order: str = "deadline"
     express_workers: int | None = None
+    worker_nice: int = 10
     device_refresh: bool | None = None
     device_share: float = 1.0
     device_sms: int | None = None
@@ -132,6 +133,7 @@ class RunConfig:
               f"must be one of {asteria.config.QUEUE_ORDERS}")
         check(self.express_workers is None or (is_int(self.express_workers) and self.express_workers >= 0),
               "express_workers", "must be None (as many as the workers) or an int >= 0")
+        check(is_int(self.worker_nice) and 0 <= self.worker_nice <= 19, "worker_nice", "must be an int in [0, 19]")
         check(self.device_sms is None or (is_int(self.device_sms) and self.device_sms >= 1), "device_sms",
               "must be None (the whole GPU) or an int >= 1")
         check(is_int(self.device_threads) and self.device_threads >= 1, "device_threads", "must be an int >= 1")
