@@ -144,11 +144,13 @@ def test_resume_of_a_finished_run_extends_it(finished, tmp_path, capsys):
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(finished), str(copy)], check=True)
     longer = [*RUN[:1], "12", *RUN[2:]]
-    # A profiled range wholly before the resume point (step 8) would capture nothing: refused, the run kept.
+    # A profiled range wholly before the resume point (step 8) would capture nothing: refused, the run untouched.
+    before = {name: (copy / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
     assert main(["train", "--out", str(copy), *longer, "--optimizer", "kl-shampoo", "--mode", "async", "--resume",
                  "--profile-steps", "2", "8"]) == 2
     assert ("Invalid profile_steps=(2, 8): the run resumes after step 8, so none of the range's steps would run"
             in capsys.readouterr().err)
+    assert {name: (copy / name).read_bytes() for name in before} == before
     assert main(["train", "--out", str(copy), *longer, "--optimizer", "kl-shampoo", "--mode", "async", "--resume"]) == 0
     steps = [s for s, _ in losses(copy)]
     assert steps == list(range(1, 13))

@@ -374,6 +374,7 @@ def test_ctrl_c_in_a_bench_still_compares_the_configs_it_finished(tmp_path):
     out = tmp_path / "bench"
     out.mkdir()
     (out / "results.json").write_text('{"runs": {"stale": {}}}')
+    (out / "report.md").write_text("an earlier bench's report")
     argv = ["bench", "--steps", "200", "--configs", "adamw", "shampoo-async", "--out", str(out), *RUN]
     code, err = interrupt_when_training(argv, out / "shampoo-async")
     assert code == 130 and "Traceback" not in err
@@ -383,6 +384,7 @@ def test_ctrl_c_in_a_bench_still_compares_the_configs_it_finished(tmp_path):
     assert 3 <= len(recorded) < 200
     assert results["failed"] == {"shampoo-async": f"interrupted after {len(recorded)} recorded steps"}
     assert f"asteria: interrupted (the configs it finished: {out / 'results.json'})" in err
+    assert "adamw" in (out / "report.md").read_text() and not (out / ".results.json.tmp").exists()
 
 
 def test_version_and_help_name_the_choices(capsys):

@@ -560,3 +560,9 @@ def test_a_checkpoint_keeps_the_random_state_of_its_runs_device_alone():
     first = torch.rand(4, device=device)
     restore_rng(saved, device)
     assert torch.equal(torch.rand(4, device=device), first)
+    # A checkpoint of the earlier format kept every visible GPU's state: the run's device's is taken by its index.
+    other = torch.cuda.get_rng_state(device)  # (the state after those draws: not the saved one)
+    states = [other] * max(2, device.index + 2)
+    states[device.index] = saved["cuda"][0]
+    restore_rng({"torch": saved["torch"], "cuda": states}, device)
+    assert torch.equal(torch.rand(4, device=device), first)

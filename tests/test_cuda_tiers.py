@@ -104,6 +104,10 @@ def test_a_host_placement_the_host_cannot_pin_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"Invalid memory.placement='host': the preconditioners in use would take .* "
                                          r"of pinned host memory, and the host can give this process 0\.00 GiB"):
         OPTIMIZERS["shampoo"](model.parameters(), runtime)
+    # Likewise where placement 'auto' would move them to the host to keep within a GPU budget.
+    budget = asteria.RuntimeConfig(workers=1, memory=asteria.MemoryConfig(gpu_budget=1))
+    with pytest.raises(ValueError, match=r"Invalid memory.gpu_budget=1: .* pinning them in host memory .* needs "):
+        OPTIMIZERS["shampoo"](model.parameters(), budget)
     monkeypatch.undo()
     with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
         assert opt.memory_report()["placement"] == "host"

@@ -121,3 +121,18 @@ def test_memory_settings_changed_after_construction_are_refused_by_name(tmp_path
     runtime.memory = None  # (a dataclass: the caller may change it after building it)
     with pytest.raises(ValueError, match=r"Invalid memory=None: must be an asteria.MemoryConfig"):
         asteria.Shampoo(torch.nn.Linear(4, 4).parameters(), runtime=runtime)
+
+
+def test_the_ranks_torchrun_starts_on_a_host_share_what_it_can_pin(monkeypatch):
+    """Each rank checks its pinned bytes at about the same time as the others: each may take its share of what the
+    host can give, not all of it."""
+    from asteria.optim import placement
+
+    monkeypatch.setattr(placement, "host_available", lambda: 4000)
+    assert placement.host_room() == (4000, "the least of MemAvailable, its cgroup's limit and RLIMIT_AS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert placement.host_room() == (1000, "the least of MemAvailable, its cgroup's limit and RLIMIT_AS, shared by "
+                                           "this host's 4 ranks")
+    monkeypatch.setattr(placement, "host_available", lambda: None)
+    assert placement.host_room()[0] is None

@@ -215,14 +215,20 @@ def test_resuming_with_a_smaller_staleness_is_refused_and_a_larger_one_works(opt
         train(model3, larger, 4)
 
 
-def test_resuming_with_a_shorter_deterministic_lag_is_refused():
-    model, opt = make(asteria.Shampoo, staleness=2, lag_steps=4)
+def test_resuming_with_a_shorter_deterministic_lag_is_refused_and_a_longer_one_loads():
+    model, opt = make(asteria.Shampoo, staleness=2, lag_steps=2)
     with opt:
         train(model, opt, 5)
         saved = opt.state_dict()
+    assert saved["refresher"]["scheduled"]  # (versions in flight, due 2 steps after their snapshots)
     _, shorter = make(asteria.Shampoo, staleness=2, lag_steps=1)
-    with shorter, pytest.raises(ValueError, match="with a lag of 4 steps, this optimizer's is 1"):
+    with shorter, pytest.raises(ValueError, match="with a lag of 2 steps, this optimizer's is 1"):
         shorter.load_state_dict(saved)
+    longer_model, longer = make(asteria.Shampoo, staleness=2, lag_steps=4)
+    with longer:  # the versions in flight stay due where they were scheduled
+        longer.load_state_dict(saved)
+        train(longer_model, longer, 6)
+        assert longer.runtime_stats()["refresh_failures"] == 0
 
 
 def test_a_checkpoint_missing_refresher_entries_is_refused_before_anything_changes():
@@ -360,8 +366,9 @@ def in_use(versions: list) -> list:
     ("async", malformed(("scheduled", 0, "version"), "2"), r"\['scheduled'\]\[0\]\['version'\]='2'"),
     ("async", malformed(("scheduled", 0, "version"), 5), r"\['version'\]=5: must be an int in \[1, 3\]"),
     ("async", malformed(("scheduled", 0, "due"), -1), r"\['scheduled'\]\[0\]\['due'\]=-1"),
-    ("async", malformed(("scheduled", 0, "due"), lambda due: due + 1),
-     r"\['scheduled'\]\[0\]\['due'\]=\d+: must be \d+, the step version \d+ of .* is due at under this schedule"),
+    ("async", malformed(("scheduled", 0, "due"), lambda due: due + 10**6),
+     r"\['scheduled'\]\[0\]\['due'\]=\d+: must be in \[\d+, \d+\]: version \d+ of .* is snapshotted at step \d+ "
+     r"under this optimizer's schedule"),
     ("async", malformed(("scheduled", 0, "request"), (1.0,)), r"\['request'\]=\(1.0,\): must be \(scale, eps"),
     ("async", malformed(("scheduled", 0, "request"), ([1.0, 2.0], 1e-8, 0.0)), r"the scale one or 1 of them"),
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t[..., :3]),

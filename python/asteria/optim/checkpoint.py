@@ -270,11 +270,15 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     check_entry(refresher, opt._refresher.STATE_KEYS, "state_dict['refresher']")
     opt._refresher.check_state(refresher)
     for k, entry in enumerate(refresher.get("scheduled") or ()):
-        if "set" in entry:  # (one process's refresher: a version of one set, due as the schedule and rule say)
-            due = opt.timeline.activation_step(entry["set"], entry["version"])
-            check_arg(entry["due"] == due, f"state_dict['refresher']['scheduled'][{k}]['due']", entry["due"],
-                      f"must be {due}, the step version {entry['version']} of {opt._refresher.sets[entry['set']].name} "
-                      "is due at under this schedule and activation rule")
+        if "set" in entry:  # (one process's refresher: a version of one set)
+            # Due at its snapshot, or the saved rule's lag after it, which is at most this one's (check_bound); a
+            # sync_refreshes that grew on resume makes the version one this rule would use at its own step.
+            snapshot = opt.timeline.snapshot_step(entry["set"], entry["version"])
+            latest = snapshot + opt._refresher.rule.lag
+            check_arg(snapshot <= entry["due"] <= latest, f"state_dict['refresher']['scheduled'][{k}]['due']",
+                      entry["due"], f"must be in [{snapshot}, {latest}]: version {entry['version']} of "
+                      f"{opt._refresher.sets[entry['set']].name} is snapshotted at step {snapshot} under this "
+                      "optimizer's schedule, and due within its activation lag after it")
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")

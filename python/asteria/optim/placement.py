@@ -13,6 +13,7 @@ from torch import Tensor
 
 from asteria.checks import check_arg
 from asteria.config import RuntimeConfig
+from asteria.cpus import local_layout
 from asteria.memory import device_available, device_capacity, gib, host_available
 from asteria.optim.groups import ShapeGroup
 from asteria.pipeline.factors import FactorSet
@@ -23,6 +24,16 @@ from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
 HOST_GROUP_BYTES = 32 * 2**20
 #: host buffers of one set's size that the NVMe tier holds per set shape (read-ahead and install scratch)
 PAGED_BUFFERS = 3
+
+
+def host_room() -> tuple[int | None, str]:
+    """The host memory this process may pin (None: not known), and what that figure is: what the host can give,
+    shared among the ranks torchrun started on this host, which pin theirs at about the same time."""
+    available = host_available()
+    ranks = local_layout()[1]
+    what = "the least of MemAvailable, its cgroup's limit and RLIMIT_AS" + (
+        f", shared by this host's {ranks} ranks" if ranks > 1 else "")
+    return (None if available is None else available // ranks), what
 
 
 def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeGroup], list[int]],
@@ -72,13 +83,13 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
             f"under placement {placement!r}, the moments and the start-up refreshes), and {device} can "
             f"still give {gib(available)}; a smaller max_preconditioner_dim, MemoryConfig(placement='host') "
             "(preconditioners in pinned host memory) or fewer parameters per optimizer would fit")
-    available = host_available() if pinned else None
+    available, what = host_room() if pinned else (None, "")
     if available is not None and pinned > available:
         raise ValueError(
             f"Invalid memory.placement={placement!r}: the preconditioners in use would take {gib(pinned)} of pinned "
-            f"host memory, and the host can give this process {gib(available)} (the least of MemAvailable, its "
-            "cgroup's limit and RLIMIT_AS); placement 'device' (on the GPU), a smaller max_preconditioner_dim, fewer "
-            "parameters per optimizer or a host with more memory would fit")
+            f"host memory, and the host can give this process {gib(available)} ({what}); placement 'device' (on the "
+            "GPU), a smaller max_preconditioner_dim, fewer parameters per optimizer or a host with more memory would "
+            "fit")
 
 
 def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int, groups: list[ShapeGroup],
@@ -103,12 +114,11 @@ def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int,
                          f"{placement!r}: device needs {device} bytes, host needs {refresh_bytes} bytes; per "
                          f"kind: host {{'refresh_buffers': {refresh_bytes}}}, nvme {{}}); the refresh buffers "
                          f"({sized_by}) stay in host memory: raise host_budget or {fewer}")
-    available = host_available()
+    available, what = host_room()
     if available is not None and refresh_bytes > available:
         raise ValueError(f"Invalid runtime={runtime!r}: the refresh buffers need {gib(refresh_bytes)} of pinned host "
-                         f"memory ({sized_by}), and the host can give this process {gib(available)} (the least of "
-                         f"MemAvailable, its cgroup's limit and RLIMIT_AS); {fewer}, or "
-                         "use a host with more memory")
+                         f"memory ({sized_by}), and the host can give this process {gib(available)} ({what}); "
+                         f"{fewer}, or use a host with more memory")
 
 
 def resolve_placement(runtime: RuntimeConfig, devices: set[torch.device]) -> str:
@@ -189,6 +199,14 @@ class Placement:
             return
         if self.memory_report()["device"]["total"] <= memory.gpu_budget:
             return
+        pinned = sum(fset.preconditioners.numel() * 4 for fset, _ in self.home_sets)
+        available, what = host_room()
+        if available is not None and pinned > available:
+            raise ValueError(
+                f"Invalid memory.gpu_budget={memory.gpu_budget}: the preconditioners in use exceed it on the GPU, and "
+                f"pinning them in host memory (placement 'auto' moves them there) needs {gib(pinned)}, where the host "
+                f"can give this process {gib(available)} ({what}); a larger gpu_budget, a smaller "
+                "max_preconditioner_dim or a host with more memory would fit")
         for fset, group in self.home_sets:
             key = next(k for k, t in group.state.items() if t is fset.preconditioners)
             group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()

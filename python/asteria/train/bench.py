@@ -32,6 +32,9 @@ CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", 
            "kl-shampoo-async")
 #: peer implementations a bench may run beside those (``asteria.train.peers``), on request
 PEER_CONFIGS = tuple(PEERS)
+#: what a bench writes beside its runs' folders
+BENCH_FILES = ("results.json", "step_time_series.png", "energy_per_step.png", "report.md", "report.json", "loss.png",
+               "step_time.png")
 
 
 def parse_config(label: str) -> tuple[str, str, int | None]:
@@ -229,7 +232,8 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
         raise ValueError(f"Invalid configs={list(configs)!r}: each config at most once")
     cfgs = {label: config_of(base, label) for label in labels}  # every config checked before the first run
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").unlink(missing_ok=True)  # (an earlier bench's: only this one's may be read after it)
+    for name in BENCH_FILES:  # an earlier bench's: only this one's may be read after it, also where it is cut short
+        (out / name).unlink(missing_ok=True)
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}  # a config the device's memory cannot hold: noted, and the others still run
     stop: BaseException | None = None  # Ctrl-C: the configs finished before it are still compared
@@ -330,7 +334,9 @@ def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[
                                       for ref in references}
     results = {"device": next(iter(runs.values())).summary["device"], "config": asdict(base), "runs": rows,
                "failed": failed, "software": software()}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    partial = out / ".results.json.tmp"  # (whole or absent: a second Ctrl-C may land while it is written)
+    partial.write_text(json.dumps(results, indent=2))
+    partial.replace(out / "results.json")
     _plot_series(runs, out / "step_time_series.png")
     _plot_energy(runs, out / "energy_per_step.png")
     write_report([out / label for label in runs], out)

@@ -418,7 +418,8 @@ def _main(argv: list[str] | None) -> int:
                     if checkpoint.published(args.out / "checkpoints") else
                     " (no checkpoint to resume from: --overwrite starts it again)")
         elif args.command == "bench" and (args.out / "results.json").exists():  # (this bench's: it removes older)
-            print(format_table(json.loads((args.out / "results.json").read_text())))
+            with contextlib.suppress(ValueError, KeyError):  # (a second Ctrl-C inside the report: the table is there)
+                print(format_table(json.loads((args.out / "results.json").read_text())))
             hint = f" (the configs it finished: {args.out / 'results.json'})"
         print(f"asteria: interrupted{hint}", file=sys.stderr)
         return 130

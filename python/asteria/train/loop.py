@@ -192,6 +192,11 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
     if cfg.checkpoint_every and (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
         raise ValueError(f"Invalid out={str(out)!r}: its 'checkpoints' is a file, where checkpoint_every="
                          f"{cfg.checkpoint_every} writes a folder of checkpoints; remove it or choose another --out")
+    newest = checkpoint.published(out / "checkpoints") if resume and out.is_dir() else []
+    resumes_after = int(newest[-1].name.split("-")[1]) if newest else 0
+    if profile_steps is not None and profile_steps[1] <= resumes_after:  # (refused before the run is touched)
+        raise ValueError(f"Invalid profile_steps={profile_steps!r}: the run resumes after step {resumes_after}, so "
+                         "none of the range's steps would run; choose steps after it")
     out.mkdir(parents=True, exist_ok=True)
     if not (overwrite and layout.rank != 0):  # rank 0 alone replaces an earlier run; the others need not look
         claim_out(out, resume, overwrite)
@@ -436,9 +441,6 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     parts = _setup(cfg, run, world, made)
     device = parts.device
     loop, resumed_from, records = _resume(cfg, out, resume, run, parts)
-    if profile_steps is not None and profile_steps[1] <= loop["step"]:
-        raise ValueError(f"Invalid profile_steps={profile_steps!r}: the run resumes after step {loop['step']}, so "
-                         "none of the range's steps would run; choose steps after it")
     if run is not None:  # (every rank set up before an earlier run this one replaces goes)
         checkpoint.fault_point(f"set-up-rank{run.layout.rank}", loop["step"])
         run.barrier()
