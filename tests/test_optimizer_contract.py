@@ -377,6 +377,8 @@ def in_use(versions: list) -> list:
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: torch.full_like(t, float("nan"))),
      r"\['snapshot'\]='tensor with non-finite values'"),
     ("async", malformed(("scheduled", 0, "snapshot"), lambda t: t.tolist()), r"\['snapshot'\]='list'"),
+    ("async", malformed(("scheduled",), lambda s: s[1:]), r"Invalid state_dict\['refresher'\]\['scheduled'\]='versions "
+     r"\[\] of .*': must be \[\d+\]: under the deterministic rule every version after the one in use"),
     ("async", malformed(("scheduled",), lambda s: (*s, s[0])), r"\['scheduled'\]\[4\]\['version'\]=3: must differ "
      r"from the other scheduled versions of .* \(listed twice\)"),
     ("async", malformed(("scheduled", 0, "version"), 2**63), r"\['version'\]=9223372036854775808: must be an int in "

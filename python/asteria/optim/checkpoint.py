@@ -302,6 +302,8 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
             raise ValueError(f"Invalid state_dict['versions'][{i}]={list(versions)}: must be at most "
                              f"{newest[i]}, the newest version of {fset.name} snapshotted "
                              "(state_dict['refresher']['newest_versions'])")
+    if opt.runtime.mode == "async" and opt.runtime.deterministic and newest is not None:
+        check_in_flight(opt, state_dict)
     for key, what in (("block_steps", "the step counts"), ("block_first_steps", "the steps of the first gradients")):
         entries = state_dict.get(key)  # None: written before blocks counted their own steps
         check_arg(entries is None or (isinstance(entries, (list, tuple)) and len(entries) == len(opt._groups)),
@@ -324,6 +326,21 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         merged = {k: v for k, v in opt.param_groups[i].items() if k != "params"} | opt.ADDED_HYPERPARAMETERS | {
             k: v for k, v in saved.items() if k != "params"}
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
+
+
+def check_in_flight(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """Under the deterministic rule every version after a set's version in use, up to its newest snapshotted, is
+    still in flight (each comes into use at its due step, which is waited for): a checkpoint missing one would hang
+    the resumed run at that step until ``timeout_s``. (Under the newest-finished rule versions may be deferred.)"""
+    refresher = state_dict["refresher"]
+    for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
+        if len(set(versions)) != 1 or not all("set" in e for e in refresher["scheduled"]):
+            continue  # (a set whose blocks differ, or another refresher's format: not this rule's to judge)
+        pending = sorted(e["version"] for e in refresher["scheduled"] if e["set"] == i)
+        expected = list(range(versions[0] + 1, refresher["newest_versions"][i] + 1))
+        check_arg(pending == expected, "state_dict['refresher']['scheduled']", f"versions {pending} of {fset.name}",
+                  f"must be {expected}: under the deterministic rule every version after the one in use "
+                  f"({versions[0]}) up to the newest snapshotted ({refresher['newest_versions'][i]}) is in flight")
 
 
 def check_precondition_1d(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
