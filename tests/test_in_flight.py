@@ -202,6 +202,10 @@ def test_a_lane_version_that_outlives_a_failed_newer_one_comes_into_use_from_its
         refresher.engine.drain(20.0)
         train(model, opt, 1, data=DATA)
         refresher.lane.drain(20.0)
+        # The next step is a refresh step: its version goes to the (slow) lane, so that it cannot come into use
+        # within that step (the workers' jobs on these small blocks end in microseconds, and one ending before the
+        # step's end was taken in, in about half the runs).
+        hold_plan(refresher, True)
         train(model, opt, 1, data=DATA)
         for fset in refresher.sets:
             assert fset.versions == [version] * fset.batch
