@@ -83,8 +83,8 @@ HELP = {
     "express_workers": "CPU threads beside the workers that take only the refreshes of blocks at most half the "
                        "largest's size, preempting the workers' long roots (default: as many as the workers where "
                        "blocks are that small and the workers pinned; 0: none)",
-    "worker_nice": "the CPU workers' and the device lane's threads' Linux nice, 0..19; the express workers take half "
-                   "of it, so a higher value lets them preempt the workers' long roots more",
+    "worker_nice": "the CPU workers' and the device lane's threads' Linux nice, 0..19 (the express workers run at "
+                   "half of it)",
     "device_refresh": "let the refresh executor compute on the GPU beside the CPU workers (default: where the "
                       "parameters are on a GPU)",
     "device_share": "the share of an interval's wall time the GPU's refresh work may fill when the workers cannot "
