@@ -8,7 +8,8 @@
 // Build (from the repository root; not part of the CMake build), one line:
 //   g++ -O3 -march=native -std=c++20 bench/express_latency.cpp -I cpp cpp/asteria/runtime/worker_pool.cpp cpp/asteria/runtime/blas_threads.cpp cpp/asteria/linalg/lapack.cpp cpp/asteria/linalg/inverse_root.cpp cpp/asteria/common/errors.cpp -lopenblas -lpthread -o /tmp/express_latency
 // Run:
-//   /tmp/express_latency W E n_large n_small K period_ms bursts     e.g. /tmp/express_latency 2 2 1536 256 8 100 20
+//   /tmp/express_latency W E n_large n_small K period_ms bursts [worker_nice express_nice]
+//   e.g. /tmp/express_latency 2 2 1536 256 8 100 20 (the nices default to the engine's: 10 and 5)
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,11 +60,13 @@ struct Result {
   double small_mean_ms, small_max_ms, large_seconds;
 };
 
+int worker_nice = 10, express_nice = 5;
+
 Result run(int workers, int express, bool shortest, int n_large, int n_small, int burst, int period_ms, int bursts,
            const std::vector<float>& large, const std::vector<float>& small) {
   const JobClass job_class = shortest ? JobClass::kBackground : JobClass::kDue;
   const double small_cost = static_cast<double>(n_small) * n_small * n_small;
-  WorkerPool pool(workers, 1, 10, {}, ExpressWorkers{express, small_cost, 5});
+  WorkerPool pool(workers, 1, worker_nice, {}, ExpressWorkers{express, small_cost, express_nice});
   const double large_cost = static_cast<double>(n_large) * n_large * n_large;
   std::vector<JobHandle> large_jobs;
   // Enough large roots to keep every worker busy over all the bursts, and beyond.
@@ -98,17 +101,21 @@ Result run(int workers, int express, bool shortest, int n_large, int n_small, in
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::fprintf(stderr, "usage: %s W E n_large n_small K period_ms bursts\n", argv[0]);
+  if (argc != 8 && argc != 10) {
+    std::fprintf(stderr, "usage: %s W E n_large n_small K period_ms bursts [worker_nice express_nice]\n", argv[0]);
     return 2;
+  }
+  if (argc == 10) {
+    worker_nice = std::atoi(argv[8]);
+    express_nice = std::atoi(argv[9]);
   }
   const int workers = std::atoi(argv[1]), express = std::atoi(argv[2]), n_large = std::atoi(argv[3]);
   const int n_small = std::atoi(argv[4]), burst = std::atoi(argv[5]), period_ms = std::atoi(argv[6]);
   const int bursts = std::atoi(argv[7]);
   const std::vector<float> large = spd(n_large, 1), small = spd(n_small, 2);
   root(small, n_small);  // (the library's first call, outside the timings)
-  std::printf("%d workers; roots of %d kept queued; bursts of %d roots of %d every %d ms, %d bursts\n", workers,
-              n_large, burst, n_small, period_ms, bursts);
+  std::printf("%d workers at nice %d (express %d); roots of %d kept queued; bursts of %d roots of %d every %d ms, "
+              "%d bursts\n", workers, worker_nice, express_nice, n_large, burst, n_small, period_ms, bursts);
   std::printf("%-22s %14s %14s %18s\n", "order", "small mean ms", "small max ms", "all jobs done, s");
   for (const auto& [name, e, shortest] : {std::tuple{"deadline", 0, false}, std::tuple{"shortest first", 0, true},
                                           std::tuple{"deadline + express", express, false}}) {
