@@ -280,7 +280,10 @@ def test_a_lane_eigenbasis_version_waits_until_no_other_version_of_its_set_is_on
         monkeypatch.setattr(async_refresh.AsyncRefresher, "_install_from_lane", install)
         hold_plan(refresher, True)
         version = max(refresher._newest_versions) + 1
+        refresher.engine.drain(20.0)  # (v - 1, on the workers, ended: v is not deferred behind it)
         train_until(model, opt, version)  # v of each set on the lane, held before it ends
+        for fset in refresher.sets:  # (computed before v + 1 comes due: a version still queued then is superseded)
+            assert computed[(fset.name, version)].wait(20.0)
         deferred = opt.runtime_stats()["refreshes_deferred"]
         train(model, opt, 1, data=DATA)  # v + 1 comes due
         later = [fset.name for index, fset in enumerate(refresher.sets) if (index, version + 1) in refresher._lane_of]
