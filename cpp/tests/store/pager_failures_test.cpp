@@ -17,6 +17,7 @@
 #include "asteria/common/errors.h"
 #include "asteria/store/pager.h"
 #include "asteria/store/pager_files.h"
+#include "temp_dir.h"
 
 namespace asteria::store {
 namespace {
@@ -47,15 +48,6 @@ class FileSizeLimit {
 
 class PagerFailures : public ::testing::TestWithParam<IoModeRequest> {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/asteria_pager_failures_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
   std::unique_ptr<Pager> make(bool keep_files, std::size_t record_bytes = 8000) {
     pool_.assign(record_bytes, std::byte{0});
     PagerConfig config;
@@ -76,7 +68,8 @@ class PagerFailures : public ::testing::TestWithParam<IoModeRequest> {
     }
     return "";
   }
-  std::string dir_;
+  test_support::TempDir temp_{"asteria_pager_failures"};
+  const std::string dir_ = temp_.path();
   std::vector<std::byte> pool_;
 };
 
@@ -142,9 +135,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, PagerFailures, ::testing::Values(IoModeRequest::
 // before (here: removed and made anew between the open and the flock, as a closing pager and a new one would) must
 // not count: the lock held is on the file the path names, and the next taker finds it busy.
 TEST(PagerLock, ALockFileReplacedBeforeItIsLockedIsLockedAgain) {
-  char tmpl[] = "/tmp/asteria_pager_lock_XXXXXX";
-  ASSERT_NE(::mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl, path = dir + "/.astp.lock";
+  const test_support::TempDir dir("asteria_pager_lock");
+  const std::string path = dir.path() + "/.astp.lock";
   int opens = 0;
   const detail::FileLock lock = detail::lock_file(path, [&] {
     if (++opens > 1) return;
@@ -154,6 +146,7 @@ TEST(PagerLock, ALockFileReplacedBeforeItIsLockedIsLockedAgain) {
     ::close(fd);
   });
   ASSERT_GE(lock.fd, 0) << detail::errno_text(lock.error);
+  const detail::FdGuard held_lock{lock.fd};
   EXPECT_EQ(opens, 2);
   EXPECT_FALSE(lock.created);  // (the second open found the file the other taker made)
   struct stat held {}, named {};
@@ -163,9 +156,6 @@ TEST(PagerLock, ALockFileReplacedBeforeItIsLockedIsLockedAgain) {
   const detail::FileLock second = detail::lock_file(path);
   EXPECT_TRUE(second.busy);
   EXPECT_EQ(second.fd, -1);
-  ::close(lock.fd);
-  std::error_code ec;
-  fs::remove_all(dir, ec);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "asteria/common/errors.h"
 #include "asteria/store/page_format.h"
+#include "temp_dir.h"
 
 namespace asteria::store {
 namespace {
@@ -57,16 +58,6 @@ void flip_byte(const std::string& path, std::uint64_t offset) {
 
 class PagerTest : public ::testing::TestWithParam<IoModeRequest> {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/asteria_pager_test_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    root_ = tmpl;
-    dir_ = root_ + "/pages";  // the pager creates it, so it also removes it
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
 
   std::unique_ptr<Pager> make(std::size_t record_bytes, std::size_t buffers, int io_threads = 2,
                               bool keep_files = false) {
@@ -90,7 +81,9 @@ class PagerTest : public ::testing::TestWithParam<IoModeRequest> {
     return pool_.data() + index * pager.record_bytes();
   }
 
-  std::string root_, dir_;
+  test_support::TempDir temp_{"asteria_pager_test"};
+  const std::string root_ = temp_.path();
+  const std::string dir_ = root_ + "/pages";  // the pager creates it, so it also removes it
   std::vector<std::byte> pool_;
 };
 
