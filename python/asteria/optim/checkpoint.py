@@ -269,16 +269,6 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     refresher = state_dict["refresher"]
     check_entry(refresher, opt._refresher.STATE_KEYS, "state_dict['refresher']")
     opt._refresher.check_state(refresher)
-    for k, entry in enumerate(refresher.get("scheduled") or ()):
-        if "set" in entry:  # (one process's refresher: a version of one set)
-            # Due at its snapshot, or the saved rule's lag after it, which is at most this one's (check_bound); a
-            # sync_refreshes that grew on resume makes the version one this rule would use at its own step.
-            snapshot = opt.timeline.snapshot_step(entry["set"], entry["version"])
-            latest = snapshot + opt._refresher.rule.lag
-            check_arg(snapshot <= entry["due"] <= latest, f"state_dict['refresher']['scheduled'][{k}]['due']",
-                      entry["due"], f"must be in [{snapshot}, {latest}]: version {entry['version']} of "
-                      f"{opt._refresher.sets[entry['set']].name} is snapshotted at step {snapshot} under this "
-                      "optimizer's schedule, and due within its activation lag after it")
     for i, (saved, group) in enumerate(zip(state_dict["groups"], opt._groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Invalid state_dict['groups'][{i}]={type(saved).__name__}: must be a dict of tensors")
@@ -302,8 +292,7 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
             raise ValueError(f"Invalid state_dict['versions'][{i}]={list(versions)}: must be at most "
                              f"{newest[i]}, the newest version of {fset.name} snapshotted "
                              "(state_dict['refresher']['newest_versions'])")
-    if opt.runtime.mode == "async" and opt.runtime.deterministic and newest is not None:
-        check_in_flight(opt, state_dict)
+    check_scheduled_steps(opt, state_dict)
     for key, what in (("block_steps", "the step counts"), ("block_first_steps", "the steps of the first gradients")):
         entries = state_dict.get(key)  # None: written before blocks counted their own steps
         check_arg(entries is None or (isinstance(entries, (list, tuple)) and len(entries) == len(opt._groups)),
@@ -328,15 +317,30 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
 
 
-def check_in_flight(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
-    """Under the deterministic rule every version after a set's version in use, up to its newest snapshotted, is
-    still in flight (each comes into use at its due step, which is waited for): a checkpoint missing one would hang
-    the resumed run at that step until ``timeout_s``. (Under the newest-finished rule versions may be deferred.)"""
+def check_scheduled_steps(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
+    """The refreshes in flight of one process's refresher (each entry a version of one set) against this optimizer's
+    timeline: each is due at its snapshot step or within the activation lag after it (the saved rule's lag, at most
+    this one's: ``check_bound``; a ``sync_refreshes`` that grew makes it one used at its own step), and under the
+    deterministic rule every version after a set's version in use, up to its newest snapshotted, is among them (each
+    is waited for at its due step: a checkpoint missing one would hang the resumed run there until ``timeout_s``;
+    under the newest-finished rule versions may be deferred)."""
     refresher = state_dict["refresher"]
+    scheduled = refresher.get("scheduled") or ()
+    if any("set" not in entry for entry in scheduled):  # (the distributed refresher's format: per version)
+        return
+    for k, entry in enumerate(scheduled):
+        snapshot = opt.timeline.snapshot_step(entry["set"], entry["version"])
+        latest = snapshot + opt._refresher.rule.lag
+        check_arg(snapshot <= entry["due"] <= latest, f"state_dict['refresher']['scheduled'][{k}]['due']",
+                  entry["due"], f"must be in [{snapshot}, {latest}]: version {entry['version']} of "
+                  f"{opt._set_groups[entry['set']][0].name} is snapshotted at step {snapshot} under this "
+                  "optimizer's schedule, and due within its activation lag after it")
+    if not (opt.runtime.mode == "async" and opt.runtime.deterministic and "newest_versions" in refresher):
+        return
     for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
-        if len(set(versions)) != 1 or not all("set" in e for e in refresher["scheduled"]):
-            continue  # (a set whose blocks differ, or another refresher's format: not this rule's to judge)
-        pending = sorted(e["version"] for e in refresher["scheduled"] if e["set"] == i)
+        if len(set(versions)) != 1:  # (a set whose blocks differ: not this rule's to judge)
+            continue
+        pending = sorted(entry["version"] for entry in scheduled if entry["set"] == i)
         expected = list(range(versions[0] + 1, refresher["newest_versions"][i] + 1))
         check_arg(pending == expected, "state_dict['refresher']['scheduled']", f"versions {pending} of {fset.name}",
                   f"must be {expected}: under the deterministic rule every version after the one in use "
