@@ -36,6 +36,15 @@ def host_room() -> tuple[int | None, str]:
     return (None if available is None else available // ranks), what
 
 
+def check_pinned(need: int, refused: str, fewer: str) -> None:
+    """Refuses (``ValueError``) ``need`` bytes of pinned host memory beyond ``host_room()``: ``refused`` says which
+    setting asks for them and what they are ("Invalid ...: the ... need"), ``fewer`` what takes less."""
+    available, what = host_room()
+    if available is not None and need > available:
+        raise ValueError(f"{refused} {gib(need)} of pinned host memory, and the host can give this process "
+                         f"{gib(available)} ({what}); {fewer}")
+
+
 def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeGroup], list[int]],
                         moments: int, placement: str, max_preconditioner_dim: int) -> None:
     """Refuses, before anything is allocated, a blocking whose state does not fit its device: the factors
@@ -83,13 +92,10 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
             f"under placement {placement!r}, the moments and the start-up refreshes), and {device} can "
             f"still give {gib(available)}; a smaller max_preconditioner_dim, MemoryConfig(placement='host') "
             "(preconditioners in pinned host memory) or fewer parameters per optimizer would fit")
-    available, what = host_room() if pinned else (None, "")
-    if available is not None and pinned > available:
-        raise ValueError(
-            f"Invalid memory.placement={placement!r}: the preconditioners in use would take {gib(pinned)} of pinned "
-            f"host memory, and the host can give this process {gib(available)} ({what}); placement 'device' (on the "
-            "GPU), a smaller max_preconditioner_dim, fewer parameters per optimizer or a host with more memory would "
-            "fit")
+    if pinned:
+        check_pinned(pinned, f"Invalid memory.placement={placement!r}: the preconditioners in use would take",
+                     "placement 'device' (on the GPU), a smaller max_preconditioner_dim, fewer parameters per "
+                     "optimizer or a host with more memory would fit")
 
 
 def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int, groups: list[ShapeGroup],
@@ -114,11 +120,8 @@ def check_host_memory(runtime: RuntimeConfig, interval: int, refresh_bytes: int,
                          f"{placement!r}: device needs {device} bytes, host needs {refresh_bytes} bytes; per "
                          f"kind: host {{'refresh_buffers': {refresh_bytes}}}, nvme {{}}); the refresh buffers "
                          f"({sized_by}) stay in host memory: raise host_budget or {fewer}")
-    available, what = host_room()
-    if available is not None and refresh_bytes > available:
-        raise ValueError(f"Invalid runtime={runtime!r}: the refresh buffers need {gib(refresh_bytes)} of pinned host "
-                         f"memory ({sized_by}), and the host can give this process {gib(available)} ({what}); "
-                         f"{fewer}, or use a host with more memory")
+    check_pinned(refresh_bytes, f"Invalid runtime={runtime!r}: the refresh buffers ({sized_by}) need",
+                 f"{fewer}, or use a host with more memory")
 
 
 def resolve_placement(runtime: RuntimeConfig, devices: set[torch.device]) -> str:
@@ -199,14 +202,10 @@ class Placement:
             return
         if self.memory_report()["device"]["total"] <= memory.gpu_budget:
             return
-        pinned = sum(fset.preconditioners.numel() * 4 for fset, _ in self.home_sets)
-        available, what = host_room()
-        if available is not None and pinned > available:
-            raise ValueError(
-                f"Invalid memory.gpu_budget={memory.gpu_budget}: the preconditioners in use exceed it on the GPU, and "
-                f"pinning them in host memory (placement 'auto' moves them there) needs {gib(pinned)}, where the host "
-                f"can give this process {gib(available)} ({what}); a larger gpu_budget, a smaller "
-                "max_preconditioner_dim or a host with more memory would fit")
+        check_pinned(sum(fset.preconditioners.numel() * 4 for fset, _ in self.home_sets),
+                     f"Invalid memory.gpu_budget={memory.gpu_budget}: the preconditioners in use exceed it on the GPU, "
+                     "and pinning them in host memory (placement 'auto' moves them there) needs",
+                     "a larger gpu_budget, a smaller max_preconditioner_dim or a host with more memory would fit")
         for fset, group in self.home_sets:
             key = next(k for k, t in group.state.items() if t is fset.preconditioners)
             group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
