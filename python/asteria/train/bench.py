@@ -237,7 +237,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}  # a config the device's memory cannot hold: noted, and the others still run
     stop: BaseException | None = None  # Ctrl-C: the configs finished before it are still compared
-    for label, cfg in cfgs.items():
+    for position, (label, cfg) in enumerate(cfgs.items()):
         message = None
         try:
             replacing(out / label)
@@ -249,7 +249,7 @@ def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, pr
                 raise
             stop = error
             failed[label] = f"interrupted after {recorded_steps(out / label)} recorded steps"
-            failed.update({later: "not run (interrupted)" for later in list(cfgs)[list(cfgs).index(label) + 1:]})
+            failed.update({later: "not run (interrupted)" for later in list(cfgs)[position + 1:]})
             break
         if message is not None:  # (out of the handler: the error's frames, which hold the run's tensors, are gone)
             failed[label] = out_of_memory(message, out / label)

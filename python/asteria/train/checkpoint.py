@@ -325,6 +325,12 @@ def published(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
 
 
+def named_step(path: Path) -> int | None:
+    """The step a published checkpoint's folder name says (``step-<9 digits>``; None for any other name)."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def discard_partial(root: Path) -> list[Path]:
     """Removes checkpoints that were being written when a run stopped; returns what it removed."""
     if not root.is_dir():
@@ -358,7 +364,7 @@ def verify(path: Path) -> Manifest:
                                          f"says {entry.size} (truncated or corrupt)")
         if _sha256(file) != entry.sha256:
             raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: {name} fails its SHA-256 check (corrupt)")
-    if _STEP_DIR.match(path.name) and int(path.name[5:]) != manifest.step:
+    if named_step(path) not in (None, manifest.step):
         raise CorruptCheckpointError(f"Invalid checkpoint={str(path)!r}: manifest says step {manifest.step}")
     return manifest
 

@@ -193,7 +193,7 @@ def train(cfg: RunConfig, out: Path, progress: bool = True, resume: bool = False
         raise ValueError(f"Invalid out={str(out)!r}: its 'checkpoints' is a file, where checkpoint_every="
                          f"{cfg.checkpoint_every} writes a folder of checkpoints; remove it or choose another --out")
     newest = checkpoint.published(out / "checkpoints") if resume and out.is_dir() else []
-    resumes_after = int(newest[-1].name.split("-")[1]) if newest else 0
+    resumes_after = checkpoint.named_step(newest[-1]) if newest else 0
     if profile_steps is not None and profile_steps[1] <= resumes_after:  # (refused before the run is touched)
         raise ValueError(f"Invalid profile_steps={profile_steps!r}: the run resumes after step {resumes_after}, so "
                          "none of the range's steps would run; choose steps after it")
