@@ -217,18 +217,21 @@ def test_two_lane_versions_of_a_set_coming_into_use_at_once_each_install_their_b
     """Shampoo, f = 1: lane versions v and v + 1 of every set end before the same activation, and v + 1 is not
     usable for block 0. Block 0 then comes to use v and block 1 v + 1, each from its own result (the install took
     one version per set, and the step raised)."""
-    model, opt = make("shampoo", frequency=1, staleness=3)
+    model, opt = make("shampoo", frequency=1, staleness=8)
     local, real = lane_versions(monkeypatch), device_lane.refresh_set
     with opt:
         refresher = opt._refresher
         train(model, opt, 5, data=DATA)
         hold_plan(refresher, True)
-        version = max(refresher._newest_versions) + 1
+        train(model, opt, 3, data=DATA)  # (the sets' versions on the lane, all ended: none left for the
+        refresher.engine.drain(20.0)  # staleness bound to wait for while the lane's lock is held below, where
+        refresher.lane.drain(20.0)  # versions deferred meanwhile move the bound on: S = 8 leaves it room)
+        versions: dict[str, list[int]] = {}  # per set, v and v + 1: the first two versions it has queued on the lane
         computed = {}
 
         def refresh(fset, *args, **kwargs):
             refreshed = real(fset, *args, **kwargs)
-            if local.version == version + 1:  # (block 0's factor as if not finite)
+            if local.version == versions[fset.name][1]:  # (block 0's factor as if not finite)
                 refreshed.new[0] = float("nan")
                 refreshed.usable[0] = False
             computed[(fset.name, local.version)] = refreshed.new.clone()
@@ -236,13 +239,21 @@ def test_two_lane_versions_of_a_set_coming_into_use_at_once_each_install_their_b
 
         monkeypatch.setattr(device_lane, "refresh_set", refresh)
         with refresher.lane._lock:  # (the training thread takes it again; the lane's thread waits: both queue)
-            train_until(model, opt, version + 1)
+            # (which versions: under the lock, until two of each set queue; a set's version may be deferred
+            # behind its versions still unsettled)
+            def queued(index: int) -> list[int]:
+                return sorted(job.version for job in refresher.lane._jobs if job.index == index)
+
+            while not all(len(queued(index)) >= 2 for index in range(len(refresher.sets))):
+                train(model, opt, 1, data=DATA)
+            versions.update({fset.name: queued(index)[:2] for index, fset in enumerate(refresher.sets)})
         refresher.lane.drain(20.0)
         train(model, opt, 1, data=DATA)
         for fset in refresher.sets:
-            assert fset.versions == [version, version + 1]
-            assert torch.equal(fset.preconditioners[0], computed[(fset.name, version)][0])
-            assert torch.equal(fset.preconditioners[1], computed[(fset.name, version + 1)][1])
+            first, second = versions[fset.name]
+            assert fset.versions == [first, second]
+            assert torch.equal(fset.preconditioners[0], computed[(fset.name, first)][0])
+            assert torch.equal(fset.preconditioners[1], computed[(fset.name, second)][1])
         assert opt.runtime_stats()["refresh_failures"] == len(refresher.sets)  # block 0 of v + 1, per set
 
 
