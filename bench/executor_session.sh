@@ -93,7 +93,8 @@ if has cuda; then
   # (written as it runs, so that a call cut off at its limit still brings back how far it got; a test that
   # hangs prints every thread's stack after 120 s)
   run python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/test_cuda.py \
-    tests/test_cuda_tiers.py tests/test_pager.py tests/test_lane_segments.py tests/distributed/test_cuda_distributed.py \
+    tests/test_cuda_tiers.py tests/test_meters.py tests/test_pager.py tests/test_lane_segments.py \
+    tests/distributed/test_cuda_distributed.py \
     > "$OUT/cuda.txt" 2>&1
   tail -25 "$OUT/cuda.txt"
   summary=$(grep -E "^=+ .* in [0-9.]+s" "$OUT/cuda.txt" | tail -1)  # (-v names tests with "error" in them)

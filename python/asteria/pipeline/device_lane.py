@@ -177,13 +177,16 @@ class DeviceLane:
         """``device_refresh_seconds``: the jobs' seconds summed over the threads; ``device_busy_fraction``: that
         over the threads' whole life (each thread's wall time since the start, until ``close``);
         ``device_cpu_seconds``: the CPU time the threads' jobs took (near their seconds where a thread spins
-        while its GPU work runs, and far below where it sleeps)."""
+        while its GPU work runs, and far below where it sleeps); ``device_process_ids``: the lane's processes
+        (their GPU memory is theirs, not the training process's)."""
         with self._lock:
             end = time.monotonic() if self._stopped is None else self._stopped  # the busy fraction of the lane's life
             wall = max(end - self._started, 1e-9) * self.threads
             return {"device_refresh_seconds": self._busy_seconds, "device_busy_fraction": self._busy_seconds / wall,
                     "device_jobs_queued": len(self._jobs), "device_threads": self.threads,
-                    "device_cpu_seconds": self._cpu_seconds}
+                    "device_cpu_seconds": self._cpu_seconds,
+                    "device_process_ids": [child.proc.pid for child in self.processes.values()
+                                           if child.proc is not None]}
 
     def slot_bytes(self) -> int:
         """The bytes of the slots shared with the lane's processes (on their devices; none without them)."""

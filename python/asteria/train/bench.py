@@ -297,6 +297,7 @@ def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[
             "gpu_max_step_seconds": gpu["max"] if gpu else None,
             "gpu_max_over_median": gpu["max_over_median"] if gpu else None,
             "peak_gpu_bytes": peak_gpu_bytes(s),
+            "peak_gpu_process_bytes": s.get("peak_gpu_process_bytes"),
             "energy_joules_per_step": s["energy_joules_per_step"],
             "energy_device": s.get("energy_device"),
             "max_staleness_seen": stats.get("max_staleness_seen", 0 if stats else None),
@@ -397,11 +398,13 @@ def format_table(results: dict[str, Any]) -> str:
     meters = sorted({r["energy_device"] for r in results["runs"].values() if r.get("energy_device")})
     lines = [f"device: {results['device']}" + (f"; energy read from NVML GPU {', '.join(meters)}" if meters else ""),
              f"{'config':<18} {'loss':>7} {'val':>7} {'mean ms':>8} {'median':>8} {'max ms':>8} {'max/med':>8} "
-             f"{'gpu med':>8} {'mean/adamw':>10} {'J/step':>8} {'J/adamw':>8} {'peak GB':>8} {'waits':>6} "
-             f"{'dropped':>7} {'delay':>6} {'to adamw s':>10}"]
+             f"{'gpu med':>8} {'mean/adamw':>10} {'J/step':>8} {'J/adamw':>8} {'peak GB':>8} {'proc GB':>8} "
+             f"{'waits':>6} {'dropped':>7} {'delay':>6} {'to adamw s':>10}"]
     for label, r in results["runs"].items():
         energy = f"{r['energy_joules_per_step']:.2f}" if r["energy_joules_per_step"] else "n/a"
         peak = f"{r['peak_gpu_bytes'] / 2**30:.2f}" if r["peak_gpu_bytes"] else "n/a"
+        process = r.get("peak_gpu_process_bytes")  # (absent from results written before it was measured)
+        process = f"{process / 2**30:.2f}" if process else "n/a"
         gpu = f"{1e3 * r['gpu_median_step_seconds']:.1f}" if r["gpu_median_step_seconds"] else "n/a"
         vs = f"{r['mean_step_vs_adamw']:.2f}x" if r.get("mean_step_vs_adamw") else "n/a"
         energy_vs = f"{r['energy_vs_adamw']:.3f}x" if "energy_vs_adamw" in r else "n/a"
@@ -414,9 +417,10 @@ def format_table(results: dict[str, Any]) -> str:
         mean = "n/a" if mean is None else f"{1e3 * mean:.1f}"
         reached = r.get("wall_to_adamw_loss_seconds")
         reached = "-" if reached is None else f"{reached:.1f}"
+        waits = r["waits"] if r["waits"] is not None else "-"
         lines.append(f"{label:<18} {r['final_loss']:>7.4f} {val:>7} {mean:>8} {1e3 * r['median_step_seconds']:>8.1f} "
                      f"{1e3 * r['max_step_seconds']:>8.1f} {r['max_over_median']:>8.2f} {gpu:>8} {vs:>10} "
-                     f"{energy:>8} {energy_vs:>8} {peak:>8} {r['waits'] if r['waits'] is not None else '-':>6} "
+                     f"{energy:>8} {energy_vs:>8} {peak:>8} {process:>8} {waits:>6} "
                      f"{dropped:>7} {delay:>6} {reached:>10}")
     for label, why in results.get("failed", {}).items():
         lines.append(f"{label:<18} {why}")
@@ -424,7 +428,8 @@ def format_table(results: dict[str, Any]) -> str:
                  "superseded or deferred; delay: the mean number of steps by which a version's first use comes after "
                  "native mode's (0 for native mode itself); to adamw s: training wall clock to AdamW's final loss "
                  "(10-step mean); peak GB: the training process's peak allocation, and what the device lane's process "
-                 "held")
+                 "held; proc GB: what the driver gave the run's processes at the steps' ends, their CUDA contexts and "
+                 "allocator pools included (NVML; n/a where it does not list them)")
     work = {label: r["refresh_work"] for label, r in results["runs"].items() if r.get("refresh_work")}
     if work:
         pace = "AdamW's mean step" if next(iter(work.values()))["pace"] == "adamw" else "each run's own mean step"

@@ -31,7 +31,7 @@ from asteria.train.distributed import (
     local_optimizer_state_to_dtensors,
     resolve_layout,
 )
-from asteria.train.meters import EnergyMeter, StepTimer, rss_bytes, thread_sched
+from asteria.train.meters import EnergyMeter, ProcessMemoryMeter, StepTimer, rss_bytes, thread_sched
 from asteria.train.model import build_model, decoder_layers, next_token_loss, parameter_count
 from asteria.train.outdir import claim_out, settle_replaced
 from asteria.train.peers import ASTERIA_CLASSES, PEERS, betas_with, make_peer
@@ -449,6 +449,8 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
     writer = (SummaryWriter(str(out / "tensorboard"), purge_step=loop["step"] + 1 if resumed_from else None)
               if lead else None)
     energy, timer = EnergyMeter(device), StepTimer(device)
+    helpers = parts.opt.runtime_stats().get("device_process_ids", []) if hasattr(parts.opt, "runtime_stats") else []
+    gpu_memory = ProcessMemoryMeter(device, helpers)
     profiler = StepProfiler(profile_steps, out, run.layout.rank if run is not None else 0, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -465,6 +467,8 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
                 cursor += cfg.batch_size * world
                 wall += measured["step_time"]
                 record = _record(cfg, parts, run, step, wall, measured)
+                if (used := gpu_memory.read()) is not None:
+                    record["gpu_process_bytes"] = used
                 _log(record, log, writer, bar)
                 records.append(record)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -541,6 +545,8 @@ def _summary(cfg: RunConfig, device: torch.device, records: list[dict[str, Any]]
         "energy_joules_per_step": statistics.fmean(energies) if energies and len(energies) == len(records) else None,
         "energy_joules_total": sum(energies) if energies and len(energies) == len(records) else None,
         "peak_gpu_bytes": max((r.get("gpu_peak_bytes", 0) for r in records), default=0) or None,
+        # (the driver's view: the run's processes' contexts and allocator pools, as of each step's end)
+        "peak_gpu_process_bytes": max((r.get("gpu_process_bytes", 0) for r in records), default=0) or None,
         "runtime_stats": opt.runtime_stats() if hasattr(opt, "runtime_stats") else {},
         "memory_report": opt.memory_report() if hasattr(opt, "memory_report") else {},
     }

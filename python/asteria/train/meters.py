@@ -1,9 +1,11 @@
 """What a training step costs beyond wall time: GPU time (CUDA events), energy (NVML's total-energy
-counter) and peak GPU memory. Each meter reads nothing, and says so, where its source is absent."""
+counter) and the GPU memory the driver gave the run's processes. Each meter reads nothing, and says so, where its
+source is absent."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -58,6 +60,40 @@ def nvml_handle(pynvml, index: int):  # noqa: ANN001, ANN201 (pynvml has no type
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
     physical = int(visible[index]) if index < len(visible) and visible[index].strip().isdigit() else index
     return pynvml.nvmlDeviceGetHandleByIndex(physical)
+
+
+class ProcessMemoryMeter:
+    """The GPU memory the driver gives this process and its helpers (the device lane's process), from NVML's list
+    of the GPU's compute processes: their CUDA contexts and their allocators' pools, which torch's counters of
+    this process's allocations leave out. Reads None where NVML cannot list this process (no NVML, a driver that
+    does not count per process, or a PID namespace apart from the driver's, as in some containers)."""
+
+    def __init__(self, device: torch.device, helpers: Iterable[int] = ()) -> None:
+        self.handle = None
+        self.pids = {os.getpid(), *helpers}
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.handle = nvml_handle(pynvml, index)
+            self._list = pynvml.nvmlDeviceGetComputeRunningProcesses
+        except Exception:  # no NVML or no permission: not reported
+            self.handle = None
+
+    def read(self) -> int | None:
+        """The bytes the driver gives the processes now; None where it lists neither this process nor its usage."""
+        if self.handle is None:
+            return None
+        try:
+            used = {process.pid: process.usedGpuMemory for process in self._list(self.handle)}
+        except Exception:  # (a driver error mid-run: this reading only)
+            return None
+        if used.get(os.getpid()) is None:  # (not listed, or NVML's "not available")
+            return None
+        return sum(used.get(pid) or 0 for pid in self.pids)
 
 
 class StepTimer:

@@ -1,0 +1,57 @@
+"""The GPU memory meter of a run's processes (``train.meters.ProcessMemoryMeter``): the training process's and the
+device lane's, contexts included, as the driver lists them."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import asteria
+from asteria.train.meters import ProcessMemoryMeter
+
+
+def listed(meter: ProcessMemoryMeter, processes: dict[int, int | None]) -> ProcessMemoryMeter:
+    """``meter`` reading ``processes`` (pid: bytes, None where NVML has no figure) as NVML's list of the GPU's."""
+    meter.handle = object()
+    meter._list = lambda handle: [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in processes.items()]
+    return meter
+
+
+def test_without_a_gpu_the_meter_reads_nothing():
+    assert ProcessMemoryMeter(torch.device("cpu"), [12345]).read() is None
+
+
+def test_the_meter_sums_this_process_and_its_helpers_and_no_other():
+    """A helper not (yet) listed counts nothing; another process on the GPU is not the run's."""
+    me, helper, stranger = os.getpid(), os.getpid() + 1, os.getpid() + 2
+    meter = listed(ProcessMemoryMeter(torch.device("cpu"), [helper]), {me: 3 << 20, helper: 5 << 20, stranger: 1 << 30})
+    assert meter.read() == 8 << 20
+    assert listed(meter, {me: 3 << 20, stranger: 1 << 30}).read() == 3 << 20
+
+
+@pytest.mark.parametrize("own", ["absent", "not available"])
+def test_the_meter_reads_nothing_where_the_driver_does_not_list_this_process(own):
+    """In a PID namespace apart from the driver's, NVML lists other numbers; some drivers give no figure."""
+    helper = os.getpid() + 1
+    processes = {helper: 5 << 20} | ({} if own == "absent" else {os.getpid(): None})
+    assert listed(ProcessMemoryMeter(torch.device("cpu"), [helper]), processes).read() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_meter_counts_the_device_lanes_process_beside_the_training_processes_pool():
+    """What the driver gives the training process covers its allocator's pool; the lane's process (a CUDA context
+    and slots of its own) adds to it, which torch's counters of this process leave out."""
+    device = torch.device("cuda")
+    model = torch.nn.Linear(256, 256, device=device)
+    runtime = asteria.RuntimeConfig(device_refresh=True, device_process=True)
+    with asteria.Shampoo(list(model.named_parameters()), lr=0.01, runtime=runtime) as opt:
+        helpers = opt.runtime_stats()["device_process_ids"]
+        assert len(helpers) == 1
+        alone, run = ProcessMemoryMeter(device), ProcessMemoryMeter(device, helpers)
+        if alone.read() is None:
+            pytest.skip("NVML does not list this process (no NVML, or a PID namespace apart from the driver's)")
+        assert alone.read() >= torch.cuda.memory_reserved(device)
+        assert run.read() > alone.read()
