@@ -111,3 +111,30 @@ def test_a_host_placement_the_host_cannot_pin_is_refused_by_name(monkeypatch):
     monkeypatch.undo()
     with OPTIMIZERS["shampoo"](model.parameters(), runtime) as opt:
         assert opt.memory_report()["placement"] == "host"
+
+
+def test_the_nvme_tier_pins_only_the_preconditioners_it_leaves_on_the_host(tmp_path):
+    """Under a host budget the NVMe tier takes most sets: they are never pinned (before, every preconditioner was
+    pinned at first and the tier's share let go after), and those left on the host are. Measured by the pinned
+    allocator's peak of bytes handed out while each optimizer is built."""
+    model = small_mlp(sizes=(64,) * 9).cuda()  # eight 64 x 64 layers: sixteen sets of one 64 x 64 root
+
+    def build(**memory) -> tuple[asteria.Shampoo, int]:
+        torch.cuda.reset_peak_host_memory_stats()
+        before = torch.cuda.host_memory_stats()["active_bytes.current"]
+        runtime = asteria.RuntimeConfig(workers=1, device_refresh=False, memory=asteria.MemoryConfig(
+            placement="host", group_bytes=64 * 64 * 4, **memory))
+        opt = asteria.Shampoo(model.parameters(), max_preconditioner_dim=64, runtime=runtime)
+        return opt, torch.cuda.host_memory_stats()["active_bytes.peak"] - before
+
+    whole, pinned_whole = build()
+    with whole:
+        budget = whole.memory_report()["host"]["total"] - 10 * 64 * 64 * 4  # ten sets' worth too many
+    paged, pinned_paged = build(nvme_dir=str(tmp_path), host_budget=budget)
+    with paged:
+        report = paged.memory_report()
+        on_nvme = sum(len(keys) for keys in paged._placement.paged_keys.values())
+        assert on_nvme >= 10
+        on_host = [fset for fset, _ in paged._placement.home_sets if fset.preconditioners.device.type == "cpu"]
+        assert on_host and all(fset.preconditioners.is_pinned() for fset in on_host)
+        assert pinned_paged - pinned_whole <= report["host"]["nvme_buffers"] - on_nvme * 64 * 64 * 4

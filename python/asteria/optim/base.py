@@ -122,7 +122,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         if group_bytes is None and not resident:
             group_bytes = HOST_GROUP_BYTES
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
-        check_factor_memory(self._groups, self._refresh_dims, self.PARAM_MOMENTS, self.placement,
+        check_factor_memory(self._groups, self._refresh_dims, self.PARAM_MOMENTS, self._placement,
                             max_preconditioner_dim)
         #: each param group's parameter list as built (and its length): ``step()`` refuses edits of them
         self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]

@@ -46,7 +46,7 @@ def check_pinned(need: int, refused: str, fewer: str) -> None:
 
 
 def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeGroup], list[int]],
-                        moments: int, placement: str, max_preconditioner_dim: int) -> None:
+                        moments: int, where: Placement, max_preconditioner_dim: int) -> None:
     """Refuses, before anything is allocated, a blocking whose state does not fit its device: the factors
     alone (float32, n x n for each preconditioned dimension of each block) beyond all of the device's memory,
     or the whole state (factors, the preconditioners in use where they stay on the device, ``moments``
@@ -54,10 +54,11 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
     device can still give, or under a host placement the pinned preconditioners beyond what the host can give.
     The error names the setting and the bytes; without it the allocation fails inside the allocator or the CUDA
     driver, or on a host that overcommits memory the first steps are killed."""
+    placement = where.name
     factors: dict[torch.device, int] = {}
     state: dict[torch.device, int] = {}
     largest: dict[torch.device, tuple[int, ShapeGroup]] = {}
-    pinned = 0  # the preconditioners in use under a host placement, all pinned before any is paged to NVMe
+    pinned = 0  # the preconditioners in use under a host placement (those the NVMe tier leaves on the host)
     for group in groups:
         dims = refresh_dims(group)
         state[group.device] = state.get(group.device, 0) + moments * group.batch * 4 * math.prod(group.shape)
@@ -92,6 +93,8 @@ def check_factor_memory(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeG
             f"under placement {placement!r}, the moments and the start-up refreshes), and {device} can "
             f"still give {gib(available)}; a smaller max_preconditioner_dim, MemoryConfig(placement='host') "
             "(preconditioners in pinned host memory) or fewer parameters per optimizer would fit")
+    if where.pages_to_nvme():  # (the rest goes to NVMe; check_budgets refuses a host state beyond host_budget)
+        pinned = min(pinned, where.runtime.memory.host_budget)
     if pinned:
         check_pinned(pinned, f"Invalid memory.placement={placement!r}: the preconditioners in use would take",
                      "placement 'device' (on the GPU), a smaller max_preconditioner_dim, fewer parameters per "
@@ -173,12 +176,28 @@ class Placement:
         return (self.name == "device" and memory.nvme_dir is None
                 and not (memory.placement == "auto" and memory.gpu_budget is not None))
 
+    def pages_to_nvme(self) -> bool:
+        """Whether some of the preconditioners in use may go to the NVMe tier (a host placement, ``nvme_dir``
+        and a ``host_budget``): they are then allocated in pageable host memory, and only those the tier leaves
+        on the host are pinned (``place_on_nvme``), so that what the tier takes is never pinned."""
+        memory = self.runtime.memory
+        return self.name == "host" and memory.nvme_dir is not None and memory.host_budget is not None
+
     def new_preconditioners(self, group: ShapeGroup, dim: int) -> Tensor:
         """(B, dim, dim) identities where the placement keeps the preconditioners in use: on the group's
-        device, or in pinned host memory."""
+        device, or in pinned host memory (pageable at first where the NVMe tier may take them)."""
         if self.name == "device":
             return torch.eye(dim, dtype=torch.float32, device=group.device).repeat(group.batch, 1, 1)
-        return torch.eye(dim, dtype=torch.float32, device="cpu").repeat(group.batch, 1, 1).pin_memory()
+        identities = torch.eye(dim, dtype=torch.float32, device="cpu").repeat(group.batch, 1, 1)
+        return identities if self.pages_to_nvme() else identities.pin_memory()
+
+    def _pin(self, sets: list[FactorSet]) -> None:
+        """Moves the preconditioners in use of ``sets`` (home sets) to pinned host memory."""
+        groups = {id(fset): group for fset, group in self.home_sets}
+        for fset in sets:
+            group = groups[id(fset)]
+            key = next(k for k, t in group.state.items() if t is fset.preconditioners)
+            group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
 
     def hold(self, groups: list[ShapeGroup], group_sets: list[list[FactorSet]]) -> None:
         """Takes the shape groups and each one's factor sets, and builds the tier over them."""
@@ -206,9 +225,7 @@ class Placement:
                      f"Invalid memory.gpu_budget={memory.gpu_budget}: the preconditioners in use exceed it on the GPU, "
                      "and pinning them in host memory (placement 'auto' moves them there) needs",
                      "a larger gpu_budget, a smaller max_preconditioner_dim or a host with more memory would fit")
-        for fset, group in self.home_sets:
-            key = next(k for k, t in group.state.items() if t is fset.preconditioners)
-            group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
+        self._pin([fset for fset, _ in self.home_sets])
         self.name = "host"
         self.tier = PreconditionerTier("host", self.tier.groups_sets)
         if self.refresher is not None:
@@ -231,6 +248,29 @@ class Placement:
                   f"the NVMe tier cannot back placement {self.name!r}: use placement='host'")
         if memory.host_budget is None:
             return
+        chosen = self._choose_for_nvme(on_host)
+        if chosen:
+            keys = {}
+            chosen_ids = {id(fset) for fset in chosen}
+            for fset, group in self.home_sets:
+                if id(fset) in chosen_ids:
+                    keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
+            self.tier.page(chosen, memory.nvme_dir, runtime.timeout_s)
+            for fset in chosen:
+                group, key = keys[id(fset)]
+                del group.state[key]
+                self.paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
+        if self.pages_to_nvme():  # the sets left on the host, pageable until now
+            rest = [fset for fset in on_host if id(fset) not in {id(c) for c in chosen}]
+            check_pinned(sum(fset.preconditioners.numel() * 4 for fset in rest),
+                         f"Invalid memory.host_budget={memory.host_budget}: the preconditioners in use that the NVMe "
+                         "tier leaves on the host would take",
+                         "a smaller host_budget (more of them on NVMe) or a host with more memory would fit")
+            self._pin(rest)
+
+    def _choose_for_nvme(self, on_host: list[FactorSet]) -> list[FactorSet]:
+        """The host sets to page to NVMe so that the host state fits ``host_budget``."""
+        memory = self.runtime.memory
         host = self.memory_report()["host"]["total"]
         by_shape: dict[tuple[int, ...], list[FactorSet]] = {}
         for fset in on_host:
@@ -248,18 +288,7 @@ class Placement:
                     break
                 host -= nbytes
                 chosen.append(fset)
-        if not chosen:
-            return
-        keys = {}
-        chosen_ids = {id(fset) for fset in chosen}
-        for fset, group in self.home_sets:
-            if id(fset) in chosen_ids:
-                keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
-        self.tier.page(chosen, memory.nvme_dir, runtime.timeout_s)
-        for fset in chosen:
-            group, key = keys[id(fset)]
-            del group.state[key]
-            self.paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
+        return chosen
 
     def expected_state(self, index: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Shape and dtype of every state tensor of shape group ``index`` in a checkpoint (those on the
