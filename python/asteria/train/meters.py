@@ -17,19 +17,17 @@ class EnergyMeter:
     def __init__(self, device: torch.device) -> None:
         self.handle = None
         self.nvml_device: str | None = None
-        if device.type != "cuda":
+        nvml = open_nvml(device)
+        if nvml is None:
             return
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.handle = nvml_handle(pynvml, index)
+            pynvml, handle = nvml
             self._read = pynvml.nvmlDeviceGetTotalEnergyConsumption
-            self._read(self.handle)
-            bus = pynvml.nvmlDeviceGetPciInfo(self.handle).busId
+            self._read(handle)
+            bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
             self.nvml_device = bus.decode() if isinstance(bus, bytes) else str(bus)
-        except Exception:  # no NVML, no permission, or a GPU without the counter: energy is not reported
+            self.handle = handle
+        except Exception:  # a GPU without the counter: energy is not reported
             self.handle = None
 
     @property
@@ -38,6 +36,21 @@ class EnergyMeter:
 
     def joules(self) -> float | None:
         return self._read(self.handle) / 1000.0 if self.handle is not None else None
+
+
+def open_nvml(device: torch.device):  # noqa: ANN201 (pynvml has no type hints)
+    """(pynvml, NVML's handle of ``device``), None off a GPU or where NVML cannot be read (no nvidia-ml-py, no
+    driver library, no permission)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return pynvml, nvml_handle(pynvml, index)
+    except Exception:  # noqa: BLE001 - any of those: the meters read nothing
+        return None
 
 
 def nvml_handle(pynvml, index: int):  # noqa: ANN001, ANN201 (pynvml has no type hints)
@@ -71,17 +84,10 @@ class ProcessMemoryMeter:
     def __init__(self, device: torch.device, helpers: Iterable[int] = ()) -> None:
         self.handle = None
         self.pids = {os.getpid(), *helpers}
-        if device.type != "cuda":
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.handle = nvml_handle(pynvml, index)
+        nvml = open_nvml(device)
+        if nvml is not None:
+            pynvml, self.handle = nvml
             self._list = pynvml.nvmlDeviceGetComputeRunningProcesses
-        except Exception:  # no NVML or no permission: not reported
-            self.handle = None
 
     def read(self) -> int | None:
         """The bytes the driver gives the processes now; None where it lists neither this process nor its usage."""
