@@ -391,10 +391,11 @@ def _fsdp_stage(rank: int, kinds: tuple[str, str], steps: int) -> dict[str, Any]
 
 # ---- checkpoint and resume on every rank -------------------------------------------------------------
 def malformed_loads(opt: Any, saved: dict[str, Any], rank: int) -> list[str]:
-    """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled (its request, or
-    the snapshot of a set this rank owns blocks of), or its saved layout emptied. The errors, or "accepted"."""
+    """``opt.load_state_dict`` of ``saved`` with this rank's first scheduled refresh spoiled (its request, the
+    snapshot of a set this rank owns blocks of, or its due step, far beyond the activation lag), or its saved layout
+    emptied. The errors, or "accepted"."""
     errors = []
-    for spoil in ("request", "snapshot", "layout"):
+    for spoil in ("request", "snapshot", "layout", "due"):
         bad = copy.deepcopy(saved)
         entry = bad[f"rank{rank}"]["refresher"]["scheduled"][0]
         index = next(i for i, snapshot in entry["snapshots"].items() if snapshot is not None)
@@ -402,6 +403,8 @@ def malformed_loads(opt: Any, saved: dict[str, Any], rank: int) -> list[str]:
             entry["requests"][index] = (1.0,)
         elif spoil == "snapshot":
             entry["snapshots"][index] = entry["snapshots"][index][..., :1]
+        elif spoil == "due":
+            entry["due"] += 10**6
         else:
             bad[f"rank{rank}"]["refresher"]["distributed"] = {}
         try:

@@ -297,13 +297,15 @@ def test_every_rank_resumes_bit_for_bit_from_its_own_checkpoint(trained):
             assert result[key]["identical"], (key, rank)
             assert result[key]["dcp_identical"], (key, rank)  # the same through torch.distributed.checkpoint
             assert result[key]["in_flight"] > 0, (key, rank)  # the checkpoint did carry pending versions
-            request, snapshot, layout = result[key]["malformed"]  # spoiled entries were refused by name first
+            request, snapshot, layout, due = result[key]["malformed"]  # spoiled entries were refused by name first
             assert re.search(r"Invalid state_dict\['refresher'\]\['scheduled'\]\[0\]\['requests'\]\[\d+\]="
                              r"\(1.0,\): must be \(scale, eps, skip_tol, relative_eps\)", request), request
             assert re.search(r"\['scheduled'\]\[0\]\['snapshots'\]\[\d+\]='torch.float32 \(\d+, \d+, 1\)': "
                              r"must be torch.float32", snapshot), snapshot
             assert re.search(r"Invalid state_dict\['refresher'\]\['distributed'\]=\{\}: must be a dict with the "
                              r"saving rank's world_size", layout), layout  # (before: a raw KeyError, half loaded)
+            assert re.search(r"Invalid state_dict\['refresher'\]\['scheduled'\]\[0\]\['due'\]=\d+: must be in "
+                             r"\[\d+, \d+\]: version \d+ of .* is snapshotted at step \d+", due), due
             assert result[key]["layout"]["rank"] == rank and result[key]["layout"]["world_size"] == W.WORLD
 
 
@@ -317,6 +319,20 @@ def test_scheduled_versions_of_older_checkpoints_list_every_set():
     with pytest.raises(ValueError, match="Invalid a scheduled version: it lists 2 requests and 2 snapshots, one per "
                                          "factor set: this optimizer has 3"):
         _with_set_indices(legacy, 3)
+
+
+def test_the_due_check_reads_each_refreshers_format_of_the_versions_in_flight():
+    """One process's refresher saves an entry per version of a set; the distributed one an entry per version with
+    the sets it requested, keyed by set index (or, before staggered multi-rank schedules, listed for every set)."""
+    from asteria.optim.checkpoint import scheduled_sets
+
+    request = (1.0, 1e-8, 0.0, 0.0)
+    assert scheduled_sets(({"set": 1, "version": 3, "due": 9}, {"set": 0, "version": 4, "due": 12})) == [
+        (0, 1, 3, 9), (1, 0, 4, 12)]
+    assert scheduled_sets(({"version": 3, "due": 9, "requests": {0: request, 2: request}},
+                           {"version": 4, "due": 12, "requests": [request, request]})) == [
+        (0, 0, 3, 9), (0, 2, 3, 9), (1, 0, 4, 12), (1, 1, 4, 12)]
+    assert scheduled_sets(()) == scheduled_sets(None) == []
 
 
 def test_older_checkpoint_formats_pass_the_refresher_check():

@@ -317,30 +317,44 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         opt.check_hyperparameters(merged, f"state_dict['param_groups'][{i}]")
 
 
+def scheduled_sets(scheduled: Any) -> list[tuple[int, int, int, int]]:
+    """(entry index, set index, version, due) of each set's version in flight in a refresher's saved ``scheduled``,
+    in either format: one process's (an entry per version of a set) or the distributed refresher's (an entry per
+    version, with the sets it requested: a dict keyed by set index, or, written before staggered multi-rank
+    schedules, a list with one request per set)."""
+    found = []
+    for k, entry in enumerate(scheduled or ()):
+        if "set" in entry:
+            found.append((k, entry["set"], entry["version"], entry["due"]))
+            continue
+        requests = entry["requests"]
+        for index in range(len(requests)) if isinstance(requests, (list, tuple)) else requests:
+            found.append((k, index, entry["version"], entry["due"]))
+    return found
+
+
 def check_scheduled_steps(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
-    """The refreshes in flight of one process's refresher (each entry a version of one set) against this optimizer's
-    timeline: each is due at its snapshot step or within the activation lag after it (the saved rule's lag, at most
-    this one's: ``check_bound``; a ``sync_refreshes`` that grew makes it one used at its own step), and under the
+    """The refreshes in flight (either refresher's format: ``scheduled_sets``) against this optimizer's timeline:
+    each is due at its snapshot step or within the activation lag after it (the saved rule's lag, at most this
+    one's: ``check_bound``; a ``sync_refreshes`` that grew makes it one used at its own step), and under the
     deterministic rule every version after a set's version in use, up to its newest snapshotted, is among them (each
     is waited for at its due step: a checkpoint missing one would hang the resumed run there until ``timeout_s``;
     under the newest-finished rule versions may be deferred)."""
     refresher = state_dict["refresher"]
-    scheduled = refresher.get("scheduled") or ()
-    if any("set" not in entry for entry in scheduled):  # (the distributed refresher's format: per version)
-        return
-    for k, entry in enumerate(scheduled):
-        snapshot = opt.timeline.snapshot_step(entry["set"], entry["version"])
+    scheduled = scheduled_sets(refresher.get("scheduled"))
+    for k, index, version, due in scheduled:
+        snapshot = opt.timeline.snapshot_step(index, version)
         latest = snapshot + opt._refresher.rule.lag
-        check_arg(snapshot <= entry["due"] <= latest, f"state_dict['refresher']['scheduled'][{k}]['due']",
-                  entry["due"], f"must be in [{snapshot}, {latest}]: version {entry['version']} of "
-                  f"{opt._set_groups[entry['set']][0].name} is snapshotted at step {snapshot} under this "
-                  "optimizer's schedule, and due within its activation lag after it")
+        check_arg(snapshot <= due <= latest, f"state_dict['refresher']['scheduled'][{k}]['due']", due,
+                  f"must be in [{snapshot}, {latest}]: version {version} of {opt._set_groups[index][0].name} is "
+                  f"snapshotted at step {snapshot} under this optimizer's schedule, and due within its activation "
+                  "lag after it")
     if not (opt.runtime.mode == "async" and opt.runtime.deterministic and "newest_versions" in refresher):
         return
     for i, (versions, (fset, _)) in enumerate(zip(state_dict["versions"], opt._set_groups)):
         if len(set(versions)) != 1:  # (a set whose blocks differ: not this rule's to judge)
             continue
-        pending = sorted(entry["version"] for entry in scheduled if entry["set"] == i)
+        pending = sorted(version for _, index, version, _ in scheduled if index == i)
         expected = list(range(versions[0] + 1, refresher["newest_versions"][i] + 1))
         check_arg(pending == expected, "state_dict['refresher']['scheduled']", f"versions {pending} of {fset.name}",
                   f"must be {expected}: under the deterministic rule every version after the one in use "
