@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import hold_plan
 
 import asteria
 from asteria.train.meters import ProcessMemoryMeter
@@ -43,11 +44,19 @@ def test_the_meter_reads_nothing_where_the_driver_does_not_list_this_process(own
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_meter_counts_the_device_lanes_process_beside_the_training_processes_pool():
     """What the driver gives the training process covers its allocator's pool; the lane's process (a CUDA context
-    and slots of its own) adds to it, which torch's counters of this process leave out."""
+    and workspace of its own, from its first job on), adds to it, which torch's counters of this process leave
+    out."""
     device = torch.device("cuda")
     model = torch.nn.Linear(256, 256, device=device)
     runtime = asteria.RuntimeConfig(device_refresh=True, device_process=True)
-    with asteria.Shampoo(list(model.named_parameters()), lr=0.01, runtime=runtime) as opt:
+    with asteria.Shampoo(list(model.named_parameters()), lr=0.01, precondition_frequency=2, runtime=runtime) as opt:
+        hold_plan(opt._refresher, True)  # (past the start-up versions, which the training process computes itself)
+        for _ in range(10):
+            model(torch.randn(64, 256, device=device)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt._refresher.lane.drain(60.0)
+        assert opt.runtime_stats()["device_versions"] > 2 * 2  # (two sets' start-up versions, and the lane's)
         helpers = opt.runtime_stats()["device_process_ids"]
         assert len(helpers) == 1
         alone, run = ProcessMemoryMeter(device), ProcessMemoryMeter(device, helpers)
