@@ -44,7 +44,7 @@ def test_the_meter_reads_nothing_where_the_driver_does_not_list_this_process(own
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_meter_counts_the_device_lanes_process_beside_the_training_processes_pool():
     """What the driver gives the training process covers its allocator's pool; the lane's process (a CUDA context
-    and workspace of its own, from its first job on), adds to it, which torch's counters of this process leave
+    and workspace of its own, from its first job on) adds to it, which torch's counters of this process leave
     out."""
     device = torch.device("cuda")
     model = torch.nn.Linear(256, 256, device=device)
