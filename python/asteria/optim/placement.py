@@ -191,12 +191,15 @@ class Placement:
         identities = torch.eye(dim, dtype=torch.float32, device="cpu").repeat(group.batch, 1, 1)
         return identities if self.pages_to_nvme() else identities.pin_memory()
 
+    def _state_keys(self, sets: list[FactorSet]) -> list[tuple[FactorSet, ShapeGroup, str]]:
+        """Each of ``sets`` (home sets) with its shape group and the key of its preconditioners in the group's state."""
+        groups = {id(fset): group for fset, group in self.home_sets}
+        return [(fset, group, next(k for k, t in group.state.items() if t is fset.preconditioners))
+                for fset, group in ((fset, groups[id(fset)]) for fset in sets)]
+
     def _pin(self, sets: list[FactorSet]) -> None:
         """Moves the preconditioners in use of ``sets`` (home sets) to pinned host memory."""
-        groups = {id(fset): group for fset, group in self.home_sets}
-        for fset in sets:
-            group = groups[id(fset)]
-            key = next(k for k, t in group.state.items() if t is fset.preconditioners)
+        for fset, group, key in self._state_keys(sets):
             group.state[key] = fset.preconditioners = fset.preconditioners.cpu().pin_memory()
 
     def hold(self, groups: list[ShapeGroup], group_sets: list[list[FactorSet]]) -> None:
@@ -250,18 +253,14 @@ class Placement:
             return
         chosen = self._choose_for_nvme(on_host)
         if chosen:
-            keys = {}
-            chosen_ids = {id(fset) for fset in chosen}
-            for fset, group in self.home_sets:
-                if id(fset) in chosen_ids:
-                    keys[id(fset)] = (group, next(k for k, t in group.state.items() if t is fset.preconditioners))
+            keys = self._state_keys(chosen)  # (before paging: it takes the preconditioners the keys are found by)
             self.tier.page(chosen, memory.nvme_dir, runtime.timeout_s)
-            for fset in chosen:
-                group, key = keys[id(fset)]
+            for fset, group, key in keys:
                 del group.state[key]
                 self.paged_keys.setdefault(self._group_index[id(group)], {})[key] = fset
         if self.pages_to_nvme():  # the sets left on the host, pageable until now
-            rest = [fset for fset in on_host if id(fset) not in {id(c) for c in chosen}]
+            paged = {id(fset) for fset in chosen}
+            rest = [fset for fset in on_host if id(fset) not in paged]
             check_pinned(sum(fset.preconditioners.numel() * 4 for fset in rest),
                          f"Invalid memory.host_budget={memory.host_budget}: the preconditioners in use that the NVMe "
                          "tier leaves on the host would take",
