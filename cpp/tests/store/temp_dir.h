@@ -1,9 +1,11 @@
-// A fresh folder under /tmp for a store test, removed with everything in it when the test ends (also where an
-// ASSERT ends it early).
+// A fresh folder under the system's temporary directory ($TMPDIR, else /tmp) for a store test, removed with
+// everything in it when the test ends (also where an ASSERT ends it early).
 #pragma once
 
 #include <stdlib.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
@@ -14,8 +16,11 @@ namespace asteria::store::test_support {
 class TempDir {
  public:
   explicit TempDir(const std::string& prefix) {
-    std::string tmpl = "/tmp/" + prefix + "_XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
+    // mkdtemp replaces the trailing XXXXXX with a unique suffix, in place
+    std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "_XXXXXX")).string();
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      throw std::runtime_error("mkdtemp(" + tmpl + ") failed: " + std::strerror(errno));
+    }
     path_ = tmpl;
   }
   ~TempDir() {
