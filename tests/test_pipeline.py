@@ -32,6 +32,17 @@ def test_stagger_phases_balance_the_cost():
     assert stagger_phases(costs, 1) == [0] * len(costs)
 
 
+def test_stagger_phases_balance_each_class_on_its_own():
+    """Two large sets and six small ones over 4 steps: by one balance the small sets fill the two steps the large
+    ones leave empty (three each); by class each step takes one large set or none and one or two small ones."""
+    costs = [100.0, 100.0] + [1.0] * 6
+    together = stagger_phases(costs, 4)
+    assert sorted(together[2:]) == [2, 2, 2, 3, 3, 3]
+    apart = stagger_phases(costs, 4, [0, 0] + [1] * 6)
+    assert sorted(apart[:2]) == [0, 1]
+    assert sorted(apart[2:].count(slot) for slot in range(4)) == [1, 1, 2, 2]
+
+
 def test_schedule_follows_its_definition():
     schedule = RefreshSchedule(start=2, interval=3, phases=[0, 2])
     # Set 0 refreshes at 2 (bootstrap), 5, 8, 11; set 1 at 2, 4, 7, 10: a staggered set's versions come

@@ -13,12 +13,12 @@ import asteria
 SIZES = (16,) * 25 + (4,)  # 24 weights of 16 x 16 and 24 biases: sets large enough to cut
 
 
-def make(sets_per_step: int, sizes: tuple[int, ...] = SIZES, **runtime):
+def make(sets_per_step: int, sizes: tuple[int, ...] = SIZES, max_dim: int = 16, **runtime):
     model = small_mlp(sizes=sizes)
     config = asteria.RuntimeConfig(mode="async", staleness=1, workers=1, deterministic=True,
                                    stagger_sets_per_step=sets_per_step, **runtime)
-    return model, asteria.Shampoo(model.parameters(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=16,
-                                  precondition_1d=True, runtime=config)
+    return model, asteria.Shampoo(model.parameters(), lr=0.01, precondition_frequency=10,
+                                  max_preconditioner_dim=max_dim, precondition_1d=True, runtime=config)
 
 
 @pytest.mark.parametrize(("sets_per_step", "sets"), [(1, 15), (2, 27), (4, 75)])
@@ -38,14 +38,20 @@ def test_a_checkpoint_cut_otherwise_is_refused_by_name_and_resumes_with_its_cut(
     with opt:
         train(model, opt, 7, data=data)
         saved = opt.state_dict()
-    assert saved["stagger_cut"] == {"split": True, "sets_per_step": 1}
-    legacy = {k: v for k, v in saved.items() if k != "stagger_cut"}  # written before the cut was recorded
-    for state, before in ((saved, ""), (legacy, r" \(saved before asteria recorded the cut")):
+    assert saved["stagger_cut"] == {"split": True, "sets_per_step": 1, "small": True}
+    # Written before the cut was recorded, when the small sets were spread with the large ones.
+    model, opt = make(1, stagger_small=False)
+    with opt:
+        train(model, opt, 7, data=data)
+        legacy = {k: v for k, v in opt.state_dict().items() if k != "stagger_cut"}
+    for state, before, small in ((saved, ", the small ones apart", {}),
+                                 (legacy, r" \(saved before asteria recorded the cut", {"stagger_small": False})):
         _, opt = make(2)
         with opt, pytest.raises(ValueError, match=r"its factor sets were cut for the stagger at 1 a step" + before
-                                + r".*this optimizer's at 2; resume with RuntimeConfig\(stagger_sets_per_step=1\)"):
+                                + r".*this optimizer's at 2, the small ones apart; resume with "
+                                r"RuntimeConfig\(stagger_sets_per_step=1"):
             opt.load_state_dict(state)
-        _, opt = make(1)
+        _, opt = make(1, **small)
         with opt:
             opt.load_state_dict(state)
     # The cut named in the error resumes bit for bit.
@@ -68,10 +74,30 @@ def test_a_checkpoint_whose_sets_no_cut_divides_loads_at_any_unit_and_split():
             train(model, opt, 5, data=regression_data(sizes=sizes))
             saved[label] = opt.state_dict()
     del saved["legacy"]["stagger_cut"]
-    assert saved["whole"]["stagger_cut"] == {"split": False, "sets_per_step": 1}
+    assert saved["whole"]["stagger_cut"] == {"split": False, "sets_per_step": 1, "small": True}
     for state in saved.values():
         _, opt = make(2, sizes=sizes)
         with opt:
             assert opt.stagger_split
             opt.load_state_dict(state)
             assert opt._step == 5 and torch.is_tensor(next(iter(opt._groups[0].state.values())))
+
+
+def test_a_checkpoint_with_the_small_sets_cut_otherwise_is_refused_by_name_and_resumes_with_its_cut():
+    """Blocks of 32 and of 16 (the small ones: at most half the largest): with ``stagger_small`` the 24 blocks of
+    16 x 16 are cut by an even share of the small sets' work, finer than by a share of all of it. A checkpoint of
+    the other cut names the setting it was saved with, and resumes bit for bit with it."""
+    sizes = (32, 32) + (16,) * 25
+    data = regression_data(sizes=sizes)
+    cuts = {}
+    for small in (False, True):
+        model, opt = make(1, sizes=sizes, max_dim=32, stagger_small=small)
+        with opt:
+            cuts[small] = [s.batch for s, _ in opt._set_groups if s.dim == 16]
+            train(model, opt, 7, data=data)
+            saved = opt.state_dict()
+        _, other = make(1, sizes=sizes, max_dim=32, stagger_small=not small)
+        with other, pytest.raises(ValueError, match=rf"resume with RuntimeConfig\(stagger_small={small}\)"):
+            other.load_state_dict(saved)
+    assert max(cuts[True]) < max(cuts[False]) and sum(cuts[True]) == sum(cuts[False])
+    assert resume_is_exact(lambda: make(1, sizes=sizes, max_dim=32, stagger_small=False), data, before=7, after=8)

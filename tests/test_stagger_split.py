@@ -98,6 +98,35 @@ def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
         assert len(opt._groups) == 4 and len(opt._set_groups) == (27 if split else 6)
 
 
+def olmo_like_params() -> list[torch.nn.Parameter]:
+    """12 layers of olmo-160m's weight shapes at a thirty-second of its width: four 24 x 24 attention weights, two
+    24 x 64 and one 64 x 24 MLP weights (the 64 sides are the large factors, the 24 ones the small)."""
+    shapes = [(24, 24)] * 4 + [(64, 24)] * 2 + [(24, 64)]
+    return [torch.nn.Parameter(torch.zeros(shape)) for _ in range(12) for shape in shapes]
+
+
+@pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP], ids=lambda k: k.__name__)
+def test_the_small_blocks_come_in_even_shares_over_the_interval(kind):
+    """132 factors of 24 (at most half the largest, 64: the express workers' jobs) and 36 of 64 at f = 10. Spread
+    with the large sets, the 96 of the attention weights come on two steps, as the 48 roots of 768 did at
+    olmo-160m, and wait for a thread behind each other; spread by their own work (the default), no step brings
+    more than 14 of them, and the large ones are placed as before."""
+    def small_jobs(small: bool) -> tuple[list[int], list[int]]:
+        runtime = asteria.RuntimeConfig(mode="async", workers=1, stagger_small=small)
+        with kind(olmo_like_params(), lr=0.01, precondition_frequency=10, max_preconditioner_dim=64,
+                  runtime=runtime) as opt:
+            sets = [(s.batch, s.dim, phase) for (s, _), phase in zip(opt._set_groups, opt.schedule.phases)]
+            assert opt.stagger_small is small and opt.runtime_stats()["stagger_small"] is small
+        jobs = [[sum(b for b, d, p in sets if p == step and (d <= 32) == side) for step in range(10)]
+                for side in (True, False)]
+        return jobs[0], jobs[1]
+
+    (small_before, large_before), (small_now, large_now) = small_jobs(False), small_jobs(True)
+    assert sum(small_now) == sum(small_before) == 132 and sum(large_now) == 36
+    assert max(small_before) >= 48 and max(small_now) <= 14
+    assert sorted(large_now) == sorted(large_before)
+
+
 @pytest.mark.parametrize("kind", [asteria.Shampoo, asteria.SOAP, asteria.KLShampoo], ids=lambda k: k.__name__)
 def test_split_sets_on_whole_groups_train_as_split_groups_do(kind, tmp_path):
     """On the device the sets are cut into views of whole groups (one batch per shape for the step's

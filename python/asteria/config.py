@@ -118,6 +118,12 @@ class RuntimeConfig:
             lane's balancer moves between the workers and the GPU, so 2 lets the lane take about what the
             workers lack, not up to a step's share more (at olmo-160m a set of two 2048 blocks instead of
             four). A checkpoint resumes only with the value it was saved with (1 before this setting existed).
+        stagger_small: spread the sets of small blocks (at most half the largest factor's size, those the
+            express workers take) by their own work, and with ``stagger_split`` cut them by an even share of
+            it: by the share of all the work they would come a few large sets at a time, on the steps the
+            large sets leave light, and queue for a thread behind each other (at olmo-160m, 48 roots of 768
+            on each of two steps of ten). ``None``: on. A checkpoint resumes only with the value it was saved
+            with (False before this setting existed).
         sync_refreshes: the first versions of every set (the bootstrap, then the first refreshes) are
             waited for at their own step under either rule: a late basis costs most while the factors are
             young. 0: none.
@@ -177,6 +183,7 @@ class RuntimeConfig:
     stagger: bool | None = None
     stagger_split: bool | None = None
     stagger_sets_per_step: int = 2
+    stagger_small: bool | None = None
     sync_refreshes: int = 2
     timeout_s: float = 600.0
     max_consecutive_failures: int = 3
@@ -227,6 +234,10 @@ class RuntimeConfig:
                self.stagger_split, "must be None or a bool")
         _check(not (self.stagger_split is True and self.stagger is False), "stagger_split", self.stagger_split,
                "splits groups for the staggered schedule: needs stagger=None or True, not False")
+        _check(self.stagger_small is None or isinstance(self.stagger_small, bool), "stagger_small",
+               self.stagger_small, "must be None or a bool")
+        _check(not (self.stagger_small is True and self.stagger is False), "stagger_small", self.stagger_small,
+               "spreads the small sets over the staggered schedule: needs stagger=None or True, not False")
         _check(is_int(self.stagger_sets_per_step) and 1 <= self.stagger_sets_per_step <= MAX_SETS_PER_STEP,
                "stagger_sets_per_step", self.stagger_sets_per_step, f"must be an int in [1, {MAX_SETS_PER_STEP}]")
         _check(is_int(self.sync_refreshes) and 0 <= self.sync_refreshes <= MAX_COUNT, "sync_refreshes",

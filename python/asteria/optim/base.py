@@ -28,7 +28,7 @@ from asteria.distributed import topology
 from asteria.distributed.topology import same_on_every_rank
 from asteria.memory import explain_out_of_memory
 from asteria.optim import checkpoint
-from asteria.optim.groups import ShapeGroup, build_shape_groups, split_for_stagger, stagger_runs
+from asteria.optim.groups import ShapeGroup, build_shape_groups, small_block_dim, split_for_stagger, stagger_runs
 from asteria.optim.nonfinite import NonfiniteGuard
 from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
 from asteria.optim.placement import HOST_GROUP_BYTES, Placement, check_factor_memory, check_host_memory
@@ -128,20 +128,20 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._group_params = [(group["params"], len(group["params"])) for group in self.param_groups]
         one_process = not several_ranks
         #: the large factor sets are split for the stagger (``RuntimeConfig.stagger_split``; None: wherever
-        #: the schedule is staggered on one process)
+        #: the schedule is staggered on one process), the small ones by their own work (``stagger_small``)
         self.stagger_split = (self.runtime.stagger_split if self.runtime.stagger_split is not None
                               else self.runtime.stagger_wanted() and one_process)
-        # Where the preconditioners stay on the device of one process, only the refresh units are split
-        # (views of the groups' tensors): the step's math keeps one batch per shape. The other tiers move
-        # whole sets, and on several ranks the refresher shares out whole groups' blocks, so there the shape
-        # groups themselves are split.
+        self.stagger_small = self.runtime.stagger_small is not False
+        # Where the preconditioners stay on the device of one process, only the refresh units (views of the
+        # groups' tensors) are split: the step's math keeps one batch per shape. The other tiers move whole
+        # sets, and the refresher of several ranks shares out whole groups' blocks: there the groups are split.
         runs = None
+        small = small_block_dim(self._groups, self._refresh_dims) if self.stagger_small else None
+        cut = (precondition_frequency, self._refresh_dims, self.runtime.stagger_sets_per_step, small)
         if self.stagger_split and one_process and resident:
-            runs = stagger_runs(self._groups, precondition_frequency, self._refresh_dims,
-                                self.runtime.stagger_sets_per_step)
+            runs = stagger_runs(self._groups, *cut)
         elif self.stagger_split:
-            self._groups = split_for_stagger(self._groups, precondition_frequency, self._refresh_dims,
-                                             self.runtime.stagger_sets_per_step)
+            self._groups = split_for_stagger(self._groups, *cut)
         #: the factor sets the schedule refreshes (slices of the groups' sets when split), with their groups
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
         group_sets: list[list[FactorSet]] = []
@@ -159,7 +159,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
                          for group in self._groups}
         sets = [s for s, _ in self._set_groups]
         self.schedule = plan_schedule(start, precondition_frequency, [float(s.batch) * s.dim**3 for s in sets],
-                                      self._staggered(sets), self.runtime.sync_refreshes)
+                                      self._staggered(sets), self.runtime.sync_refreshes,
+                                      [small is not None and s.dim <= small for s in sets])
         self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes,
                                      [s.dim for s in sets])
         if self.runtime.mode == "async" and one_process:
@@ -558,11 +559,11 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         worker busy fraction, bytes copied between tiers, install delays, skipped non-finite gradient steps.
         ``lag_steps``: the deterministic rule's steps from a snapshot to its use (None: not that rule);
         ``late_activation``: whether ``step()`` waits for the end of the backward pass (``asteria.attach``), and
-        ``late_activation_*`` what it cost; ``stagger_split``: whether the large factor sets are split."""
+        ``late_activation_*`` what it cost; ``stagger_split`` and ``stagger_small``: how the sets were cut."""
         runtime = self.runtime
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
-                 "lag_steps": checkpoint.bound(self)["lag_steps"],
-                 "late_activation": self.late_activation, "stagger_split": self.stagger_split,
+                 "lag_steps": checkpoint.bound(self)["lag_steps"], "late_activation": self.late_activation,
+                 "stagger_split": self.stagger_split, "stagger_small": self.stagger_small,
                  "blas_core": _core.blas_core()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())
@@ -589,7 +590,6 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
 
 def _close(refresher: Refresher, placement: Placement) -> None:

@@ -66,19 +66,28 @@ def schedule_key(schedule: RefreshSchedule) -> dict[str, Any]:
 
 def stagger_cut(opt: SecondOrderOptimizer) -> dict[str, Any]:
     """How the factor sets were cut for the stagger: the versions and the refreshes in flight are per set."""
-    return {"split": opt.stagger_split, "sets_per_step": opt.runtime.stagger_sets_per_step}
+    return {"split": opt.stagger_split, "sets_per_step": opt.runtime.stagger_sets_per_step,
+            "small": opt.stagger_small}
+
+
+def saved_stagger_small(state_dict: dict[str, Any]) -> bool:
+    """``RuntimeConfig.stagger_small`` as a checkpoint was saved with (False before it was recorded)."""
+    saved = state_dict.get("stagger_cut")
+    return bool(saved.get("small", False)) if isinstance(saved, dict) else False
 
 
 def check_stagger_cut(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> None:
     """Refuses, naming the setting, a checkpoint whose factor sets were cut for the stagger otherwise than
-    ``opt``'s. One saved before the cut was recorded was split at one set a step, if at all. Where no set is
-    large enough for the two cuts to differ, it loads."""
+    ``opt``'s. One saved before the cut was recorded was split at one set a step, if at all, and before
+    ``stagger_small`` existed without it. Where no set is large enough for the two cuts to differ, it loads."""
     saved = state_dict.get("stagger_cut")
     mine = stagger_cut(opt)
     split, sets_per_step = (saved.get("split"), saved.get("sets_per_step")) if isinstance(saved, dict) else (None, 1)
+    small = saved_stagger_small(state_dict)
     other_split = split is not None and split != mine["split"]
     other_unit = mine["split"] and split is not False and sets_per_step != mine["sets_per_step"]
-    if not (other_split or other_unit):
+    other_small = mine["split"] and split is not False and small != mine["small"]
+    if not (other_split or other_unit or other_small):
         return
     versions = state_dict.get("versions")
     cut = ([len(v) if isinstance(v, (list, tuple)) else None for v in versions]
@@ -93,9 +102,12 @@ def check_stagger_cut(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> 
                          f"stagger_split={split})")
     before = "" if isinstance(saved, dict) else (" (saved before asteria recorded the cut; if its sets were split at "
                                                  "all: RuntimeConfig.stagger_split)")
-    raise ValueError(f"Invalid state_dict: its factor sets were cut for the stagger at {sets_per_step} a step{before}, "
-                     f"this optimizer's at {mine['sets_per_step']}; resume with "
-                     f"RuntimeConfig(stagger_sets_per_step={sets_per_step})")
+    settings = ([f"stagger_sets_per_step={sets_per_step}"] if other_unit else []) + (
+        [f"stagger_small={small}"] if other_small else [])
+    raise ValueError(f"Invalid state_dict: its factor sets were cut for the stagger at {sets_per_step} a step"
+                     f"{', the small ones apart' if small else ''}{before}, this optimizer's at "
+                     f"{mine['sets_per_step']}{', the small ones apart' if mine['small'] else ''}; resume with "
+                     f"RuntimeConfig({', '.join(settings)})")
 
 
 def bound(opt: SecondOrderOptimizer) -> dict[str, int | None]:
@@ -262,10 +274,13 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     if saved_schedule is not None and saved_schedule != schedule:
         recorded = saved_schedule if isinstance(saved_schedule, dict) else {}
         differ = [key for key in schedule if recorded.get(key) != schedule[key]]
+        small = saved_stagger_small(state_dict)
+        hint = (f"; it was saved with RuntimeConfig.stagger_small={small}, which spreads the small sets otherwise"
+                if small != opt.stagger_small else "")
         raise ValueError(f"Invalid state_dict: saved under the refresh schedule {saved_schedule}, this optimizer's is "
                          f"{schedule} ({', '.join(differ)} differ: start_preconditioning_step, precondition_frequency, "
                          "RuntimeConfig.sync_refreshes or the stagger); its versions were numbered by the saved one: "
-                         "resume with the same settings")
+                         f"resume with the same settings{hint}")
     refresher = state_dict["refresher"]
     check_entry(refresher, opt._refresher.STATE_KEYS, "state_dict['refresher']")
     opt._refresher.check_state(refresher)

@@ -159,34 +159,47 @@ def build_shape_groups(param_groups: list[dict], max_dim: int, merge: bool = Tru
 
 
 def stagger_runs(groups: list[ShapeGroup], interval: int, refresh_dims: Callable[[ShapeGroup], list[int]],
-                 sets_per_step: int) -> list[list[tuple[int, int]]]:
+                 sets_per_step: int, small_dim: int | None = None) -> list[list[tuple[int, int]]]:
     """Per group, the runs ``[a, b)`` of consecutive blocks that the staggered schedule should refresh as
     separate factor sets so that it can spread the work evenly: a group whose sets carry more than an even
     share of an interval's refresh work (1 / (``interval`` x ``sets_per_step``) of all sets' batch x dim^3)
     is cut into near-equal runs; a group that fits is one run. A set is refreshed whole at its one step of the
     interval, and one large set would otherwise bring most of a step's jobs at once
-    (``RuntimeConfig.stagger_sets_per_step`` says why more than one a step). ``refresh_dims(group)`` gives the
-    dimensions of the group's factor sets (none: the group has none)."""
+    (``RuntimeConfig.stagger_sets_per_step`` says why more than one a step). With ``small_dim``
+    (``RuntimeConfig.stagger_small``), a group whose sets are all at most that size is cut by the same share of
+    the small groups' work alone: those blocks' jobs take threads of their own (the express workers), and at a
+    share of all the work one set could hold a third of them, which would then queue behind each other.
+    ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none)."""
     cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
-    share = sum(group.batch * sum(c) for group, c in zip(groups, cubes)) / (interval * sets_per_step)
+    small = [bool(c) and small_dim is not None and max(c) <= small_dim**3 for c in cubes]
+    work = [group.batch * sum(c) for group, c in zip(groups, cubes)]
+    share = sum(work) / (interval * sets_per_step)
+    small_share = sum(w for w, s in zip(work, small) if s) / (interval * sets_per_step)
     runs: list[list[tuple[int, int]]] = []
-    for group, c in zip(groups, cubes):
+    for group, c, is_small in zip(groups, cubes, small):
         per_block = max(c, default=0)
-        if per_block == 0 or group.batch * per_block <= share:
+        limit = small_share if is_small else share
+        if per_block == 0 or group.batch * per_block <= limit:
             runs.append([(0, group.batch)])
             continue
-        parts = -(-group.batch // max(1, int(share // per_block)))
+        parts = -(-group.batch // max(1, int(limit // per_block)))
         bounds = [round(i * group.batch / parts) for i in range(parts + 1)]
         runs.append(list(zip(bounds, bounds[1:])))
     return runs
 
 
+def small_block_dim(groups: list[ShapeGroup], refresh_dims: Callable[[ShapeGroup], list[int]]) -> int:
+    """The largest factor size of the small blocks: half the largest factor's, as the express workers take them
+    (``RuntimeConfig.resolved_express``)."""
+    return max((dim for group in groups for dim in refresh_dims(group)), default=0) // 2
+
+
 def split_for_stagger(groups: list[ShapeGroup], interval: int, refresh_dims: Callable[[ShapeGroup], list[int]],
-                      sets_per_step: int) -> list[ShapeGroup]:
+                      sets_per_step: int, small_dim: int | None = None) -> list[ShapeGroup]:
     """The groups cut into the runs of ``stagger_runs``, each a shape group of its own (for preconditioners
     that the tiers move set by set: host, device views, NVMe). Only the batching changes, not the math."""
     out: list[ShapeGroup] = []
-    for group, runs in zip(groups, stagger_runs(groups, interval, refresh_dims, sets_per_step)):
+    for group, runs in zip(groups, stagger_runs(groups, interval, refresh_dims, sets_per_step, small_dim)):
         if len(runs) == 1:
             out.append(group)
             continue

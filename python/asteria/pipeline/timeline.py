@@ -9,8 +9,10 @@ time and its documentation points here.
   ``start + k * interval``; after that set i is refreshed every ``interval`` steps from
   ``start + (aligned - 1) * interval + phase_i`` (one interval later for phase 0). Staggering spreads the
   phases over the interval, largest sets first (by their O(n^3) refresh cost) on the step with the least
-  cost so far, so that no single step carries every snapshot copy and every job. The phases depend only
-  on the sets' shapes, never on timing, so a staggered run stays deterministic.
+  cost so far, so that no single step carries every snapshot copy and every job. The sets of small blocks
+  (``RuntimeConfig.stagger_small``) are spread by their own cost: by the large ones' they would all land on
+  the few steps the large sets leave light, and wait there for a thread behind each other. The phases depend
+  only on the sets' shapes, never on timing, so a staggered run stays deterministic.
 - **Activation** (``ActivationRule``): native mode uses a version from its own snapshot step, as do async
   runs for the first ``sync_refreshes`` versions (waited for). Otherwise, under the deterministic rule a
   version is activated exactly ``lag`` steps after its snapshot; under the newest-finished rule at the first
@@ -32,15 +34,18 @@ from asteria.checks import check_arg
 from asteria.config import RuntimeConfig
 
 
-def stagger_phases(costs: Sequence[float], interval: int) -> list[int]:
+def stagger_phases(costs: Sequence[float], interval: int, classes: Sequence[int] | None = None) -> list[int]:
     """Phases in ``[0, interval)`` that balance ``costs`` over the steps of one interval (greedy
-    longest-processing-time; ties go to the earliest step, and equal costs keep their order)."""
-    load = [0.0] * interval
+    longest-processing-time; ties go to the earliest step, and equal costs keep their order), each of
+    ``classes`` (a key per cost; None: one class) balanced on its own."""
+    classes = [0] * len(costs) if classes is None else list(classes)
+    load = {kind: [0.0] * interval for kind in set(classes)}
     phases = [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        slot = min(range(interval), key=lambda s: (load[s], s))
+        steps = load[classes[index]]
+        slot = min(range(interval), key=lambda s: (steps[s], s))
         phases[index] = slot
-        load[slot] += costs[index]
+        steps[slot] += costs[index]
     return phases
 
 
@@ -115,10 +120,11 @@ def is_staggered(setting: bool | None, wanted: bool, same_on_every_rank: bool | 
 
 
 def plan_schedule(start: int, interval: int, costs: Sequence[float], staggered: bool,
-                  sync_refreshes: int) -> RefreshSchedule:
+                  sync_refreshes: int, small: Sequence[bool] | None = None) -> RefreshSchedule:
     """The schedule of sets with refresh ``costs`` (batch x dim^3), staggered or not; the versions used at
-    their own step (the first ``sync_refreshes``, at least the bootstrap) come on the unstaggered steps."""
-    phases = stagger_phases(costs, interval) if staggered else [0] * len(costs)
+    their own step (the first ``sync_refreshes``, at least the bootstrap) come on the unstaggered steps.
+    ``small`` (per set; ``RuntimeConfig.stagger_small``) spreads the small blocks' sets by their own work."""
+    phases = stagger_phases(costs, interval, small) if staggered else [0] * len(costs)
     return RefreshSchedule(start, interval, phases, aligned=max(1, sync_refreshes))
 
 

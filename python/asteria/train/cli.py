@@ -46,8 +46,8 @@ OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tok
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
                   "first_basis": str, "device_sms": int, "express_workers": int}
 # None (the library's choice), True or False
-OPTIONAL_FLAGS = {"stagger", "stagger_split", "late_activation", "deterministic", "device_refresh", "device_process",
-                  "precondition_1d"}
+OPTIONAL_FLAGS = {"stagger", "stagger_split", "stagger_small", "late_activation", "deterministic", "device_refresh",
+                  "device_process", "precondition_1d"}
 HELP = {
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
@@ -73,6 +73,9 @@ HELP = {
                      "same math, smaller batches; default: wherever one process staggers)",
     "stagger_sets_per_step": "with the split, cut the large sets to at most 1/(f x N) of an interval's refresh work: "
                              "a cut set is also the unit the GPU's refresh work takes from the workers (default: 2)",
+    "stagger_small": "spread the small blocks' sets (at most half the largest factor's size, the express workers' "
+                     "jobs) by their own work, and cut them finer with the split, so that each step brings an even "
+                     "share of them (default: on; --no-stagger-small: by their share of all the work)",
     "deterministic_kernels": "torch's deterministic kernels, strictly (an operator without one raises; attention's "
                              "backward takes its deterministic algorithm) with cuBLAS's fixed workspace, so that runs "
                              "of one config differ only by the activation timing of --no-deterministic",

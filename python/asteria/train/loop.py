@@ -98,6 +98,8 @@ def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> aster
                                  # where the schedule is staggered: async mode, or native with --stagger
                                  stagger_split=cfg.stagger_split if cfg.mode == "async" or cfg.stagger is True
                                  else None, stagger_sets_per_step=cfg.stagger_sets_per_step,
+                                 stagger_small=cfg.stagger_small if cfg.mode == "async" or cfg.stagger is True
+                                 else None,
                                  memory=memory, local_world_size=local_world_size, **(dict(
                                      in_flight=cfg.in_flight, queue_order=cfg.queue_order,
                                      express_workers=cfg.express_workers, worker_nice=cfg.worker_nice,

@@ -39,16 +39,17 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
                      "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split", "stagger_sets_per_step",
-                     "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic")
+                     "stagger_small", "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
-                         "stagger_split", "stagger_sets_per_step", "start_preconditioning_step", "precondition_1d",
-                         "first_basis")
+                         "stagger_split", "stagger_sets_per_step", "stagger_small", "start_preconditioning_step",
+                         "precondition_1d", "first_basis")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False, "stagger_sets_per_step": 1,
+                   "stagger_small": False,
                    "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None}
 
 
@@ -73,6 +74,7 @@ class RunConfig:
     stagger: bool | None = None
     stagger_split: bool | None = None
     stagger_sets_per_step: int = 2
+    stagger_small: bool | None = None
     precondition_frequency: int = 10
     start_preconditioning_step: int | None = None
     precondition_1d: bool | None = None
@@ -156,6 +158,10 @@ class RunConfig:
               "with --no-stagger)")
         check(is_int(self.stagger_sets_per_step) and 1 <= self.stagger_sets_per_step <= MAX_SETS_PER_STEP,
               "stagger_sets_per_step", f"must be an int in [1, {MAX_SETS_PER_STEP}]")
+        check((self.stagger_small is None or isinstance(self.stagger_small, bool))
+              and not (self.stagger_small and self.stagger is False),
+              "stagger_small", "must be None, True or False, and True only where the schedule is staggered (not "
+              "with --no-stagger)")
         check(self.lr is None or (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0), "lr",
               "must be a finite number > 0")
         check(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"must be one of {LR_SCHEDULES}")
@@ -243,11 +249,19 @@ def resolved_stagger_split(config: dict[str, Any], processes: int) -> bool:
     """Whether a run's optimizer splits its shape groups for the stagger, from the run's settings (a
     ``RunConfig`` as a dict) as ``make_optimizer`` and the runtime resolve them: ``stagger_split`` where the
     schedule is staggered (async mode, or native with ``--stagger``); None there means on one process."""
-    split, stagger = config.get("stagger_split"), config.get("stagger")
+    split = config.get("stagger_split")
+    if not staggered(config):
+        return False
+    return split if split is not None else processes == 1
+
+
+def staggered(config: dict[str, Any]) -> bool:
+    """Whether a run's optimizer may stagger its schedule: an Asteria optimizer in async mode (unless
+    ``--no-stagger``), or native mode with ``--stagger``."""
+    stagger = config.get("stagger")
     if config.get("optimizer") not in ASTERIA_OPTIMIZERS or not (config.get("mode") == "async" or stagger is True):
         return False
-    # Here the schedule is staggered unless --no-stagger (async mode's default).
-    return split if split is not None else processes == 1 and stagger is not False
+    return stagger is not False
 
 
 def first_preconditioning_step(config: dict[str, Any], legacy: bool = False) -> int:
@@ -296,8 +310,9 @@ def check_resumable(manifest: checkpoint.Manifest, cfg: RunConfig, path: Path) -
     this["first_basis"] = this["first_basis"] or "eigh"
     saved["stagger_split"] = resolved_stagger_split(saved, processes)
     this["stagger_split"] = resolved_stagger_split(this, processes)
-    for config in (saved, this):  # the cut only where the sets are split
+    for config in (saved, this):  # the cut only where the sets are split, the small sets' where staggered
         config["stagger_sets_per_step"] = config["stagger_sets_per_step"] if config["stagger_split"] else None
+        config["stagger_small"] = staggered(config) and config["stagger_small"] is not False
     unused = ((*ASYNC_ONLY_SETTINGS, "deterministic") if cfg.mode != "async" or cfg.optimizer not in ASTERIA_OPTIMIZERS
               else ()) + (
         SECOND_ORDER_SETTINGS if cfg.optimizer == "adamw" else ())  # mode and optimizer themselves must match
