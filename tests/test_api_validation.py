@@ -286,6 +286,9 @@ def test_nvme_dir_takes_a_path_and_refuses_blanks(tmp_path):
     ({"stagger_sets_per_step": True}, r"Invalid stagger_sets_per_step=True: must be an int"),
     ({"stagger_split": True, "stagger": False}, "Invalid stagger_split=True: splits groups for the staggered "
                                                 "schedule: needs stagger=None or True, not False"),
+    ({"stagger_small": 1}, "Invalid stagger_small=1: must be None or a bool"),
+    ({"stagger_small": True, "stagger": False}, "Invalid stagger_small=True: spreads the small sets over the "
+                                                "staggered schedule: needs stagger=None or True, not False"),
     ({"device_sms": 0}, r"Invalid device_sms=0: must be None or an int in \[1, 1024\]"),
     ({"device_sms": True}, "Invalid device_sms=True: must be None or an int"),
     ({"device_sms": 16.0}, "Invalid device_sms=16.0: must be None or an int"),

@@ -269,6 +269,9 @@ def test_a_summary_does_not_outlive_its_run(tmp_path):
     (["--optimizer", "adamw", "--stagger-sets-per-step", "1"], "Invalid --stagger-sets-per-step 1 with --optimizer"),
     (["--mode", "sync", "--stagger-sets-per-step", "1"], "Invalid --stagger-sets-per-step 1 with --mode sync without"),
     (["--stagger-sets-per-step", "0"], "Invalid stagger_sets_per_step=0: must be an int in [1, 64]"),
+    (["--optimizer", "adamw", "--no-stagger-small"], "Invalid --no-stagger-small with --optimizer adamw"),
+    (["--mode", "sync", "--stagger-small"], "Invalid --stagger-small with --mode sync without --stagger"),
+    (["--no-stagger", "--stagger-small"], "Invalid stagger_small=True: must be None, True or False, and True only"),
     (["--optimizer", "adamw", "--no-deterministic", "--late-activation"], "Invalid --late-activation with"),
     (["--optimizer", "adamw", "--stagger"], "Invalid --stagger with --optimizer adamw"),
     (["--mode", "sync", "--placement", "host"], "Invalid --placement host with --mode sync: native mode keeps"),
@@ -289,6 +292,7 @@ def test_options_a_run_would_ignore_or_cannot_hold_are_refused(argv, message, tm
      "--prefetch", "step", "--max-preconditioner-dim", "64"],
     ["--mode", "async", "--staleness", "2", "--workers", "3", "--lag-steps", "4", "--sync-refreshes", "1"],
     ["--mode", "async", "--no-deterministic", "--late-activation", "--no-stagger", "--no-stagger-split"],
+    ["--mode", "sync", "--stagger", "--no-stagger-small", "--stagger-sets-per-step", "3"],
     ["--optimizer", "adamw", "--mode", "sync", "--placement", "auto"],
     ["--checkpoint-every", "5", "--keep-checkpoints", "3", "--parallel", "ddp"],
 ])

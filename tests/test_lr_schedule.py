@@ -103,13 +103,19 @@ def test_a_non_finite_gradient_is_left_where_it_is():
     ("stagger_sets_per_step", 1, "sync", "soap", None, False),
     ("stagger_sets_per_step", 1, "sync", "shampoo", True, True),
     ("stagger_sets_per_step", 1, "async", "soap", False, False),
+    ("stagger_small", False, "async", "kl-shampoo", None, True),
+    ("stagger_small", False, "sync", "soap", None, False),
+    ("stagger_small", False, "sync", "shampoo", True, True),
+    ("stagger_small", False, "async", "soap", False, False),
+    ("stagger_small", False, "async", "adamw", None, False),
 ])
 def test_a_checkpoint_from_before_a_stagger_setting_resumes_with_its_sets(setting, legacy, mode, optimizer, stagger,
                                                                          refused):
-    """A manifest without stagger_split kept its groups whole, and one without stagger_sets_per_step cut its split
-    sets at one a step; the defaults now split them where one process staggers (Asteria mode, or native with
-    --stagger), at two a step, so that resume needs --no-stagger-split or --stagger-sets-per-step 1 there and
-    nothing where the sets stay whole."""
+    """A manifest without stagger_split kept its groups whole, one without stagger_sets_per_step cut its split
+    sets at one a step, and one without stagger_small spread the small sets with the large ones; the defaults now
+    split them where one process staggers (Asteria mode, or native with --stagger), at two a step, the small ones
+    apart wherever the schedule is staggered, so that resume needs --no-stagger-split, --stagger-sets-per-step 1
+    or --no-stagger-small there and nothing where the schedule is not staggered."""
     cfg = RunConfig(mode=mode, optimizer=optimizer, stagger=stagger)
     saved = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig) if f.name != setting}
     manifest = Manifest(checkpoint.FORMAT, 10, 1, {}, saved)

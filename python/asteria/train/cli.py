@@ -199,7 +199,7 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
                              + (" (and aligns a --stagger after the first --sync-refreshes)"
                                 if name == "sync_refreshes" else "") + "; leave it out")
 
-    # The split and its cut apply only where the schedule is staggered: native mode staggers with --stagger alone.
+    # The split and the cuts apply only where the schedule is staggered: native mode staggers with --stagger alone.
     unstaggered = adamw or cfg.stagger is not True
     unstaggered_run = what if adamw else f"{what} without --stagger"
     for flag, asked, unused in (
@@ -207,6 +207,7 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
             (switch("deterministic"), cfg.deterministic is not None, what),
             (switch("stagger"), (adamw or peer) and "stagger" in given, what),
             (switch("stagger_split"), "stagger_split" in given and unstaggered, unstaggered_run),
+            (switch("stagger_small"), "stagger_small" in given and unstaggered, unstaggered_run),
             (f"--stagger-sets-per-step {cfg.stagger_sets_per_step}", "stagger_sets_per_step" in given and unstaggered,
              unstaggered_run)):
         if asked:
