@@ -240,6 +240,12 @@ def test_workers_behind_under_the_newest_finished_rule_defer_and_warn_once():
         stats = opt.runtime_stats()
     assert stats["refreshes_deferred"] > 0 and stats["refreshes_superseded"] == 0
     assert stats["max_staleness_seen"] <= 5
+    # The latest deferrals say which set's version gave way to which version of it still on its way.
+    recent = stats["recent_deferrals"]
+    names = {fset.name for fset in opt._refresher.sets}
+    assert 0 < len(recent) <= 32 and [d["step"] for d in recent] == sorted(d["step"] for d in recent)
+    assert all(d["set"] in names and d["side"] == "cpu" and d["in_flight"] for d in recent)
+    assert all(v < d["version"] and side == "cpu" for d in recent for v, side in d["in_flight"])
 
 
 class Reached:

@@ -14,6 +14,7 @@ turn (counted in ``refreshes_deferred``) rather than queued behind them.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -95,6 +96,9 @@ class AsyncRefresher(WorkerRefresher):
         self._last_version = [0] * len(sets)  # per set: the newest version snapshotted or deferred
         self._next_plan = 0
         self._deferred = 0
+        #: the latest deferrals (why refreshes were dropped, for ``stats()``): step, set, version, the side it
+        #: would have gone to, and the versions of the set still on their way (with theirs)
+        self._deferrals: deque[dict[str, Any]] = deque(maxlen=32)
         self._moves = 0
         self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
         self._bytes_to_host = 0
@@ -147,6 +151,8 @@ class AsyncRefresher(WorkerRefresher):
                 in_flight[:] = [v for v in in_flight if not self._settled(index, v)]
                 if len(in_flight) >= self.config.in_flight or self._held_up(index, version, lane, in_flight):
                     self._deferred += fset.batch
+                    self._deferrals.append({"step": step, "set": fset.name, "version": version, "side": lane,
+                                            "in_flight": [(v, self._lane_of.get((index, v), CPU)) for v in in_flight]})
                     self.engine.skip(self.ids[index], version)
                     continue
             due = self.rule.activation_step(step, version)
@@ -481,6 +487,7 @@ class AsyncRefresher(WorkerRefresher):
             "refreshes_superseded": engine["refreshes_superseded"],
             # deterministic=False: block refreshes not started because their set's previous one was on its way.
             "refreshes_deferred": self._deferred,
+            "recent_deferrals": list(self._deferrals),
             "float64_retries": engine["float64_retries"],
             "refresh_seconds_on_workers": engine["refresh_seconds"],
             "staleness_histogram": registry["staleness_histogram"],

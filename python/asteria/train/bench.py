@@ -312,6 +312,7 @@ def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[
             "mean_step_all_seconds": statistics.fmean(r["step_time"] for r in records),
             "refreshes_superseded": stats.get("refreshes_superseded"),
             "refreshes_deferred": stats.get("refreshes_deferred"),
+            "recent_deferrals": stats.get("recent_deferrals"),
             "sets_on_device": stats.get("sets_on_device"),
             "device_busy_fraction": stats.get("device_busy_fraction"),
             "late_activation": {key: stats.get(f"late_activation_{key}") for key in (
