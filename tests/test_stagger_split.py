@@ -100,7 +100,7 @@ def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
 
 def olmo_like_params() -> list[torch.nn.Parameter]:
     """12 layers of olmo-160m's weight shapes at a thirty-second of its width: four 24 x 24 attention weights, two
-    24 x 64 and one 64 x 24 MLP weights (the 64 sides are the large factors, the 24 ones the small)."""
+    64 x 24 and one 24 x 64 MLP weights (the 64 sides are the large factors, the 24 ones the small)."""
     shapes = [(24, 24)] * 4 + [(64, 24)] * 2 + [(24, 64)]
     return [torch.nn.Parameter(torch.zeros(shape)) for _ in range(12) for shape in shapes]
 

@@ -167,8 +167,8 @@ def stagger_runs(groups: list[ShapeGroup], interval: int, refresh_dims: Callable
     interval, and one large set would otherwise bring most of a step's jobs at once
     (``RuntimeConfig.stagger_sets_per_step`` says why more than one a step). With ``small_dim``
     (``RuntimeConfig.stagger_small``), a group whose sets are all at most that size is cut by the same share of
-    the small groups' work alone: those blocks' jobs take threads of their own (the express workers), and at a
-    share of all the work one set could hold a third of them, which would then queue behind each other.
+    the small groups' work alone: those blocks' jobs take threads of their own (the express workers), and cut by
+    a share of all the work their sets are few and large, so that a step that brings one brings many of them.
     ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none)."""
     cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
     small = [bool(c) and small_dim is not None and max(c) <= small_dim**3 for c in cubes]
