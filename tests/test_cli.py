@@ -463,6 +463,7 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
         assert work["job_latency"] == {key: stats[key] for key in (
             "job_mean_latency_seconds", "job_mean_run_seconds", "small_jobs", "small_job_mean_latency_seconds",
             "small_job_mean_run_seconds")}
+        assert results["runs"][label]["recent_deferrals"] == stats["recent_deferrals"]
     # The median step by position in the interval: 11 steps leave too few steady ones for f = 3 (steps 10-11),
     # and enough for f = 2 (steps 7-11).
     assert kl["interval_profile"] is None and adamw["interval_profile"] is None
@@ -503,6 +504,12 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert "    host queued      " + " ".join(f"{1e3 * m:.0f}" for m in host_medians) + " (the host's" in table
     assert "    in step()        " in table and "    host CPU         " in table
     assert sys.platform != "linux" or ("    core wait        " in table and "    sleeps           " in table)
+    # The latest deferrals, where a run had some: the set's version and what was still on its way.
+    from asteria.train.bench import format_table
+
+    results["runs"]["kl-shampoo-async"]["recent_deferrals"] = [
+        {"step": 7, "set": "net.0.weight[0]", "version": 4, "side": "cpu", "in_flight": [[3, "device"]]}]
+    assert "  kl-shampoo-async   7: net.0.weight[0] v4 (cpu; v3 device)" in format_table(results)
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

@@ -470,6 +470,14 @@ def format_table(results: dict[str, Any]) -> str:
         for label, by_side in sides.items():
             lines.append(f"  {label:<18} " + ", ".join(f"{s['side']}: {s['mean_steps']:.2f} ({s['installs']})"
                                                        for s in by_side if s["installs"]))
+    deferrals = {label: r["recent_deferrals"] for label, r in results["runs"].items() if r.get("recent_deferrals")}
+    if deferrals:
+        lines.append("the latest deferred refreshes (step: set version, to the side it would have gone; the set's "
+                     "versions still on their way):")
+        for label, recent in deferrals.items():
+            lines.append(f"  {label:<18} " + "; ".join(
+                f"{d['step']}: {d['set']} v{d['version']} ({d['side']}; " + ", ".join(
+                    f"v{v} {side}" for v, side in d["in_flight"]) + ")" for d in recent[-6:]))
     pairs = {label: r["val_loss_vs"] for label, r in results["runs"].items() if r.get("val_loss_vs")}
     if pairs:
         lines.append("validation loss against native mode and the peers (this config's / theirs - 1; the target: "
