@@ -244,7 +244,8 @@ def test_workers_behind_under_the_newest_finished_rule_defer_and_warn_once():
     recent = stats["recent_deferrals"]
     names = {fset.name for fset in opt._refresher.sets}
     assert 0 < len(recent) <= 32 and [d["step"] for d in recent] == sorted(d["step"] for d in recent)
-    assert all(d["set"] in names and d["side"] == "cpu" and d["in_flight"] for d in recent)
+    assert all(d["set"] in names and d["side"] == "cpu" and d["reason"] == "in_flight" and d["in_flight"]
+               for d in recent)
     assert all(v < d["version"] and side == "cpu" for d in recent for v, side in d["in_flight"])
 
 

@@ -508,8 +508,9 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     from asteria.train.bench import format_table
 
     results["runs"]["kl-shampoo-async"]["recent_deferrals"] = [
-        {"step": 7, "set": "net.0.weight[0]", "version": 4, "side": "cpu", "in_flight": [[3, "device"]]}]
-    assert "  kl-shampoo-async   7: net.0.weight[0] v4 (cpu; v3 device)" in format_table(results)
+        {"step": 7, "set": "net.0.weight[0]", "version": 4, "side": "cpu", "reason": "in_flight",
+         "in_flight": [[3, "device"]]}]
+    assert "  kl-shampoo-async   7: net.0.weight[0] v4 (cpu, in_flight; v3 device)" in format_table(results)
     assert "soap-sync" in table and "n/a" in table
     assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
     assert "  kl-shampoo-async   workers " in table

@@ -101,3 +101,21 @@ def test_a_checkpoint_with_the_small_sets_cut_otherwise_is_refused_by_name_and_r
             other.load_state_dict(saved)
     assert max(cuts[True]) < max(cuts[False]) and sum(cuts[True]) == sum(cuts[False])
     assert resume_is_exact(lambda: make(1, sizes=sizes, max_dim=32, stagger_small=False), data, before=7, after=8)
+
+
+def test_a_schedule_refusal_names_stagger_small_only_where_it_moved_the_phases():
+    """Sets whole (no cut to differ), 27 of them in layers of 32 and of 16 down to 9: a checkpoint spread with the
+    small sets among the large ones differs from the default only in its phases, and the refusal names
+    ``stagger_small``; into an unstaggered schedule the setting would not help, and the refusal does not name it."""
+    sizes = (32,) * 8 + (16, 15, 14, 13, 12, 11, 10, 9)
+    model, opt = make(1, sizes=sizes, max_dim=32, stagger_small=False, stagger_split=False)
+    with opt:
+        train(model, opt, 7, data=regression_data(sizes=sizes))
+        saved = opt.state_dict()
+    _, staggered = make(1, sizes=sizes, max_dim=32, stagger_split=False)
+    with staggered, pytest.raises(ValueError, match=r"\(phases differ.*saved with RuntimeConfig.stagger_small=False"):
+        staggered.load_state_dict(saved)
+    _, unstaggered = make(1, sizes=sizes, max_dim=32, stagger=False, stagger_split=False)
+    with unstaggered, pytest.raises(ValueError, match="phases differ") as refused:
+        unstaggered.load_state_dict(saved)
+    assert "stagger_small" not in str(refused.value)

@@ -95,6 +95,9 @@ def test_stagger_split_by_default_wherever_one_process_staggers(runtime, split):
                          max_preconditioner_dim=16, precondition_1d=True,
                          runtime=asteria.RuntimeConfig(workers=1, **runtime)) as opt:
         assert opt.stagger_split is split and opt.runtime_stats()["stagger_split"] is split
+        # The small sets apart wherever the schedule is staggered (stagger_small=None), as the checkpoint records.
+        small = runtime.get("stagger") is not False and (runtime["mode"] == "async" or runtime.get("stagger") is True)
+        assert opt.stagger_small is small and opt.state_dict()["stagger_cut"]["small"] is small
         assert len(opt._groups) == 4 and len(opt._set_groups) == (27 if split else 6)
 
 

@@ -122,8 +122,8 @@ class RuntimeConfig:
             express workers take) by their own work, and with ``stagger_split`` cut them by an even share of
             it: by the share of all the work they would come a few large sets at a time, on the steps the
             large sets leave light, and queue for a thread behind each other (at olmo-160m, 48 roots of 768
-            on each of two steps of ten). ``None``: on. A checkpoint resumes only with the value it was saved
-            with (False before this setting existed).
+            on each of two steps of ten). ``None``: on wherever the schedule is staggered or its sets split. A
+            checkpoint resumes only with the value it was saved with (False before this setting existed).
         sync_refreshes: the first versions of every set (the bootstrap, then the first refreshes) are
             waited for at their own step under either rule: a late basis costs most while the factors are
             young. 0: none.

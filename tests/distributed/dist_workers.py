@@ -352,9 +352,10 @@ def unnamed_backend_worker(rank: int, world: int, out: Path) -> None:
     """3 processes under a default group initialised without a backend name (as with ``device_id``), whose
     groups torch reports as backend 'undefined' and runs CPU tensors on Gloo: ranks 0 and 1 train DDP
     replicas with Shampoo over a group of theirs, made without a backend name either; rank 2 only takes
-    part in making it. It makes the default group itself, so that the test connects one Gloo mesh rather than two:
-    on localhost a mesh fails to connect now and then ("Connection closed by peer", pytorch/pytorch#53270), and
-    this test's second one, made at once after the first was torn down, did so once in CI."""
+    part in making it. It makes the default group itself, so that the test connects one default group's Gloo
+    mesh, not two: on localhost a mesh fails to connect now and then ("Connection closed by peer",
+    pytorch/pytorch#53270), and this test's second one, made at once after the first was torn down, did so once
+    in CI."""
     dist.init_process_group(init_method=f"file://{out}/rendezvous-unnamed", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     pair = dist.new_group([0, 1])

@@ -19,8 +19,8 @@ block suffice); on a GPU a rank counts a step as read once its copies from the s
 
 With a staggered schedule (the default in Asteria mode) each step refreshes the factor sets of one phase
 of the interval, so the steps above run for those sets' blocks only: every replica has the same sets and
-phases (they follow from the shapes), so the ranks of a domain still exchange the same blocks at the
-same step, and no step carries every set's snapshot, job and install.
+phases (they follow from the shapes and ``stagger_small``, which the ranks compare), so the ranks of a domain
+still exchange the same blocks at the same step, and no step carries every set's snapshot, job and install.
 """
 
 from __future__ import annotations

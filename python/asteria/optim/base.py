@@ -131,16 +131,15 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         #: the schedule is staggered on one process), the small ones by their own work (``stagger_small``)
         self.stagger_split = (self.runtime.stagger_split if self.runtime.stagger_split is not None
                               else self.runtime.stagger_wanted() and one_process)
-        self.stagger_small = self.runtime.stagger_small is not False
+        self.stagger_small = self.runtime.stagger_small is not False and (self.runtime.stagger_wanted()
+                                                                         or self.stagger_split)
         # Where the preconditioners stay on the device of one process, only the refresh units (views of the
         # groups' tensors) are split: the step's math keeps one batch per shape. The other tiers move whole
         # sets, and the refresher of several ranks shares out whole groups' blocks: there the groups are split.
-        runs = None
         small = small_block_dim(self._groups, self._refresh_dims) if self.stagger_small else None
         cut = (precondition_frequency, self._refresh_dims, self.runtime.stagger_sets_per_step, small)
-        if self.stagger_split and one_process and resident:
-            runs = stagger_runs(self._groups, *cut)
-        elif self.stagger_split:
+        runs = stagger_runs(self._groups, *cut) if self.stagger_split and one_process and resident else None
+        if self.stagger_split and runs is None:
             self._groups = split_for_stagger(self._groups, *cut)
         #: the factor sets the schedule refreshes (slices of the groups' sets when split), with their groups
         self._set_groups: list[tuple[FactorSet, ShapeGroup]] = []
@@ -158,9 +157,9 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._sets_of = {id(group): [i for i, (_, g) in enumerate(self._set_groups) if g is group]
                          for group in self._groups}
         sets = [s for s, _ in self._set_groups]
+        small_sets = [small is not None and s.dim <= small for s in sets]
         self.schedule = plan_schedule(start, precondition_frequency, [float(s.batch) * s.dim**3 for s in sets],
-                                      self._staggered(sets), self.runtime.sync_refreshes,
-                                      [small is not None and s.dim <= small for s in sets])
+                                      self._staggered(sets, small_sets), self.runtime.sync_refreshes, small_sets)
         self._delays = InstallDelays(self.schedule, [s.name for s in sets], self.runtime.sync_refreshes,
                                      [s.dim for s in sets])
         if self.runtime.mode == "async" and one_process:
@@ -199,13 +198,13 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         (``MemoryConfig.placement``, with ``"auto"`` resolved)."""
         return self._placement.name
 
-    def _staggered(self, sets: list[FactorSet]) -> bool:
+    def _staggered(self, sets: list[FactorSet], small: list[bool]) -> bool:
         """Whether the refresh schedule is staggered (``asteria.pipeline.timeline.is_staggered``): on several
         ranks the replicas of a block must refresh it at the same step, so only where every rank has the same
-        factor sets, hence the same phases (DDP; FSDP2 with even shards)."""
+        factor sets, each of the same class (``small``), hence the same phases (DDP; FSDP2 with even shards)."""
         wanted = self.runtime.stagger_wanted()
         topo = topology(self.runtime)
-        shapes = [(s.kind, s.batch, s.dim) for s in sets]
+        shapes = [(s.kind, s.batch, s.dim, apart) for s, apart in zip(sets, small, strict=True)]
         same = None if topo is None or not wanted else same_on_every_rank(topo, shapes)
         return is_staggered(self.runtime.stagger, wanted, same)
 

@@ -276,7 +276,8 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
         differ = [key for key in schedule if recorded.get(key) != schedule[key]]
         small = saved_stagger_small(state_dict)
         hint = (f"; it was saved with RuntimeConfig.stagger_small={small}, which spreads the small sets otherwise"
-                if small != opt.stagger_small else "")
+                if small != opt.stagger_small and differ == ["phases"] and not unstaggered(saved_schedule)
+                and not unstaggered(schedule) else "")
         raise ValueError(f"Invalid state_dict: saved under the refresh schedule {saved_schedule}, this optimizer's is "
                          f"{schedule} ({', '.join(differ)} differ: start_preconditioning_step, precondition_frequency, "
                          "RuntimeConfig.sync_refreshes or the stagger); its versions were numbered by the saved one: "

@@ -97,7 +97,8 @@ class AsyncRefresher(WorkerRefresher):
         self._next_plan = 0
         self._deferred = 0
         #: the latest deferrals (why refreshes were dropped, for ``stats()``): step, set, version, the side it
-        #: would have gone to, and the versions of the set still on their way (with theirs)
+        #: would have gone to, the reason (``in_flight`` versions on their way, or ``held_up``: see
+        #: ``_held_up``), and the versions of the set still on their way (with theirs)
         self._deferrals: deque[dict[str, Any]] = deque(maxlen=32)
         self._moves = 0
         self._pending_releases: list[tuple[torch.cuda.Event | None, list[tuple[int, int]]]] = []
@@ -149,9 +150,11 @@ class AsyncRefresher(WorkerRefresher):
             if not self.config.deterministic:
                 in_flight = self._open.setdefault(index, [])
                 in_flight[:] = [v for v in in_flight if not self._settled(index, v)]
-                if len(in_flight) >= self.config.in_flight or self._held_up(index, version, lane, in_flight):
+                full = len(in_flight) >= self.config.in_flight
+                if full or self._held_up(index, version, lane, in_flight):
                     self._deferred += fset.batch
                     self._deferrals.append({"step": step, "set": fset.name, "version": version, "side": lane,
+                                            "reason": "in_flight" if full else "held_up",
                                             "in_flight": [(v, self._lane_of.get((index, v), CPU)) for v in in_flight]})
                     self.engine.skip(self.ids[index], version)
                     continue

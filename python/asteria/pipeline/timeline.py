@@ -11,8 +11,9 @@ time and its documentation points here.
   phases over the interval, largest sets first (by their O(n^3) refresh cost) on the step with the least
   cost so far, so that no single step carries every snapshot copy and every job. The sets of small blocks
   (``RuntimeConfig.stagger_small``) are spread by their own cost: by the large ones' they would all land on
-  the few steps the large sets leave light, and wait there for a thread behind each other. The phases depend
-  only on the sets' shapes, never on timing, so a staggered run stays deterministic.
+  the few steps the large sets leave light, and wait there for a thread behind each other; among steps of equal
+  small load they take the one of least load overall. The phases depend only on the sets' shapes and classes,
+  never on timing, so a staggered run stays deterministic.
 - **Activation** (``ActivationRule``): native mode uses a version from its own snapshot step, as do async
   runs for the first ``sync_refreshes`` versions (waited for). Otherwise, under the deterministic rule a
   version is activated exactly ``lag`` steps after its snapshot; under the newest-finished rule at the first
@@ -37,15 +38,18 @@ from asteria.config import RuntimeConfig
 def stagger_phases(costs: Sequence[float], interval: int, classes: Sequence[int] | None = None) -> list[int]:
     """Phases in ``[0, interval)`` that balance ``costs`` over the steps of one interval (greedy
     longest-processing-time; ties go to the earliest step, and equal costs keep their order), each of
-    ``classes`` (a key per cost; None: one class) balanced on its own."""
+    ``classes`` (a key per cost; None: one class) balanced on its own, its ties going to the step of least load
+    of all classes."""
     classes = [0] * len(costs) if classes is None else list(classes)
     load = {kind: [0.0] * interval for kind in set(classes)}
+    total = [0.0] * interval
     phases = [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
         steps = load[classes[index]]
-        slot = min(range(interval), key=lambda s: (steps[s], s))
+        slot = min(range(interval), key=lambda s: (steps[s], total[s], s))
         phases[index] = slot
         steps[slot] += costs[index]
+        total[slot] += costs[index]
     return phases
 
 

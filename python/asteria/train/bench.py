@@ -472,11 +472,11 @@ def format_table(results: dict[str, Any]) -> str:
                                                        for s in by_side if s["installs"]))
     deferrals = {label: r["recent_deferrals"] for label, r in results["runs"].items() if r.get("recent_deferrals")}
     if deferrals:
-        lines.append("the latest deferred refreshes (step: set version, to the side it would have gone; the set's "
-                     "versions still on their way):")
+        lines.append("the latest deferred refreshes (step: set version, to the side it would have gone, why; the "
+                     "set's versions still on their way):")
         for label, recent in deferrals.items():
             lines.append(f"  {label:<18} " + "; ".join(
-                f"{d['step']}: {d['set']} v{d['version']} ({d['side']}; " + ", ".join(
+                f"{d['step']}: {d['set']} v{d['version']} ({d['side']}, {d.get('reason', '?')}; " + ", ".join(
                     f"v{v} {side}" for v, side in d["in_flight"]) + ")" for d in recent[-6:]))
     pairs = {label: r["val_loss_vs"] for label, r in results["runs"].items() if r.get("val_loss_vs")}
     if pairs:
