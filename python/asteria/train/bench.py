@@ -463,28 +463,22 @@ def format_table(results: dict[str, Any]) -> str:
             for key, name, what, scale in HOST_TIMES.values():
                 if p.get(key):  # absent from results written before it was measured, and off Linux
                     lines.append(f"  {'  ' + name:<18} {' '.join(f'{scale * t:.0f}' for t in p[key])} ({what})")
-    sides = {label: r["install_delay_by_side"] for label, r in results["runs"].items()
-             if any(s["installs"] for s in r.get("install_delay_by_side") or [])}
-    if sides:
-        lines.append("install delay by factor side (mean steps after native mode's, and installs):")
-        for label, by_side in sides.items():
-            lines.append(f"  {label:<18} " + ", ".join(f"{s['side']}: {s['mean_steps']:.2f} ({s['installs']})"
-                                                       for s in by_side if s["installs"]))
-    deferrals = {label: r["recent_deferrals"] for label, r in results["runs"].items() if r.get("recent_deferrals")}
-    if deferrals:
-        lines.append("the latest deferred refreshes (step: set version, to the side it would have gone, why; the "
-                     "set's versions still on their way):")
-        for label, recent in deferrals.items():
-            lines.append(f"  {label:<18} " + "; ".join(
-                f"{d['step']}: {d['set']} v{d['version']} ({d['side']}, {d.get('reason', '?')}; " + ", ".join(
-                    f"v{v} {side}" for v, side in d["in_flight"]) + ")" for d in recent[-6:]))
-    pairs = {label: r["val_loss_vs"] for label, r in results["runs"].items() if r.get("val_loss_vs")}
-    if pairs:
-        lines.append("validation loss against native mode and the peers (this config's / theirs - 1; the target: "
-                     "within 1%):")
-        for label, against in pairs.items():
-            lines.append(f"  {label:<18} " + ", ".join(
-                f"vs {ref} " + ("n/a" if gap is None else f"{100 * gap:+.2f}%") for ref, gap in against.items()))
+    runs = results["runs"]
+    sides = {label: [s for s in r.get("install_delay_by_side") or [] if s["installs"]] for label, r in runs.items()}
+    _per_run(lines, "install delay by factor side (mean steps after native mode's, and installs):", {
+        label: ", ".join(f"{s['side']}: {s['mean_steps']:.2f} ({s['installs']})" for s in by_side)
+        for label, by_side in sides.items() if by_side})
+    _per_run(lines, "the latest deferred refreshes (step: set version, to the side it would have gone, why; the "
+                    "set's versions still on their way):", {
+        label: "; ".join(f"{d['step']}: {d['set']} v{d['version']} ({d['side']}, {d.get('reason', '?')}; "
+                         + ", ".join(f"v{v} {side}" for v, side in d["in_flight"]) + ")"
+                         for d in r["recent_deferrals"][-6:])
+        for label, r in runs.items() if r.get("recent_deferrals")})
+    _per_run(lines, "validation loss against native mode and the peers (this config's / theirs - 1; the target: "
+                    "within 1%):", {
+        label: ", ".join(f"vs {ref} " + ("n/a" if gap is None else f"{100 * gap:+.2f}%")
+                         for ref, gap in r["val_loss_vs"].items())
+        for label, r in runs.items() if r.get("val_loss_vs")})
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:
@@ -503,3 +497,10 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"  {label:<18} warm-up {r['warmup_steps']} steps, max {1e3 * r['warmup_max_step_seconds']:.0f} ms"
                      f" | {slowest}")
     return "\n".join(lines)
+
+
+def _per_run(lines: list[str], heading: str, texts: dict[str, str]) -> None:
+    """A part of the table: ``heading``, then a line for each run that has something to say (none: no part)."""
+    if texts:
+        lines.append(heading)
+        lines.extend(f"  {label:<18} {text}" for label, text in texts.items())
