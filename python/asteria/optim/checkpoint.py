@@ -85,8 +85,9 @@ def check_stagger_cut(opt: SecondOrderOptimizer, state_dict: dict[str, Any]) -> 
     split, sets_per_step = (saved.get("split"), saved.get("sets_per_step")) if isinstance(saved, dict) else (None, 1)
     small = saved_stagger_small(state_dict)
     other_split = split is not None and split != mine["split"]
-    other_unit = mine["split"] and split is not False and sets_per_step != mine["sets_per_step"]
-    other_small = mine["split"] and split is not False and small != mine["small"]
+    both_cut = mine["split"] and split is not False  # (then the unit and the small sets' cut can differ)
+    other_unit = both_cut and sets_per_step != mine["sets_per_step"]
+    other_small = both_cut and small != mine["small"]
     if not (other_split or other_unit or other_small):
         return
     versions = state_dict.get("versions")

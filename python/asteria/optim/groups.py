@@ -170,8 +170,9 @@ def stagger_runs(groups: list[ShapeGroup], interval: int, refresh_dims: Callable
     the small groups' work alone: those blocks' jobs take threads of their own (the express workers), and cut by
     a share of all the work their sets are few and large, so that a step that brings one brings many of them.
     ``refresh_dims(group)`` gives the dimensions of the group's factor sets (none: the group has none)."""
-    cubes = [[dim**3 for dim in refresh_dims(group)] for group in groups]
-    small = [bool(c) and small_dim is not None and max(c) <= small_dim**3 for c in cubes]
+    dims = [refresh_dims(group) for group in groups]
+    cubes = [[dim**3 for dim in d] for d in dims]
+    small = [bool(d) and small_dim is not None and max(d) <= small_dim for d in dims]
     work = [group.batch * sum(c) for group, c in zip(groups, cubes)]
     share = sum(work) / (interval * sets_per_step)
     small_share = sum(w for w, s in zip(work, small) if s) / (interval * sets_per_step)
