@@ -9,6 +9,13 @@
 #           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
 #   large   the same at 32 x 1024 ($LARGE_CONFIGS, $LARGE_STEPS);
 #   1b      olmo2-1b at 16 x 1024 ($ONEB_CONFIGS, $ONEB_STEPS);
+#   profile where a quiet step's time goes (bench/profile_step.py): $PROFILE_MODEL (default: olmo2-1b) at
+#           $PROFILE_BATCH (default: 16) x 1024, each config of $PROFILE_CONFIGS (default: adamw shampoo-sync
+#           soap-sync kl-shampoo-sync, with TF32 as the benches run) in a process of its own: $PROFILE_STEPS steady
+#           steps timed (default: 4; native mode's refresh steps fall outside them), the model's part and the
+#           optimizer's, the steady steps' peak allocation and allocator retries, then two steps' top operators by
+#           GPU time (at 1B the native step alone is 1.7-1.9x AdamW's: docs/results.md, "olmo2-1b at the current
+#           code");
 #   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop;
 #   contention  bench/launch_contention.py: what refresh math in a thread of the training process, or in a process
 #           of its own, costs the training thread's kernel launches (a launch-bound chain, then a GPU-bound one);
@@ -131,6 +138,20 @@ has large && bench large olmo-160m 32 "${LARGE_STEPS:-150}" \
 # (docs/results.md, "olmo2-1b on an 80 GB H100")
 has 1b && (export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
            bench 1b olmo2-1b 16 "${ONEB_STEPS:-80}" ${ONEB_CONFIGS:-adamw soap-async shampoo-async kl-shampoo-async})
+if has profile; then
+  (export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # (as the 1b stage)
+   for config in ${PROFILE_CONFIGS:-adamw shampoo-sync soap-sync kl-shampoo-sync}; do
+     left=$(seconds_left)
+     if (( left < ${MIN_RUN_S:-90} )); then
+       echo "profile $config: not started ($left s left before DEADLINE_S)" >&2
+       continue
+     fi
+     run timeout -s INT -k 15 "$left" python3 bench/profile_step.py --model "${PROFILE_MODEL:-olmo2-1b}" \
+       --batch-size "${PROFILE_BATCH:-16}" --seq-len 1024 --steps "${PROFILE_STEPS:-4}" --profile-steps 2 --top 14 \
+       --configs "$config:tf32=1" --out "runs/profile/$config" 2>&1 | quiet | tee -a "$OUT/profile.txt"
+   done)
+  dry || tar -czf "$OUT/profile.tgz" -C runs profile 2>/dev/null
+fi
 if has dims; then
   for dim in ${DIMS:-1024 2048}; do
     STAGE_ARGS="--max-preconditioner-dim $dim" bench "dims-$dim" olmo-160m 8 "${DIMS_STEPS:-300}" \

@@ -98,19 +98,26 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         row = {"wall": wall, "host_opt": host_opt}
-        if second_order:
+        if second_order and mode == "async":  # (native mode installs inside step(): no activations counted)
             row["activations"] = float(opt.runtime_stats()["activations"])
         if cuda:
             row |= {"gpu_model": e0.elapsed_time(e1) / 1e3, "gpu_opt": e1.elapsed_time(e2) / 1e3}
         return row
 
     activations = 0.0
+    retries = 0  # the caching allocator's frees of its cache to retry an allocation (a device sync each)
     for i in range(warmup + args.steps):
+        if i == warmup and cuda:
+            retries = -torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            torch.cuda.reset_peak_memory_stats(device)
         row = one_step(i)
         if "activations" in row:  # blocks whose version changed at this step
             row["activations"], activations = row["activations"] - activations, row["activations"]
         if i >= warmup:
             rows.append(row | {"step": float(i + 1)})
+    if cuda:
+        retries += torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        peak = torch.cuda.max_memory_allocated(device)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     traced = ""
     if args.trace_steps:  # consecutive steady steps, read step by step (bench/trace_steps.py)
@@ -165,6 +172,8 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {key:>9}: median {value['median']:8.0f}      max {value['max']:8.0f}")
         else:
             print(f"  {key:>9}: median {1e3 * value['median']:8.2f} ms   max {1e3 * value['max']:8.2f} ms")
+    if cuda:
+        print(f"  steady steps' peak allocation {peak / 2**30:.2f} GiB, allocator retries {retries}")
     print("  slowest steps: " + "; ".join(
         f"{int(r['step'])}: " + ", ".join(f"{k} {v:.0f}" if k == "activations" else f"{k} {1e3 * v:.1f}"
                                          for k, v in r.items() if k != "step") for r in slowest))
@@ -176,11 +185,12 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     print(top_host)
     print(top_device)
     return {"summary": summary, "slowest_steps": slowest,
+            "steady_peak_bytes": peak if cuda else None, "steady_alloc_retries": retries if cuda else None,
             "runtime_stats": {k: v for k, v in stats.items() if k != "staleness_histogram"},
             "top_host": top_host, "top_device": top_device, "host_profile": host_profile}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="olmo-160m")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -198,7 +208,13 @@ def main() -> None:
     parser.add_argument("--trace-stack", action="store_true",
                         help="record Python stacks in the trace (names the Python code that launched a kernel)")
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    for spec in args.configs:
+        parse(spec)  # (a mistyped modifier fails before the first config's minutes)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device: {device}; model {args.model}, batch {args.batch_size} x {args.seq_len}")
     results = {spec: run(spec, args) for spec in args.configs}

@@ -5,9 +5,11 @@ minutes are few."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from conftest import bench_script, check_bench_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "executor_session.sh"
-STAGES = "build cuda small large 1b dims sweep first soapgap workers seeds phases hb green math contention"
+STAGES = "build cuda small large 1b profile dims sweep first soapgap workers seeds phases hb green math contention"
 GREEN_RUNS = "plain sms16 sms16-t2 prio prio-sms16 nolate nolane"
 CLI = ["python3", "-m", "asteria.train.cli", "bench"]
 
@@ -40,6 +42,16 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
     parser = bench_script("gpu_refresh_math").build_parser()
     for argv in maths:
         parser.parse_args(argv)
+    # profile: one process a config, each with its own folder, TF32 as the benches run, under the deadline's timeout
+    profiles = [argv[argv.index("bench/profile_step.py") + 1:] for argv in commands if "bench/profile_step.py" in argv]
+    profile_step = bench_script("profile_step")
+    parsed = [profile_step.build_parser().parse_args(argv) for argv in profiles]
+    assert [args.configs for args in parsed] == [[f"{name}:tf32=1"] for name in (
+        "adamw", "shampoo-sync", "soap-sync", "kl-shampoo-sync")]
+    for args in parsed:
+        assert profile_step.parse(args.configs[0])[1]["tf32"] == 1
+        assert args.model == "olmo2-1b" and args.batch_size == 16 and args.seq_len == 1024
+        assert str(args.out) == f"runs/profile/{args.configs[0].split(':')[0]}"
     contention = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/launch_contention.py"]]
     assert len(contention) == 2
     for argv in contention:
@@ -67,3 +79,25 @@ def test_a_deadline_starts_no_bench_without_the_time_for_one(tmp_path):
     assert "small: not started" in late.stderr and "green-plain: not started" in late.stderr
     assert len(dry_run(tmp_path, STAGES="small green", GREEN_MATH="0", GREEN_RUNS="plain", DEADLINE_S="200",
                        MIN_RUN_S="90")) == 2
+
+
+def test_the_profile_stages_program_times_a_quiet_step_of_each_mode_on_the_cpu(tmp_path):
+    """bench/profile_step.py runs native and async configs (native mode counts no activations) and writes each
+    config's steady steps, with no allocator figures off a GPU; a mistyped modifier fails before any config runs."""
+    script = str(ROOT / "bench" / "profile_step.py")
+    argv = [sys.executable, script, "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--device", "cpu",
+            "--steps", "2", "--profile-steps", "1", "--top", "3", "--out", str(tmp_path)]
+    done = subprocess.run([*argv, "--configs", "shampoo-sync", "soap-async:w=1"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "=== shampoo-sync ===" in done.stdout and "=== soap-async:w=1 ===" in done.stdout
+    results = json.loads((tmp_path / "profile.json").read_text())["results"]
+    assert "activations" not in results["shampoo-sync"]["summary"]
+    assert results["soap-async:w=1"]["summary"]["activations"]["max"] >= 0
+    for result in results.values():
+        assert result["steady_alloc_retries"] is None and result["steady_peak_bytes"] is None
+        assert 0 < result["summary"]["wall"]["median"] <= result["summary"]["wall"]["max"]
+    typo = subprocess.run([*argv, "--configs", "adamw", "shampoo-sync:tf=1"], capture_output=True, text=True,
+                          timeout=300)
+    assert typo.returncode != 0 and "Invalid config='shampoo-sync:tf=1'" in typo.stderr
+    assert "=== adamw ===" not in typo.stdout

@@ -224,6 +224,15 @@ def peak_gpu_bytes(summary: dict[str, Any]) -> int | None:
     return summary["peak_gpu_bytes"] + lane if summary["peak_gpu_bytes"] else None
 
 
+def steady_alloc_retries(records: list[dict[str, Any]], warmup: int) -> int | None:
+    """How often the CUDA allocator freed its cached blocks to retry an allocation in the steady steps (None: not on
+    a GPU, or no steady steps): each retry synchronizes the device, and they come on a card nearly full."""
+    ends = records[warmup - 1:warmup] + records[-1:] if warmup >= 1 else records[-1:]
+    if len(records) <= warmup or any("gpu_alloc_retries" not in r for r in ends):
+        return None
+    return ends[-1]["gpu_alloc_retries"] - (ends[0]["gpu_alloc_retries"] if warmup >= 1 else 0)
+
+
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:
     """Trains each config with ``base``'s model, data, batch, seed and schedule (``base.lr`` for all when
     given, else each optimizer's default) and writes the comparison."""
@@ -298,6 +307,7 @@ def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[
             "gpu_max_over_median": gpu["max_over_median"] if gpu else None,
             "peak_gpu_bytes": peak_gpu_bytes(s),
             "peak_gpu_process_bytes": s.get("peak_gpu_process_bytes"),
+            "alloc_retries_steady": steady_alloc_retries(records, warmup),
             "energy_joules_per_step": s["energy_joules_per_step"],
             "energy_device": s.get("energy_device"),
             "max_staleness_seen": stats.get("max_staleness_seen", 0 if stats else None),
@@ -479,6 +489,9 @@ def format_table(results: dict[str, Any]) -> str:
         label: ", ".join(f"vs {ref} " + ("n/a" if gap is None else f"{100 * gap:+.2f}%")
                          for ref, gap in r["val_loss_vs"].items())
         for label, r in runs.items() if r.get("val_loss_vs")})
+    _per_run(lines, "the CUDA allocator's retries in the steady steps (it freed its cached blocks to allocate, a "
+                    "device sync each; the card is nearly full):", {
+        label: str(r["alloc_retries_steady"]) for label, r in runs.items() if r.get("alloc_retries_steady")})
     late = {label: r["late_activation"] for label, r in results["runs"].items()
             if (r.get("late_activation") or {}).get("steps")}
     if late:
