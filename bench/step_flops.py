@@ -1,21 +1,26 @@
-"""The matrix products of one optimizer step that refreshes nothing, counted per optimizer over a model preset:
-what the step's own work is before any refresh, and how long it takes at a given rate.
+"""The work of one optimizer step that refreshes nothing, per optimizer over a model preset: the FLOPs of its
+matrix products and the bytes its other operations read and write (element-wise passes, copies, reductions), and how
+long each takes at a given rate. The step's own cost, before any refresh.
 
 The count runs on the CPU over slices of the preset (one decoder layer, then two; byte vocabulary) and extends
 to its depth, since the layers are alike. The step is native mode's second (the first computes the start-up
-preconditioners): the factors' update and the preconditioning, the products that grow with the blocks' sizes.
+preconditioners). A tensor's bytes are counted once for each operation that reads it and once for each that writes
+it, as if no cache held it: an in-place update reads and writes, a view moves nothing.
 
-    python3 bench/step_flops.py --model olmo2-1b --tflops 60 400
+    python3 bench/step_flops.py --model olmo2-1b --tflops 280 --gbps 3000
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections import defaultdict
 from inspect import signature
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 import asteria
@@ -35,24 +40,61 @@ def baddbmm_in_place_flops(input_shape: Any, batch1_shape: Any, batch2_shape: An
 IN_PLACE = {torch.ops.aten.baddbmm_: baddbmm_in_place_flops}
 
 
-def quiet_step_flops(params: Any, optimizer: str) -> dict[str, int]:
-    """FLOPs by operator of the second step of ``optimizer`` in native mode over ``params`` (named parameters),
-    every gradient a random one: the first step computes the preconditioners, the second only uses them."""
+#: the matrix products whose FLOPs the counter gives (the rest of the step is counted in bytes)
+FLOPS = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+         torch.ops.aten.baddbmm_, torch.ops.aten.matmul}
+
+
+#: operations that move no data: allocations without a fill
+NO_TRAFFIC = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes an operation reads or writes of ``tensor``: its elements, but no more than its storage holds (a
+    broadcast view repeats its elements in place)."""
+    return min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
+
+
+class Traffic(TorchDispatchMode):
+    """Bytes read and written, by operator, of the operations that are not matrix products (``FLOPS``) or views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if func.is_view or packet in NO_TRAFFIC or packet in FLOPS:
+            return out
+        inputs = {k: v for k, v in kwargs.items() if k != "out"}
+        read = sum(tensor_bytes(t) for t in tree_leaves((args, inputs)) if isinstance(t, torch.Tensor))
+        written = sum(tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.bytes[str(packet)] += read + written
+        return out
+
+
+def quiet_step_work(params: Any, optimizer: str) -> dict[str, dict[str, int]]:
+    """The second step of ``optimizer`` in native mode over ``params`` (named parameters), every gradient a random
+    one (the first step computes the preconditioners, the second only uses them): ``{"flops": by operator,
+    "bytes": by operator}``."""
     params = list(params)
     cls = OPTIMIZERS[optimizer]
     start = {"start_preconditioning_step": 1} if "start_preconditioning_step" in signature(cls).parameters else {}
     with cls(params, lr=1e-4, precondition_frequency=1000, runtime=asteria.RuntimeConfig(mode="sync"), **start) as opt:
-        counts: dict[str, int] = {}
+        work: dict[str, dict[str, int]] = {}
         for step in (1, 2):
             for _, param in params:
                 param.grad = torch.randn_like(param)
             if step == 1:
                 opt.step()
                 continue
-            with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter:
+            with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter, Traffic() as traffic:
                 opt.step()
-            counts = {str(op): int(flops) for op, flops in counter.get_flop_counts()["Global"].items()}
-    return counts
+            work = {"flops": {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()},
+                    "bytes": dict(traffic.bytes)}
+    return work
 
 
 def preset_slice(model: str, layers: int) -> torch.nn.Module:
@@ -61,31 +103,36 @@ def preset_slice(model: str, layers: int) -> torch.nn.Module:
     return models.build_model(name, vocab_size=256, seq_len=64)
 
 
-def preset_step_flops(model: str, optimizer: str) -> dict[str, int]:
-    """``quiet_step_flops`` of the preset ``model`` at its depth, from its slices of one and two layers."""
+def preset_step_work(model: str, optimizer: str) -> dict[str, dict[str, int]]:
+    """``quiet_step_work`` of the preset ``model`` at its depth, from its slices of one and two layers."""
     depth = models.PRESETS[model].num_layers
     torch.manual_seed(0)
-    first = quiet_step_flops(preset_slice(model, 1).named_parameters(), optimizer)
-    second = quiet_step_flops(preset_slice(model, 2).named_parameters(), optimizer)
-    return {op: first.get(op, 0) + (depth - 1) * (second.get(op, 0) - first.get(op, 0))
-            for op in sorted(first.keys() | second.keys())}
+    first = quiet_step_work(preset_slice(model, 1).named_parameters(), optimizer)
+    second = quiet_step_work(preset_slice(model, 2).named_parameters(), optimizer)
+    return {kind: {op: first[kind].get(op, 0) + (depth - 1) * (second[kind].get(op, 0) - first[kind].get(op, 0))
+                   for op in sorted(first[kind].keys() | second[kind].keys())} for kind in ("flops", "bytes")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="olmo2-1b", choices=sorted(models.PRESETS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
-    parser.add_argument("--tflops", type=float, nargs="*", default=[],
-                        help="rates (TFLOP/s) at which to give the products' time")
+    parser.add_argument("--tflops", type=float, default=None, help="the products' rate (TFLOP/s) to time them at")
+    parser.add_argument("--gbps", type=float, default=None, help="the memory's rate (GB/s) to time the bytes at")
+    parser.add_argument("--top", type=int, default=6, help="operators listed by bytes")
     args = parser.parse_args()
     depth = models.PRESETS[args.model].num_layers
-    print(f"{args.model} ({depth} layers): matrix products of a step that refreshes nothing")
+    print(f"{args.model} ({depth} layers): the work of a step that refreshes nothing")
     for optimizer in args.optimizers:
-        total = preset_step_flops(args.model, optimizer)
-        flops = sum(total.values())
-        times = ", ".join(f"{1e3 * flops / (rate * 1e12):.0f} ms at {rate:g} TFLOP/s" for rate in args.tflops)
-        parts = ", ".join(f"{op} {value / 1e12:.2f}" for op, value in total.items())
-        print(f"  {optimizer:<11} {flops / 1e12:7.2f} TFLOP ({parts})" + (f"; {times}" if times else ""))
+        work = preset_step_work(args.model, optimizer)
+        flops, moved = sum(work["flops"].values()), sum(work["bytes"].values())
+        products = ", ".join(f"{op} {n / 1e12:.2f}" for op, n in work["flops"].items())
+        top = sorted(work["bytes"].items(), key=lambda item: -item[1])[:args.top]
+        times = ([f"products {1e3 * flops / (args.tflops * 1e12):.0f} ms"] if args.tflops else []) + (
+            [f"bytes {1e3 * moved / (args.gbps * 1e9):.0f} ms"] if args.gbps else [])
+        print(f"  {optimizer:<11} {flops / 1e12:6.2f} TFLOP ({products}); {moved / 1e9:6.1f} GB moved"
+              + (f"; {', '.join(times)}" if times else ""))
+        print(f"  {'':<11} most bytes: " + ", ".join(f"{op} {n / 1e9:.1f} GB" for op, n in top))
 
 
 if __name__ == "__main__":
