@@ -3,6 +3,7 @@ device lane's, contexts included, as the driver lists them."""
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -64,3 +65,28 @@ def test_the_meter_counts_the_device_lanes_process_beside_the_training_processes
             pytest.skip("NVML does not list this process (no NVML, or a PID namespace apart from the driver's)")
         assert alone.read() >= torch.cuda.memory_reserved(device)
         assert run.read() > alone.read()
+
+
+def run_records(tmp_path, device: str) -> list[dict]:
+    from asteria.train.cli import main
+
+    assert main(["train", "--model", "tiny", "--device", device, "--steps", "4", "--batch-size", "2", "--seq-len",
+                 "32", "--optimizer", "shampoo", "--out", str(tmp_path)]) == 0
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_cpu_runs_steps_carry_no_allocator_figures(tmp_path):
+    for record in run_records(tmp_path, "cpu"):
+        assert not {"gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_alloc_retries"} & record.keys()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_gpu_step_records_what_the_allocator_holds_and_its_retries(tmp_path):
+    """Reserved covers allocated at each step's end; the retries are a running count (a card nearly full shows
+    them climbing, and the reserved bytes falling between steps)."""
+    records = run_records(tmp_path, "cuda")
+    assert len(records) == 4
+    for record in records:
+        assert record["gpu_reserved_bytes"] >= record["gpu_allocated_bytes"] > 0
+    retries = [record["gpu_alloc_retries"] for record in records]
+    assert retries == sorted(retries) and retries[0] >= 0

@@ -401,7 +401,9 @@ def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int
         record["gpu_step_time"] = measured["gpu_seconds"]
         record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
         record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        # (cumulative) the caching allocator's frees of its cached blocks to retry an allocation: a device sync each
+        # what the caching allocator holds, and (cumulative) its frees of its cache to retry an allocation, a device
+        # sync each: on a card nearly full, where it gives memory back and maps it again
+        record["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
         record["gpu_alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     if measured["joules"] is not None:
         record["energy_joules"] = measured["joules"]
