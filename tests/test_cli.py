@@ -415,19 +415,6 @@ def test_a_runs_peak_gpu_memory_counts_what_the_lane_process_held():
     assert peak_gpu_bytes({"peak_gpu_bytes": None, **lane}) is None
 
 
-def test_the_allocators_retries_count_from_the_warm_ups_end():
-    """The steady steps' retries: the cumulative counter at the last step less at the last warm-up step (from 0
-    without a warm-up); None off a GPU (no counter) or without steady steps."""
-    from asteria.train.bench import steady_alloc_retries
-
-    records = [{"gpu_alloc_retries": count} for count in (0, 1, 1, 3, 5)]
-    assert steady_alloc_retries(records, 2) == 4  # steps 3-5: 5 - 1
-    assert steady_alloc_retries(records, 0) == 5
-    assert steady_alloc_retries(records, 5) is None
-    assert steady_alloc_retries([{}] * 5, 2) is None
-    assert steady_alloc_retries(records[:3] + [{}], 2) is None
-
-
 def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), "--steps", "11", "--eval-every", "11",
                  "--configs", "adamw", "soap-sync", "kl-shampoo-async", "soap-async-f2", *TINY]) == 0

@@ -1,5 +1,6 @@
-"""The GPU memory meter of a run's processes (``train.meters.ProcessMemoryMeter``): the training process's and the
-device lane's, contexts included, as the driver lists them."""
+"""The GPU memory a run records: the meter of its processes (``train.meters.ProcessMemoryMeter``: the training
+process's and the device lane's, contexts included, as the driver lists them), and the caching allocator's figures
+of each step (what it holds, and its retries, which the bench counts over the steady steps)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,16 @@ def test_each_gpu_step_records_what_the_allocator_holds_and_its_retries(tmp_path
         assert record["gpu_reserved_bytes"] >= record["gpu_allocated_bytes"] > 0
     retries = [record["gpu_alloc_retries"] for record in records]
     assert retries == sorted(retries) and retries[0] >= 0
+
+
+def test_the_allocators_retries_count_from_the_warm_ups_end():
+    """The steady steps' retries: the cumulative counter at the last step less at the last warm-up step (from 0
+    without a warm-up); None off a GPU (no counter) or without steady steps."""
+    from asteria.train.bench import steady_alloc_retries
+
+    records = [{"gpu_alloc_retries": count} for count in (0, 1, 1, 3, 5)]
+    assert steady_alloc_retries(records, 2) == 4  # steps 3-5: 5 - 1
+    assert steady_alloc_retries(records, 0) == 5
+    assert steady_alloc_retries(records, 5) is None
+    assert steady_alloc_retries([{}] * 5, 2) is None
+    assert steady_alloc_retries(records[:3] + [{}], 2) is None
