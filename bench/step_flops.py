@@ -1,6 +1,6 @@
 """The work of one optimizer step that refreshes nothing, per optimizer over a model preset: the FLOPs of its
-matrix products and the bytes its other operations read and write (element-wise passes, copies, reductions), and how
-long each takes at a given rate. The step's own cost, before any refresh.
+matrix products, the bytes its other operations read and write (element-wise passes, copies, reductions) and how long
+each takes at a given rate, and the bytes of the tensors it allocates. The step's own cost, before any refresh.
 
 The count runs on the CPU over slices of the preset (one decoder layer, then two; byte vocabulary) and extends
 to its depth, since the layers are alike. The step is native mode's second (the first computes the start-up
@@ -56,16 +56,23 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 class Traffic(TorchDispatchMode):
-    """Bytes read and written, by operator, of the operations that are not matrix products (``FLOPS``) or views."""
+    """Bytes read and written, by operator, of the operations that are not matrix products (``FLOPS``) or views;
+    and the bytes of the new tensors every operation allocates (what the step asks of the caching allocator)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
+        self.allocated: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
+        new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given}
+        if new:
+            self.allocated[str(packet)] += sum(new.values())
         if func.is_view or packet in NO_TRAFFIC or packet in FLOPS:
             return out
         inputs = {k: v for k, v in kwargs.items() if k != "out"}
@@ -77,8 +84,8 @@ class Traffic(TorchDispatchMode):
 
 def quiet_step_work(params: Any, optimizer: str) -> dict[str, dict[str, int]]:
     """The second step of ``optimizer`` in native mode over ``params`` (named parameters), every gradient a random
-    one (the first step computes the preconditioners, the second only uses them): ``{"flops": by operator,
-    "bytes": by operator}``."""
+    one (the first step computes the preconditioners, the second only uses them): ``{"flops", "bytes",
+    "allocated"}``, each by operator (``Traffic`` says what the last two count)."""
     params = list(params)
     cls = OPTIMIZERS[optimizer]
     start = {"start_preconditioning_step": 1} if "start_preconditioning_step" in signature(cls).parameters else {}
@@ -93,7 +100,7 @@ def quiet_step_work(params: Any, optimizer: str) -> dict[str, dict[str, int]]:
             with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter, Traffic() as traffic:
                 opt.step()
             work = {"flops": {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()},
-                    "bytes": dict(traffic.bytes)}
+                    "bytes": dict(traffic.bytes), "allocated": dict(traffic.allocated)}
     return work
 
 
@@ -110,7 +117,7 @@ def preset_step_work(model: str, optimizer: str) -> dict[str, dict[str, int]]:
     first = quiet_step_work(preset_slice(model, 1).named_parameters(), optimizer)
     second = quiet_step_work(preset_slice(model, 2).named_parameters(), optimizer)
     return {kind: {op: first[kind].get(op, 0) + (depth - 1) * (second[kind].get(op, 0) - first[kind].get(op, 0))
-                   for op in sorted(first[kind].keys() | second[kind].keys())} for kind in ("flops", "bytes")}
+                   for op in sorted(first[kind].keys() | second[kind].keys())} for kind in first}
 
 
 def main() -> None:
@@ -130,8 +137,9 @@ def main() -> None:
         top = sorted(work["bytes"].items(), key=lambda item: -item[1])[:args.top]
         times = ([f"products {1e3 * flops / (args.tflops * 1e12):.0f} ms"] if args.tflops else []) + (
             [f"bytes {1e3 * moved / (args.gbps * 1e9):.0f} ms"] if args.gbps else [])
-        print(f"  {optimizer:<11} {flops / 1e12:6.2f} TFLOP ({products}); {moved / 1e9:6.1f} GB moved"
-              + (f"; {', '.join(times)}" if times else ""))
+        allocated = sum(work["allocated"].values())
+        print(f"  {optimizer:<11} {flops / 1e12:6.2f} TFLOP ({products}); {moved / 1e9:6.1f} GB moved, "
+              f"{allocated / 1e9:.1f} GB allocated" + (f"; {', '.join(times)}" if times else ""))
         print(f"  {'':<11} most bytes: " + ", ".join(f"{op} {n / 1e9:.1f} GB" for op, n in top))
 
 

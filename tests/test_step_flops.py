@@ -49,6 +49,8 @@ def test_the_bytes_an_operation_moves():
         torch.bmm(a[None], b.t()[None])  # a product: counted in FLOPs
         row.expand(64, 32).sum()  # the row's 128 bytes, and the sum's 4
     assert traffic.bytes == {"aten.add_": 3 * size, "aten.mul": 2 * size + 128, "aten.sum": 128 + 4}
+    # New tensors only: the product's result and the sum's scalar (the others wrote into tensors they were given)
+    assert traffic.allocated == {"aten.bmm": 64 * 64 * 4, "aten.sum": 4}
 
 
 @pytest.mark.parametrize("optimizer", ["shampoo", "soap", "kl-shampoo"])
