@@ -105,10 +105,10 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         return row
 
     activations = 0.0
-    retries = 0  # the caching allocator's frees of its cache to retry an allocation (a device sync each)
+    retries_before = 0  # the caching allocator's frees of its cache to retry an allocation (a device sync each)
     for i in range(warmup + args.steps):
         if i == warmup and cuda:
-            retries = -torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
             torch.cuda.reset_peak_memory_stats(device)
         row = one_step(i)
         if "activations" in row:  # blocks whose version changed at this step
@@ -116,7 +116,7 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
         if i >= warmup:
             rows.append(row | {"step": float(i + 1)})
     if cuda:
-        retries += torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before
         peak = torch.cuda.max_memory_allocated(device)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     traced = ""

@@ -227,10 +227,11 @@ def peak_gpu_bytes(summary: dict[str, Any]) -> int | None:
 def steady_alloc_retries(records: list[dict[str, Any]], warmup: int) -> int | None:
     """How often the CUDA allocator freed its cached blocks to retry an allocation in the steady steps (None: not on
     a GPU, or no steady steps): each retry synchronizes the device, and they come on a card nearly full."""
-    ends = records[warmup - 1:warmup] + records[-1:] if warmup >= 1 else records[-1:]
-    if len(records) <= warmup or any("gpu_alloc_retries" not in r for r in ends):
+    if len(records) <= warmup:
         return None
-    return ends[-1]["gpu_alloc_retries"] - (ends[0]["gpu_alloc_retries"] if warmup >= 1 else 0)
+    before = records[warmup - 1].get("gpu_alloc_retries") if warmup else 0
+    after = records[-1].get("gpu_alloc_retries")
+    return None if before is None or after is None else after - before
 
 
 def run_bench(base: RunConfig, out: Path, configs: tuple[str, ...] = CONFIGS, progress: bool = True) -> dict[str, Any]:

@@ -399,12 +399,13 @@ def _record(cfg: RunConfig, parts: _Parts, run: DistributedRun | None, step: int
         record["host_runq_time"], record["host_sleeps"] = measured["host_sched"]
     if measured["gpu_seconds"] is not None:
         record["gpu_step_time"] = measured["gpu_seconds"]
-        record["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
-        record["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        stats = torch.cuda.memory_stats(device)  # (read once: torch's memory_allocated() and the like each read it)
+        record["gpu_allocated_bytes"] = stats.get("allocated_bytes.all.current", 0)
+        record["gpu_peak_bytes"] = stats.get("allocated_bytes.all.peak", 0)
         # what the caching allocator holds, and (cumulative) its frees of its cache to retry an allocation, a device
         # sync each: on a card nearly full, where it gives memory back and maps it again
-        record["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
-        record["gpu_alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        record["gpu_reserved_bytes"] = stats.get("reserved_bytes.all.current", 0)
+        record["gpu_alloc_retries"] = stats.get("num_alloc_retries", 0)
     if measured["joules"] is not None:
         record["energy_joules"] = measured["joules"]
     if hasattr(parts.opt, "staleness"):
