@@ -13,9 +13,10 @@
 #           $PROFILE_BATCH (default: 16) x 1024, each config of $PROFILE_CONFIGS (default: adamw shampoo-sync
 #           soap-sync kl-shampoo-sync, with TF32 as the benches run) in a process of its own: $PROFILE_STEPS steady
 #           steps timed (default: 4; native mode's refresh steps fall outside them), the model's part and the
-#           optimizer's, the steady steps' peak allocation and allocator retries, then two steps' top operators by
-#           GPU time (at 1B the native step alone is 1.7-1.9x AdamW's: docs/results.md, "olmo2-1b at the current
-#           code");
+#           optimizer's, the steady steps' peak allocation and allocator retries, two steps traced (the main
+#           stream's idle gaps, the slow CUDA runtime and driver calls: the allocator's among them), then two steps'
+#           top operators by GPU time (at 1B the native step alone is 1.7-1.9x AdamW's: docs/results.md,
+#           "olmo2-1b at the current code");
 #   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop;
 #   contention  bench/launch_contention.py: what refresh math in a thread of the training process, or in a process
 #           of its own, costs the training thread's kernel launches (a launch-bound chain, then a GPU-bound one);
@@ -147,7 +148,7 @@ if has profile; then
        continue
      fi
      run timeout -s INT -k 15 "$left" python3 bench/profile_step.py --model "${PROFILE_MODEL:-olmo2-1b}" \
-       --batch-size "${PROFILE_BATCH:-16}" --seq-len 1024 --steps "${PROFILE_STEPS:-4}" --profile-steps 2 --top 14 \
+       --batch-size "${PROFILE_BATCH:-16}" --seq-len 1024 --steps "${PROFILE_STEPS:-4}" --trace-steps 2 --profile-steps 2 --top 14 \
        --configs "$config:tf32=1" --out "runs/profile/$config" 2>&1 | quiet | tee -a "$OUT/profile.txt"
    done)
   dry || tar -czf "$OUT/profile.tgz" -C runs profile 2>/dev/null

@@ -25,12 +25,14 @@ def test_masked_emas_update_kept_blocks_and_leave_the_others_bit_for_bit():
     assert torch.equal(ema[~keep], state[~keep]) and torch.equal(square[~keep], state[~keep])
 
 
-def test_decoupled_update_steps_kept_blocks_and_leaves_the_others_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0])
+def test_decoupled_update_steps_kept_blocks_and_leaves_the_others_bit_for_bit(dtype, weight_decay):
     torch.manual_seed(3)
-    weights = torch.randn(4, 3, 5, dtype=torch.float64)
-    direction = torch.randn(4, 3, 5, dtype=torch.float64)
+    weights = torch.randn(4, 3, 5, dtype=dtype)
+    direction = torch.randn(4, 3, 5, dtype=dtype)
     keep = torch.tensor([True, False, False, True])
-    lr, weight_decay = 0.05, 0.1
+    lr = 0.05
     updated = F.decoupled_update_(weights.clone(), direction, lr, weight_decay, keep)
     torch.testing.assert_close(updated[keep], weights[keep] * (1 - lr * weight_decay) - lr * direction[keep])
     assert torch.equal(updated[~keep], weights[~keep])
@@ -170,3 +172,15 @@ def test_qr_refresh_by_cholesky_qr_matches_householder_and_keeps_the_rules_for_o
         assert float(abs(off[0] - off[1])) < 1e-6
         leading = slice(0, (8, 20, 8)[block] // 2)  # columns of the factor's range, well above its rounding
         assert float((1 - (new_c * new_h).sum(0).abs()[leading]).abs().max()) < 1e-4
+
+
+def test_usable_gradient_rows_reject_blocks_whose_squared_norm_overflows_float32():
+    """Entries whose squares are finite but whose sum is not (4096 x 1e36 > 3.4e38) are rejected with NaN and
+    Inf; an ordinary block and a zero one pass, and so do the same entries scaled down (the NaN left out)."""
+    grads = torch.zeros(5, 64, 64)
+    grads[0].normal_()
+    grads[2].fill_(1e18)
+    grads[3, 5, 7] = float("nan")
+    grads[4, 0, 0] = float("inf")
+    assert F.usable_gradient_rows(grads).tolist() == [True, True, False, False, False]
+    assert F.usable_gradient_rows(grads[:, :4, :4] * 1e-3).tolist() == [True, True, True, True, False]

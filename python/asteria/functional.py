@@ -27,8 +27,8 @@ def usable_gradient_rows(grads: Tensor) -> Tensor:
     """(B,) bool: which blocks' gradients may enter the statistics: every entry finite and the squared
     Frobenius norm finite in float32. The second rejects a finite gradient whose outer products
     would overflow (|g| ~ 1e20): every entry of G G^T and of G * G is bounded by ||G||_F^2."""
-    flat = grads.reshape(grads.shape[0], -1)
-    return torch.isfinite(torch.linalg.vecdot(flat, flat))
+    norms = torch.linalg.vector_norm(grads.reshape(grads.shape[0], -1), dim=1)  # one read, no temporary
+    return torch.isfinite(norms * norms)
 
 
 def mode_matrix(x: Tensor, mode: int) -> Tensor:
@@ -84,17 +84,22 @@ def masked_ema_square_(state: Tensor, update: Tensor, beta: float | Tensor, keep
 
 def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_decay: float, keep: Tensor) -> Tensor:
     """weights <- weights (1 - lr weight_decay) - lr direction in kept blocks, others unchanged bit for bit;
-    two passes over the block (a per-block decay, then a per-block step through ``addcmul_``).
+    two passes over the block (a per-block decay, then a per-block step through ``addcmul_``), one without weight
+    decay (a decay of exactly 1 would change no bit).
 
     ``direction`` must be finite in blocks that are not kept (0 times NaN is NaN).
     """
+    decays = lr * weight_decay != 0.0
     if weights.dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
         one = torch.ones((), dtype=torch.float64, device=weights.device)
-        decay, step = torch.where(keep, one * (1.0 - lr * weight_decay), one), torch.where(keep, one * -lr, 0.0 * one)
+        decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None
+        step = torch.where(keep, one * -lr, 0.0 * one)
     else:
-        decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype)
+        decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype) if decays else None
         step = torch.where(keep, -lr, 0.0).to(weights.dtype)
-    return weights.mul_(batch_view(decay, weights)).addcmul_(direction, batch_view(step, weights))
+    if decay is not None:
+        weights.mul_(batch_view(decay, weights))
+    return weights.addcmul_(direction, batch_view(step, weights))
 
 
 def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float | Tensor, keep: Tensor,
@@ -150,11 +155,12 @@ def graft_(direction: Tensor, target: Tensor) -> Tensor:
 
 def adam_direction(momentum: Tensor, second_moment: Tensor, bias1: float | Tensor, bias2: float | Tensor,
                    eps: float) -> Tensor:
-    """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps), in one new tensor of the block's size: the
-    quotient is written over the denominator (a bias of exactly 1.0 divides nothing)."""
-    denominator = (second_moment / per_block(bias2, second_moment)).sqrt_().add_(eps)
-    numerator = momentum if isinstance(bias1, float) and bias1 == 1.0 else momentum / per_block(bias1, momentum)
-    return torch.div(numerator, denominator, out=denominator)
+    """Bias-corrected Adam direction m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v bias1^2 / bias2) + eps bias1), in
+    one new tensor of the block's size: both corrections go into the denominator (three passes), which the
+    quotient then overwrites, so the momentum is neither copied nor changed."""
+    scale, shift = bias1 * bias1 / bias2, eps * bias1
+    denominator = (second_moment * per_block(scale, second_moment)).sqrt_().add_(per_block(shift, second_moment))
+    return torch.div(momentum, denominator, out=denominator)
 
 
 def regularize_eigenvalues(eigenvalues: Tensor, eps: float, relative_eps: float = 0.0) -> Tensor:

@@ -157,18 +157,20 @@ class Shampoo(SecondOrderOptimizer):
         hyper = self.param_groups[group.group_index]
         beta1, beta2 = hyper["betas"][0], hyper["grafting_beta2"]
         # Each block's bias corrections count its own steps (a block without a gradient yet has zero moments).
-        momentum = group.state[MOMENTUM] / F.per_block(group.steps.of(lambda c: 1.0 - beta1 ** max(c, 1)),
-                                                       group.state[MOMENTUM])
-        adam = F.adam_direction(momentum, group.state[GRAFTING_SECOND_MOMENT], 1.0,
-                                group.steps.of(lambda c: 1.0 - beta2 ** max(c, 1)), hyper["grafting_eps"])
-        fallback = adam if hyper["grafting"] == "adam" else momentum
+        momentum = group.state[MOMENTUM]
+        bias1 = group.steps.of(lambda c: 1.0 - beta1 ** max(c, 1))
+        if hyper["grafting"] == "adam":
+            # Grafting rescales each block's Shampoo direction to the Adam direction's norm, so the momentum's bias
+            # correction (one number per block) cancels there: Adam's direction alone takes it, in its denominator.
+            fallback = F.adam_direction(momentum, group.state[GRAFTING_SECOND_MOMENT], bias1,
+                                        group.steps.of(lambda c: 1.0 - beta2 ** max(c, 1)), hyper["grafting_eps"])
+        else:
+            momentum = fallback = momentum / F.per_block(bias1, momentum)
         if not self._factored(group):
             return fallback
-        roots = self._placement.read(group)
-        shampoo = F.precondition(momentum, roots)
+        shampoo = F.precondition(momentum, self._placement.read(group))
         if hyper["grafting"] == "adam":
-            del momentum  # at 1B the blocks of one group take 4 GiB: each temporary released as soon as it can be
-            F.graft_(shampoo, adam)
+            F.graft_(shampoo, fallback)
         ready = group.state[has_root_key(0)]
         for mode in range(1, group.order):
             ready = ready & group.state[has_root_key(mode)]
