@@ -184,3 +184,21 @@ def test_usable_gradient_rows_reject_blocks_whose_squared_norm_overflows_float32
     grads[4, 0, 0] = float("inf")
     assert F.usable_gradient_rows(grads).tolist() == [True, True, False, False, False]
     assert F.usable_gradient_rows(grads[:, :4, :4] * 1e-3).tolist() == [True, True, True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0])
+def test_the_update_through_block_views_equals_the_stacked_one_bit_for_bit(dtype, weight_decay):
+    """Blocks cut from the columns of two parameters (strided views), some not kept: updated through their views,
+    the parameters hold the numbers of the stacked copy's update written back."""
+    torch.manual_seed(4)
+    params = [torch.randn(3, 8, dtype=dtype), torch.randn(3, 4, dtype=dtype)]
+    views = lambda ps: [ps[0][:, :4], ps[0][:, 4:], ps[1]]  # noqa: E731
+    direction = torch.randn(3, 3, 4, dtype=dtype)
+    keep = torch.tensor([True, False, True])
+    stacked, before = [p.clone() for p in params], [p.clone() for p in params]
+    updated = F.decoupled_update_(torch.stack(views(stacked)), direction, 0.05, weight_decay, keep)
+    torch._foreach_copy_(views(stacked), list(updated.unbind(0)))
+    F.decoupled_update_blocks_(views(params), direction, 0.05, weight_decay, keep)
+    assert all(torch.equal(a, b) for a, b in zip(params, stacked))
+    assert torch.equal(params[0][:, 4:], before[0][:, 4:]) and not torch.equal(params[1], before[1])

@@ -89,17 +89,34 @@ def decoupled_update_(weights: Tensor, direction: Tensor, lr: float, weight_deca
 
     ``direction`` must be finite in blocks that are not kept (0 times NaN is NaN).
     """
-    decays = lr * weight_decay != 0.0
-    if weights.dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
-        one = torch.ones((), dtype=torch.float64, device=weights.device)
-        decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None
-        step = torch.where(keep, one * -lr, 0.0 * one)
-    else:
-        decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(weights.dtype) if decays else None
-        step = torch.where(keep, -lr, 0.0).to(weights.dtype)
+    decay, step = update_coefficients(weights.dtype, lr, weight_decay, keep)
     if decay is not None:
         weights.mul_(batch_view(decay, weights))
     return weights.addcmul_(direction, batch_view(step, weights))
+
+
+def decoupled_update_blocks_(blocks: list[Tensor], direction: Tensor, lr: float, weight_decay: float,
+                             keep: Tensor) -> None:
+    """``decoupled_update_`` of B tensors of ``direction``'s dtype (the parameters' views of their blocks) along
+    (B, *shape) ``direction``: the same numbers bit for bit, without a stacked copy of the blocks to update and
+    write back."""
+    decay, step = update_coefficients(direction.dtype, lr, weight_decay, keep)
+    if decay is not None:
+        torch._foreach_mul_(blocks, list(decay.unbind(0)))
+    torch._foreach_addcmul_(blocks, list(direction.unbind(0)), list(step.unbind(0)))
+
+
+def update_coefficients(dtype: torch.dtype, lr: float, weight_decay: float, keep: Tensor) -> tuple[Tensor | None,
+                                                                                                     Tensor]:
+    """(B,) per-block decay (None without weight decay) and step of the decoupled update, in ``dtype``: 1 and 0
+    where a block is not kept."""
+    decays = lr * weight_decay != 0.0
+    if dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
+        one = torch.ones((), dtype=torch.float64, device=keep.device)
+        decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None
+        return decay, torch.where(keep, one * -lr, 0.0 * one)
+    decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(dtype) if decays else None
+    return decay, torch.where(keep, -lr, 0.0).to(dtype)
 
 
 def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float | Tensor, keep: Tensor,

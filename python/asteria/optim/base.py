@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from asteria import _core
-from asteria import functional as F
 from asteria.checks import check_arg, check_count
 from asteria.config import MAX_FREQUENCY, RuntimeConfig, plain
 from asteria.distributed import topology
@@ -497,8 +496,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         hyper = self.param_groups[group.group_index]
         if not self.FIRST_GRADIENT_STEPS:
             keep = group.steps.first().without(keep)  # (never all first: then there is no direction)
-        weights = group.gather_params()  # a stacked copy: updated in place, then written back
-        group.scatter_params_(F.decoupled_update_(weights, direction, hyper["lr"], hyper["weight_decay"], keep))
+        group.update_params_(direction, hyper["lr"], hyper["weight_decay"], keep)
 
     # ---- checkpoints (``asteria.optim.checkpoint``) --------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from asteria import functional as F
 from asteria.optim.blocking import Block, partition
 from asteria.optim.steps import BlockSteps, to_device
 
@@ -91,6 +92,16 @@ class ShapeGroup:
     def scatter_params_(self, values: Tensor) -> None:
         """Writes (B, *shape) values back into the parameters' blocks, each in its own dtype."""
         torch._foreach_copy_(self.param_views(), list(values.unbind(0)))
+
+    def update_params_(self, direction: Tensor, lr: float, weight_decay: float, keep: Tensor) -> None:
+        """The decoupled update of the kept blocks along (B, *shape) ``direction`` (``F.decoupled_update_``).
+        Parameters of ``direction``'s dtype are updated through their views (no stacked copy to write back: four
+        passes over the group fewer), others (half precision) through a copy in ``direction``'s precision."""
+        views = self.param_views()
+        if all(view.dtype == direction.dtype for view in views):
+            F.decoupled_update_blocks_(views, direction, lr, weight_decay, keep)
+        else:
+            self.scatter_params_(F.decoupled_update_(self.gather_params(), direction, lr, weight_decay, keep))
 
 
 def dense(grad: Tensor, name: str, param: Tensor | None = None) -> Tensor:
