@@ -78,6 +78,10 @@ class Traffic(TorchDispatchMode):
         inputs = {k: v for k, v in kwargs.items() if k != "out"}
         read = sum(tensor_bytes(t) for t in tree_leaves((args, inputs)) if isinstance(t, torch.Tensor))
         written = sum(tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if not written:  # an in-place operation that returns nothing (``_foreach_mul_``): what it changed
+            changed = [value for arg, value in zip(func._schema.arguments, args)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+            written = sum(tensor_bytes(t) for t in tree_leaves(changed) if isinstance(t, torch.Tensor))
         self.bytes[str(packet)] += read + written
         return out
 

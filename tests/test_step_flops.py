@@ -37,8 +37,9 @@ def test_a_presets_count_from_its_slices_is_the_whole_models(monkeypatch):
 
 
 def test_the_bytes_an_operation_moves():
-    """Each tensor read or written counts once per operation: an in-place update reads and writes its tensor, an
-    ``out=`` tensor is only written, a broadcast operand counts its storage, a view and a product move nothing."""
+    """Each tensor read or written counts once per operation: an in-place update reads and writes its tensor (a
+    foreach one each of its list's), an ``out=`` tensor is only written, a broadcast operand counts its storage, a
+    view and a product move nothing."""
     a, b, out = torch.ones(64, 32), torch.ones(64, 32), torch.empty(64, 32)
     row = torch.ones(1, 32)
     size = a.numel() * 4
@@ -48,7 +49,9 @@ def test_the_bytes_an_operation_moves():
         a.view(32, 64).t()  # views
         torch.bmm(a[None], b.t()[None])  # a product: counted in FLOPs
         row.expand(64, 32).sum()  # the row's 128 bytes, and the sum's 4
-    assert traffic.bytes == {"aten.add_": 3 * size, "aten.mul": 2 * size + 128, "aten.sum": 128 + 4}
+        torch._foreach_mul_([a, b], 2.0)  # read and write both (it returns nothing)
+    assert traffic.bytes == {"aten.add_": 3 * size, "aten.mul": 2 * size + 128, "aten.sum": 128 + 4,
+                             "aten._foreach_mul_": 4 * size}
     # New tensors only: the product's result and the sum's scalar (the others wrote into tensors they were given)
     assert traffic.allocated == {"aten.bmm": 64 * 64 * 4, "aten.sum": 4}
 
