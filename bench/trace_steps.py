@@ -82,10 +82,16 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 c[1] += e.get("args", {}).get("bytes", 0)
                 c[2] += e["dur"]
         gaps = []
+        # the main stream's idle time before the optimizer's step began on the host (the forward and backward
+        # passes) and after it (a step that made the host wait, for the allocator for instance, shows there)
+        step_start = next((e["ts"] for e in ops if lo <= e["ts"] < hi and e["name"].startswith("Optimizer.step")),
+                          hi)
+        idle = {"model": 0.0, "optimizer": 0.0}
         if main is not None:
             seq = sorted(by_stream[main], key=lambda e: e["ts"])
             for a, b in zip(seq, seq[1:]):
                 gap = b["ts"] - (a["ts"] + a["dur"])
+                idle["model" if a["ts"] + a["dur"] < step_start else "optimizer"] += max(gap, 0.0) / 1e3
                 if gap > 300:
                     others = [e["name"][:50] for e in mine if e.get("args", {}).get("stream") != main
                               and e["ts"] < b["ts"] and e["ts"] + e["dur"] > a["ts"] + a["dur"]]
@@ -95,12 +101,15 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              for e in runtime if lo <= e["ts"] < hi and e["dur"] > 500), reverse=True)
         calls = [e for e in runtime if lo <= e["ts"] < hi and e.get("tid") == r.get("tid")]
         launch_calls = [e["dur"] for e in calls if "Launch" in e["name"]]
+        syncs = [e["dur"] for e in calls if e["name"] == "cudaStreamSynchronize"]
         out.append({
             "step": int(r["name"].split()[1]), "wall_ms": r["dur"] / 1e3, "main_stream": main,
             "training_calls": {"n": len(calls), "ms": sum(e["dur"] for e in calls) / 1e3,
                                "launches": len(launch_calls),
                                "launch_mean_us": statistics.fmean(launch_calls) if launch_calls else 0.0,
-                               "launch_max_us": max(launch_calls, default=0.0)},
+                               "launch_max_us": max(launch_calls, default=0.0),
+                               "stream_syncs": len(syncs), "stream_sync_ms": sum(syncs) / 1e3},
+            "main_idle_ms": idle,
             "stream_busy_ms": {s: busy([(e["ts"], e["ts"] + e["dur"]) for e in es]) / 1e3
                                for s, es in by_stream.items()},
             "copies": {k: {"n": v[0], "MB": v[1] / 1e6, "ms": v[2] / 1e3} for k, v in copies.items()},
@@ -117,12 +126,14 @@ def report(rows: list[dict[str, Any]], show: int = 3) -> str:
     lines = [f"  traced steps {rows[0]['step']}..{rows[-1]['step']}: wall median {median:.1f} ms; "
              f"per step: " + " ".join(f"{r['step']}:{r['wall_ms']:.0f}" for r in rows),
              "  the training thread's CUDA runtime calls per step (step: wall ms, main stream busy ms, calls, ms in "
-             "them, kernel launches at mean / max us):"]
+             "them, kernel launches at mean / max us; the main stream's idle ms before and after the optimizer's "
+             "step began; the stream synchronizations, the caching allocator's when it frees its cache):"]
     for r in rows:
-        c = r["training_calls"]
+        c, idle = r["training_calls"], r["main_idle_ms"]
         lines.append(f"    {r['step']}: {r['wall_ms']:.0f}, {r['stream_busy_ms'].get(r['main_stream'], 0.0):.0f}, "
                      f"{c['n']}, {c['ms']:.1f}, {c['launches']} at {c['launch_mean_us']:.0f} / "
-                     f"{c['launch_max_us']:.0f}")
+                     f"{c['launch_max_us']:.0f}; idle {idle['model']:.1f} / {idle['optimizer']:.1f}; "
+                     f"{c['stream_syncs']} syncs, {c['stream_sync_ms']:.1f} ms")
     typical = min(rows, key=lambda r: abs(r["wall_ms"] - median))
     for label, r in [("typical", typical)] + [("slow", r) for r in sorted(rows, key=lambda r: -r["wall_ms"])[:show]]:
         lines.append(f"  [{label}] step {r['step']}: wall {r['wall_ms']:.1f} ms, main stream {r['main_stream']}, "
