@@ -148,8 +148,9 @@ if has profile; then
        continue
      fi
      run timeout -s INT -k 15 "$left" python3 bench/profile_step.py --model "${PROFILE_MODEL:-olmo2-1b}" \
-       --batch-size "${PROFILE_BATCH:-16}" --seq-len 1024 --steps "${PROFILE_STEPS:-4}" --trace-steps 2 --profile-steps 2 --top 14 \
-       --configs "$config:tf32=1" --out "runs/profile/$config" 2>&1 | quiet | tee -a "$OUT/profile.txt"
+       --batch-size "${PROFILE_BATCH:-16}" --seq-len 1024 --steps "${PROFILE_STEPS:-4}" --trace-steps 2 \
+       --profile-steps 2 --top 14 --configs "$config:tf32=1" --out "runs/profile/$config" 2>&1 | quiet \
+       | tee -a "$OUT/profile.txt"
    done)
   dry || tar -czf "$OUT/profile.tgz" -C runs profile 2>/dev/null
 fi

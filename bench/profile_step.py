@@ -9,7 +9,8 @@ Run (CPU, a quick look):  python3 bench/profile_step.py --model tiny --seq-len 6
 
 A config is ``OPTIMIZER-MODE`` with optional ``:f=N`` (precondition frequency, default 10), ``:w=N``
 (workers), ``:s=N`` (staleness, default 5), ``:attach=0`` (no hooks), ``:tf32=1`` (TF32 matmuls),
-``:det=0`` (non-deterministic activation) and ``:dim=N`` (max_preconditioner_dim, default 2048).
+``:det=0`` (non-deterministic activation), ``:dim=N`` (max_preconditioner_dim, default 2048) and ``:gb=N``
+(``MemoryConfig.group_bytes`` in MiB: smaller shape groups, so smaller temporaries in the step).
 Per config it prints, over the steady steps (after (sync_refreshes + 1) x f warm-up steps, f capped at
 10 there): median and max of the whole
 step (wall, synchronized each step), of the model part and of ``opt.step()`` (CUDA events), and the
@@ -45,12 +46,12 @@ from asteria.train.report import steady_warmup
 
 def parse(spec: str) -> tuple[str, dict[str, Any]]:
     name, *mods = spec.split(":")
-    options: dict[str, Any] = {"f": 10, "w": None, "s": 5, "attach": 1, "tf32": 0, "det": 1, "dim": 2048}
+    options: dict[str, Any] = {"f": 10, "w": None, "s": 5, "attach": 1, "tf32": 0, "det": 1, "dim": 2048, "gb": 0}
     for mod in mods:
         key, _, value = mod.partition("=")
         if key not in options or not value.isdigit():
             raise ValueError(f"Invalid config={spec!r}: modifiers are f=N, w=N, s=N, attach=0|1, tf32=0|1, det=0|1, "
-                             "dim=N")
+                             "dim=N, gb=N")
         options[key] = int(value)
     return name, options
 
@@ -64,7 +65,8 @@ def run(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args.model, 256, args.seq_len).to(device)
     cfg = RunConfig(model=args.model, optimizer=optimizer, mode=mode, device=args.device, staleness=o["s"],
                     precondition_frequency=o["f"], workers=o["w"], batch_size=args.batch_size,
-                    seq_len=args.seq_len, deterministic=bool(o["det"]), max_preconditioner_dim=o["dim"])
+                    seq_len=args.seq_len, deterministic=bool(o["det"]), max_preconditioner_dim=o["dim"],
+                    group_bytes=o["gb"] * 2**20 or None)
     opt = make_optimizer(cfg, model)
     second_order = isinstance(opt, asteria.optim.base.SecondOrderOptimizer)
     hooks = asteria.attach(model, opt) if second_order and o["attach"] else None

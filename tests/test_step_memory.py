@@ -195,3 +195,30 @@ def test_running_out_of_gpu_memory_in_a_step_names_what_the_state_holds():
                     "max_preconditioner_dim shrinks the factors and preconditioners; "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, lets memory freed "
                     "between tensors of different sizes serve the next ones")
+
+
+def test_group_bytes_bounds_the_shape_groups_from_the_cli():
+    """``--group-bytes`` reaches ``MemoryConfig.group_bytes``: every shape group's preconditioner bytes stay within
+    it (a step's temporaries are each a group's parameter size), where the unbounded run has larger groups; a bad
+    value, or the option with AdamW, is refused by name."""
+    from asteria.optim.groups import preconditioner_bytes
+    from asteria.train.loop import make_optimizer
+    from asteria.train.model import build_model
+    from asteria.train.run_config import RunConfig
+
+    def groups(**given):
+        cfg = RunConfig(model="tiny", optimizer="shampoo", mode="sync", seq_len=32, **given)
+        with make_optimizer(cfg, build_model("tiny", 256, 32)) as opt:
+            return [(g.batch, preconditioner_bytes(g.shape)) for g in opt._groups]
+
+    square = preconditioner_bytes((128, 128))
+    bound = 3 * square  # three of the tiny model's square blocks
+    unbounded, bounded = groups(), groups(group_bytes=bound)
+    assert max(batch * each for batch, each in unbounded) > bound
+    assert all(batch * each <= bound or batch == 1 for batch, each in bounded)
+    assert max(batch for batch, each in bounded if each == square) == 3
+    assert sum(batch for batch, _ in bounded) == sum(batch for batch, _ in unbounded)  # the same blocks
+    with pytest.raises(ValueError, match=r"Invalid group_bytes=0: must be None or an int >= 1"):
+        RunConfig(group_bytes=0)
+    with pytest.raises(ValueError, match=r"Invalid --group-bytes 1024 with --optimizer adamw"):
+        cli.check_unused_options(RunConfig(optimizer="adamw", group_bytes=1024), {"group_bytes"})

@@ -110,7 +110,7 @@ def update_coefficients(dtype: torch.dtype, lr: float, weight_decay: float, keep
                                                                                                      Tensor]:
     """(B,) per-block decay (None without weight decay) and step of the decoupled update, in ``dtype``: 1 and 0
     where a block is not kept."""
-    decays = lr * weight_decay != 0.0
+    decays = isinstance(weight_decay, Tensor) or weight_decay != 0.0  # (a tensor lr is never read on the host)
     if dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
         one = torch.ones((), dtype=torch.float64, device=keep.device)
         decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None

@@ -44,11 +44,14 @@ from asteria.train.run_config import (
 
 OPTIONAL_TYPES = {"lr": float, "beta2": float, "workers": int, "data": str, "tokenizer": str, "local_world_size": int,
                   "warmup_steps": int, "lag_steps": int, "peer_path": str, "start_preconditioning_step": int,
-                  "first_basis": str, "device_sms": int, "express_workers": int}
+                  "first_basis": str, "device_sms": int, "express_workers": int, "group_bytes": int}
 # None (the library's choice), True or False
 OPTIONAL_FLAGS = {"stagger", "stagger_split", "stagger_small", "late_activation", "deterministic", "device_refresh",
                   "device_process", "precondition_1d"}
 HELP = {
+    "group_bytes": "the most preconditioner bytes of one batched shape group (MemoryConfig.group_bytes; default: "
+                   "unbounded on the device): a step's temporaries are each a group's parameter size, so a bound keeps "
+                   "them small where the card is nearly full (olmo2-1b on 80 GB)",
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
                      "each block's newest finished refresh",
@@ -178,6 +181,9 @@ def check_unused_options(cfg: RunConfig, given: set[str], one_process: bool = Tr
     if "peer_path" in given and not cfg.optimizer.startswith("ds-"):
         raise ValueError(f"Invalid --peer-path {cfg.peer_path} with --optimizer {cfg.optimizer}: it names the checkout "
                          "of Meta's Distributed Shampoo that the ds-* optimizers import; leave it out")
+    if "group_bytes" in given and (adamw or peer):
+        raise ValueError(f"Invalid --group-bytes {cfg.group_bytes} with --optimizer {cfg.optimizer}: it bounds the "
+                         "shape groups of Asteria's optimizers; leave it out")
     if cfg.mode == "async" and not adamw and not peer:
         return
     what = "--optimizer adamw" if adamw else f"--optimizer {cfg.optimizer}" if peer else "--mode sync"

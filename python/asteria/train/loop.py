@@ -91,7 +91,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
 
 def runtime_config(cfg: RunConfig, local_world_size: int | None = None) -> asteria.RuntimeConfig:
     """The ``asteria.RuntimeConfig`` of a second-order run (the async-only settings in async mode only)."""
-    memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device")
+    memory = asteria.MemoryConfig(placement=cfg.placement if cfg.mode == "async" else "device",
+                                  group_bytes=cfg.group_bytes)
     return asteria.RuntimeConfig(mode=cfg.mode, staleness=cfg.staleness, deterministic=cfg.deterministic,
                                  lag_steps=cfg.lag_steps if cfg.mode == "async" else None,
                                  sync_refreshes=cfg.sync_refreshes, stagger=cfg.stagger, workers=cfg.workers,

@@ -39,18 +39,20 @@ RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "s
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
                      "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split", "stagger_sets_per_step",
-                     "stagger_small", "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic")
+                     "stagger_small", "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic",
+                     "group_bytes")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
                          "stagger_split", "stagger_sets_per_step", "stagger_small", "start_preconditioning_step",
-                         "precondition_1d", "first_basis")
+                         "precondition_1d", "first_basis", "group_bytes")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False, "stagger_sets_per_step": 1,
                    "stagger_small": False,
-                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None}
+                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None,
+                   "group_bytes": None}
 
 
 @dataclass(kw_only=True)
@@ -82,6 +84,7 @@ class RunConfig:
     max_preconditioner_dim: int = 2048
     workers: int | None = None
     placement: str = "auto"
+    group_bytes: int | None = None
     device: str = "cpu"
     data: str | None = None
     tokenizer: str | None = None
@@ -123,6 +126,8 @@ class RunConfig:
         check(self.optimizer not in PEERS or self.checkpoint_every == 0, "checkpoint_every",
               f"the peer {self.optimizer} is not checkpointed by this CLI: use 0")
         check(self.placement in asteria.config.PLACEMENTS, "placement", f"must be one of {asteria.config.PLACEMENTS}")
+        check(self.group_bytes is None or (is_int(self.group_bytes) and self.group_bytes >= 1), "group_bytes",
+              "must be None or an int >= 1 (bytes)")
         for name in ("steps", "batch_size", "seq_len", "precondition_frequency", "max_preconditioner_dim", "eval_every",
                      "eval_batches"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an int >= 1")
