@@ -111,12 +111,9 @@ def update_coefficients(dtype: torch.dtype, lr: float, weight_decay: float, keep
     """(B,) per-block decay (None without weight decay) and step of the decoupled update, in ``dtype``: 1 and 0
     where a block is not kept."""
     decays = isinstance(weight_decay, Tensor) or weight_decay != 0.0  # (a tensor lr is never read on the host)
-    if dtype == torch.float64:  # the factors in float64 too (Python scalars would make them float32)
-        one = torch.ones((), dtype=torch.float64, device=keep.device)
-        decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None
-        return decay, torch.where(keep, one * -lr, 0.0 * one)
-    decay = torch.where(keep, 1.0 - lr * weight_decay, 1.0).to(dtype) if decays else None
-    return decay, torch.where(keep, -lr, 0.0).to(dtype)
+    one = torch.ones((), dtype=dtype, device=keep.device)  # (Python scalars alone would make float32 coefficients)
+    decay = torch.where(keep, one * (1.0 - lr * weight_decay), one) if decays else None
+    return decay, torch.where(keep, one * -lr, 0.0 * one)
 
 
 def gram_ema_(factor: Tensor, x: Tensor, mode: int, beta: float | Tensor, keep: Tensor,
