@@ -106,6 +106,22 @@ def test_a_resume_under_another_activation_rule_is_refused(tmp_path, capsys):
     assert main(["train", "--steps", "6", "--resume", "--deterministic", "--out", str(out), *RUN]) == 0
 
 
+def test_a_resume_may_change_group_bytes_where_the_blocks_stay_batched_as_saved(tmp_path, capsys):
+    """--group-bytes only batches the blocks: a resume compares the batches themselves (the optimizer's state_dict),
+    so a bound that keeps them resumes, and one that would cut a group is refused naming the bound that fits."""
+    from asteria.optim.groups import preconditioner_bytes
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--checkpoint-every", "2", "--mode", "sync", "--out", str(out),
+                 *NATIVE]) == 0
+    assert main(["train", "--steps", "6", "--resume", "--mode", "sync", "--group-bytes", str(2**40), "--out",
+                 str(out), *NATIVE]) == 0
+    three_squares = 3 * preconditioner_bytes((128, 128))  # (the tiny model's square blocks are more than three)
+    assert main(["train", "--steps", "8", "--resume", "--mode", "sync", "--group-bytes", str(three_squares),
+                 "--out", str(out), *NATIVE]) == 2
+    assert "RuntimeConfig.stagger_split differ); MemoryConfig(group_bytes=" in capsys.readouterr().err
+
+
 def test_resume_with_overwrite_resumes_a_checkpoint_or_replaces_a_run_without_one(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--optimizer", "adamw", "--steps", "3", "--out", str(out), *BASE]) == 0

@@ -115,7 +115,7 @@ def test_a_config_that_runs_out_of_gpu_memory_leaves_the_others_their_bench(tmp_
 @pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
 def test_a_version_used_at_once_is_installed_at_the_end_of_its_step(name):
     """SOAP and KL-Shampoo read a version from the step after its refresh; one used at once (the start-up
-    refreshes, computed by the device lane inline) is installed when its step ends, so the lane holds no result
+    refreshes, computed by the device lane inline) is installed when its step ends, so the lane holds no such result
     between steps (on a GPU: 8 GiB of bases at olmo2-1b through the next forward pass). On the CPU, with the
     lane asked for."""
     torch.manual_seed(0)
@@ -128,7 +128,10 @@ def test_a_version_used_at_once_is_installed_at_the_end_of_its_step(name):
             for param in params:
                 param.grad = torch.randn_like(param)
             opt.step()
-            assert opt._refresher.lane._results == {}, step
+            # (an async version the lane finished during the step waits there for its activation)
+            with opt._refresher.lane._lock:
+                held = [key for key in opt._refresher.lane._results if opt.timeline.used_at_once(*key)]
+            assert held == [], step
             due = opt.schedule.due(step)
             started += [(step, version) for index, version in due if opt.timeline.used_at_once(index, version)]
             for index, version in due:
@@ -222,3 +225,62 @@ def test_group_bytes_bounds_the_shape_groups_from_the_cli():
         RunConfig(group_bytes=0)
     with pytest.raises(ValueError, match=r"Invalid --group-bytes 1024 with --optimizer adamw"):
         cli.check_unused_options(RunConfig(optimizer="adamw", group_bytes=1024), {"group_bytes"})
+
+
+def square_params(count: int = 6, side: int = 64) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(side, side)) for _ in range(count)]
+
+
+def test_the_device_bounds_its_shape_groups_by_default(monkeypatch):
+    """Without ``group_bytes`` the preconditioners kept on the parameters' device are batched in groups of at most
+    ``DEVICE_GROUP_BYTES`` (1 GiB: at olmo2-1b a whole shape group's temporaries found no room on an 80 GB card),
+    here lowered to two blocks' bytes; a bound given wins, and the math does not see the batching."""
+    from asteria.optim import placement
+    from asteria.optim.groups import preconditioner_bytes
+
+    assert placement.DEVICE_GROUP_BYTES == 2**30
+    monkeypatch.setattr(placement, "DEVICE_GROUP_BYTES", 2 * preconditioner_bytes((64, 64)))
+    trained = {}
+    for label, memory in (("default", asteria.MemoryConfig()), ("one group", asteria.MemoryConfig(group_bytes=2**40))):
+        params = square_params()
+        with asteria.Shampoo(params, lr=0.1, precondition_frequency=2,
+                             runtime=asteria.RuntimeConfig(mode="sync", memory=memory)) as opt:
+            batches = [group.batch for group in opt._groups]
+            for _ in range(5):
+                for param in params:
+                    param.grad = param.detach() * 0.5 + 0.1
+                opt.step()
+        trained[label] = (batches, [param.detach().clone() for param in params])
+    assert trained["default"][0] == [2, 2, 2] and trained["one group"][0] == [6]
+    for a, b in zip(trained["default"][1], trained["one group"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_larger_groups_names_the_bound_that_loads_it(monkeypatch):
+    """A checkpoint whose shape groups are larger than the default bound's (saved before the device had one) is
+    refused naming the ``group_bytes`` that batches the blocks as it did; with that bound it loads."""
+    from asteria.optim import placement
+    from asteria.optim.groups import preconditioner_bytes
+
+    monkeypatch.setattr(placement, "DEVICE_GROUP_BYTES", 2 * preconditioner_bytes((64, 64)))
+    whole = 6 * preconditioner_bytes((64, 64))
+
+    def shampoo(**memory):
+        return asteria.Shampoo(square_params(), precondition_frequency=2,
+                               runtime=asteria.RuntimeConfig(mode="sync", memory=asteria.MemoryConfig(**memory)))
+
+    with shampoo(group_bytes=2**40) as saved:
+        for param in saved.param_groups[0]["params"]:
+            param.grad = torch.ones_like(param)
+        saved.step()
+        state = saved.state_dict()
+    hint = rf"MemoryConfig\(group_bytes={whole}\), its largest group's preconditioner bytes, groups them as it does"
+    with shampoo() as bounded, pytest.raises(ValueError, match=hint):
+        bounded.load_state_dict(state)
+    with shampoo(group_bytes=whole) as matching:
+        matching.load_state_dict(state)
+        assert [group.batch for group in matching._groups] == [6]
+    with shampoo(group_bytes=whole + 1) as other, pytest.raises(ValueError, match=r"stagger_split differ\)$"):
+        state["layout"][0][2] = 5  # (no bound batches the blocks so: no hint)
+        other.load_state_dict(state)

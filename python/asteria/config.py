@@ -45,7 +45,8 @@ class MemoryConfig:
     coherent-memory device, else ``"device"``, or ``"host"`` when ``"device"`` would exceed ``gpu_budget``).
     Host placements need ``mode="async"``: the native ``"sync"`` mode is the all-device baseline. ``group_bytes`` bounds
     the preconditioner bytes of one batched shape group (default: 32 MiB under the host placements,
-    unbounded on the device), which bounds the staging ring. The optimizer checks the budgets against
+    which bounds the staging ring, and 1 GiB on the device, which bounds the step's temporaries: each is a
+    group's parameter size). The optimizer checks the budgets against
     the bytes each tier needs before the first step and raises, listing them, when one cannot be met.
     With ``nvme_dir`` (async mode, preconditioners in host memory: placement ``"host"``, or CPU
     parameters), sets of preconditioners move to page files in a fresh directory under it, largest

@@ -30,7 +30,7 @@ from asteria.optim import checkpoint
 from asteria.optim.groups import ShapeGroup, build_shape_groups, small_block_dim, split_for_stagger, stagger_runs
 from asteria.optim.nonfinite import NonfiniteGuard
 from asteria.optim.param_state import ParameterStates, refuse_per_parameter_readers
-from asteria.optim.placement import HOST_GROUP_BYTES, Placement, check_factor_memory, check_host_memory
+from asteria.optim.placement import Placement, check_factor_memory, check_host_memory, default_group_bytes
 from asteria.optim.refreshers import make_refresher
 from asteria.optim.steps import BlockSteps
 from asteria.pipeline import streams
@@ -118,8 +118,8 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         self._placement = Placement(self.runtime, {p.device for group in self.param_groups for p in group["params"]})
         resident = self._placement.resident()
         group_bytes = self.runtime.memory.group_bytes
-        if group_bytes is None and not resident:
-            group_bytes = HOST_GROUP_BYTES
+        if group_bytes is None:
+            group_bytes = default_group_bytes(resident)
         self._groups = build_shape_groups(self.param_groups, max_preconditioner_dim, self.MERGE_DIMS, group_bytes)
         check_factor_memory(self._groups, self._refresh_dims, self.PARAM_MOMENTS, self._placement,
                             max_preconditioner_dim)

@@ -15,7 +15,7 @@ import torch
 
 from asteria.checks import MAX_COUNT, check_arg, check_dense, check_entry
 from asteria.config import is_int, plain
-from asteria.optim.groups import ShapeGroup
+from asteria.optim.groups import ShapeGroup, build_shape_groups, preconditioner_bytes
 from asteria.pipeline.timeline import RefreshSchedule
 
 if TYPE_CHECKING:
@@ -55,6 +55,21 @@ def check_whole(opt: SecondOrderOptimizer, call: str) -> None:
 def layout(groups: list[ShapeGroup]) -> list[list]:
     """The blocking a checkpoint's tensors belong to: per shape group its param group, shape, batch and blocks."""
     return [[g.group_index, list(g.shape), g.batch, [b.name for b in g.blocks]] for g in groups]
+
+
+def regrouping_hint(opt: SecondOrderOptimizer, saved: Any) -> str:
+    """Where only the shape groups' bound differs (a checkpoint of groups larger than the device's default bound,
+    saved before that bound existed), the ``MemoryConfig.group_bytes`` that groups the blocks as the checkpoint
+    did. Preconditioners on the device only: the other tiers' groups are also cut for the stagger."""
+    if not opt._placement.resident():
+        return ""
+    try:
+        largest = max(batch * preconditioner_bytes(tuple(shape)) for _, shape, batch, _ in saved)
+    except (TypeError, ValueError):  # (not a layout of blocks: the message says what it holds)
+        return ""
+    if layout(build_shape_groups(opt.param_groups, opt.max_preconditioner_dim, opt.MERGE_DIMS, largest)) != saved:
+        return ""
+    return f"; MemoryConfig(group_bytes={largest}), its largest group's preconditioner bytes, groups them as it does"
 
 
 def schedule_key(schedule: RefreshSchedule) -> dict[str, Any]:
@@ -249,7 +264,7 @@ def validate_state_dict(opt: SecondOrderOptimizer, state_dict: Any) -> None:
     if state_dict["layout"] != layout(opt._groups):
         raise ValueError(f"Invalid state_dict: its blocks {state_dict['layout']} do not match this optimizer's "
                          f"{layout(opt._groups)} (parameters, max_preconditioner_dim, MemoryConfig.group_bytes or "
-                         "RuntimeConfig.stagger_split differ)")
+                         f"RuntimeConfig.stagger_split differ){regrouping_hint(opt, state_dict['layout'])}")
     for key in ("step", "activated_step"):
         check_arg(is_int(state_dict[key]) and 0 <= state_dict[key] <= MAX_STEP, f"state_dict[{key!r}]",
                   state_dict[key], f"must be an int in [0, {MAX_STEP}] (the core counts steps in 64 bits)")

@@ -22,8 +22,20 @@ from asteria.pipeline.tiers import PreconditionerTier, coherent_memory
 
 #: the default bound of one shape group's preconditioner bytes under the host placements
 HOST_GROUP_BYTES = 32 * 2**20
+#: and on the device: a step's temporaries are each a group's parameter size, and one of a whole model's largest
+#: shape (olmo2-1b: 256 blocks of 2048, 4 GiB) found no room on an 80 GB card after the backward pass, so the CUDA
+#: caching allocator freed its cache and mapped it again every step (173 ms of a 668 ms step there; docs/results.md,
+#: "olmo2-1b at the current code"). Groups of 1 GiB (32 such blocks) leave the batched products as fast.
+DEVICE_GROUP_BYTES = 2**30
+
 #: host buffers of one set's size that the NVMe tier holds per set shape (read-ahead and install scratch)
 PAGED_BUFFERS = 3
+
+
+def default_group_bytes(resident: bool) -> int:
+    """``MemoryConfig.group_bytes`` where it is None: the device's bound for preconditioners that stay where they
+    are allocated (``Placement.resident``), else the host placements' (which bounds their staging ring)."""
+    return DEVICE_GROUP_BYTES if resident else HOST_GROUP_BYTES
 
 
 def host_room() -> tuple[int | None, str]:

@@ -50,8 +50,8 @@ OPTIONAL_FLAGS = {"stagger", "stagger_split", "stagger_small", "late_activation"
                   "device_process", "precondition_1d"}
 HELP = {
     "group_bytes": "the most preconditioner bytes of one batched shape group (MemoryConfig.group_bytes; default: "
-                   "unbounded on the device): a step's temporaries are each a group's parameter size, so a bound keeps "
-                   "them small where the card is nearly full (olmo2-1b on 80 GB)",
+                   "1 GiB on the device, 32 MiB under the host placements): a step's temporaries are each a group's "
+                   "parameter size, so the bound keeps them small where the card is nearly full (olmo2-1b on 80 GB)",
     "deterministic": "activate each refresh exactly --lag-steps after its snapshot (reproducible bit for bit; the "
                      "default on several ranks, which need it); --no-deterministic (the default on one process) uses "
                      "each block's newest finished refresh",

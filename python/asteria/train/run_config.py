@@ -34,25 +34,24 @@ MATMUL_PRECISIONS = ("highest", "high")
 LR_SCHEDULES = ("cosine", "constant")
 FIRST_BASES = SOAP.FIRST_BASES  # asteria.SOAP's first_basis
 MIN_LR_RATIO = 0.1  # where the cosine decay ends, as a fraction of the peak learning rate
-# A checkpoint continues only the run it came from: these must be equal to resume.
+# A checkpoint continues only the run it came from: these must be equal to resume. (Not group_bytes: it only batches
+# the blocks, and the optimizer's state_dict compares the batches themselves, naming the bound that would match.)
 RESUME_MUST_MATCH = ("model", "optimizer", "mode", "placement", "batch_size", "seq_len", "lr", "beta2",
                      "weight_decay", "staleness", "precondition_frequency", "max_preconditioner_dim", "data",
                      "tokenizer", "max_bytes", "val_fraction", "seed", "parallel", "lr_schedule", "warmup_steps",
                      "grad_clip", "sync_refreshes", "stagger", "lag_steps", "stagger_split", "stagger_sets_per_step",
-                     "stagger_small", "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic",
-                     "group_bytes")
+                     "stagger_small", "start_preconditioning_step", "precondition_1d", "first_basis", "deterministic")
 # Settings that only the async mode's activation reads, and those only the second-order optimizers read (the
 # schedule's, which native mode reads too): a resume of a run without them does not compare them.
 ASYNC_ONLY_SETTINGS = ("staleness", "lag_steps")
 SECOND_ORDER_SETTINGS = ("precondition_frequency", "max_preconditioner_dim", "placement", "sync_refreshes", "stagger",
                          "stagger_split", "stagger_sets_per_step", "stagger_small", "start_preconditioning_step",
-                         "precondition_1d", "first_basis", "group_bytes")
+                         "precondition_1d", "first_basis")
 # What a checkpoint written before a setting existed was trained with.
 LEGACY_SETTINGS = {"lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0, "sync_refreshes": 1, "stagger": None,
                    "lag_steps": None, "late_activation": False, "stagger_split": False, "stagger_sets_per_step": 1,
                    "stagger_small": False,
-                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None,
-                   "group_bytes": None}
+                   "start_preconditioning_step": None, "precondition_1d": None, "beta2": None, "first_basis": None}
 
 
 @dataclass(kw_only=True)
