@@ -3,7 +3,7 @@
 # $STAGES (default: build cuda small):
 #   build   the package, and the wheels in .peers/wheels (heavyball's peer: the device has no network, so
 #           `pip download heavyball opt-einsum --no-deps -d .peers/wheels` here first; .peers/ is never committed);
-#   cuda    the CUDA tests: tests/test_cuda.py, then the tiers', the pager's and the distributed ones (the first
+#   cuda    the CUDA tests: tests/test_cuda.py, then the other files with GPU tests (the first
 #           failure stops the call; the log, $OUT/cuda.txt, is written as the tests run);
 #   small   asteria bench on olmo-160m at 8 x 1024 tokens a step: AdamW, native Shampoo, Asteria's three at their
 #           defaults, and Meta's Distributed Shampoo from .peers/ ($SMALL_CONFIGS, $SMALL_STEPS);
@@ -102,7 +102,7 @@ if has cuda; then
   # hangs prints every thread's stack after 120 s)
   run python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=120 --durations=15 tests/test_cuda.py \
     tests/test_cuda_tiers.py tests/test_meters.py tests/test_pager.py tests/test_lane_segments.py \
-    tests/distributed/test_cuda_distributed.py \
+    tests/test_lane_seed.py tests/test_step_memory.py tests/distributed/test_cuda_distributed.py \
     > "$OUT/cuda.txt" 2>&1
   tail -25 "$OUT/cuda.txt"
   summary=$(grep -E "^=+ .* in [0-9.]+s" "$OUT/cuda.txt" | tail -1)  # (-v names tests with "error" in them)

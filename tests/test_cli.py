@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from asteria.train.cli import main
-from asteria.train.report import load_run
 from asteria.train.report_plots import plot_loss, plot_step_times
+from asteria.train.runs import load_run
 
 PLAIN = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--max-bytes", "200000", "--device", "cpu"]
 BASE = [*PLAIN, "--precondition-frequency", "3", "--workers", "1"]
@@ -231,7 +231,8 @@ def test_report_names_runs_of_different_vocabularies(tmp_path):
 
 def test_report_steady_max_over_median_skips_the_warm_up(tmp_path):
     """Steps up to (sync_refreshes + 1) x f of the run's own config are the warm-up, as in asteria bench."""
-    from asteria.train.report import Run, steady_max_over_median
+    from asteria.train.report import steady_max_over_median
+    from asteria.train.runs import Run
 
     times = [5.0, 0.1, 0.1, 0.9, 0.1, 0.2, 0.1, 0.3]  # f = 2, sync_refreshes = 1: steps 1-4 are the warm-up
     records = [{"step": i + 1, "step_time": t, "loss": 1.0, "wall": float(i)} for i, t in enumerate(times)]

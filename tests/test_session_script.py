@@ -101,3 +101,14 @@ def test_the_profile_stages_program_times_a_quiet_step_of_each_mode_on_the_cpu(t
                           timeout=300)
     assert typo.returncode != 0 and "Invalid config='shampoo-sync:tf=1'" in typo.stderr
     assert "=== adamw ===" not in typo.stdout
+
+
+def test_the_cuda_stage_runs_every_test_file_that_needs_a_gpu(tmp_path):
+    """A GPU test skips on the development machine and in CI, so the device call's cuda stage is where it runs at
+    all: a new file of them that the stage does not list would never run anywhere."""
+    commands = dry_run(tmp_path, STAGES="cuda")
+    (pytest_argv,) = [argv for argv in commands if argv[:3] == ["python3", "-m", "pytest"]]
+    listed = {arg for arg in pytest_argv if arg.startswith("tests/")}
+    needing = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+               if path != Path(__file__).resolve() and 'reason="needs a CUDA GPU"' in path.read_text()}
+    assert needing and needing <= listed, sorted(needing - listed)

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from asteria.train.report import load_run, plt
+from asteria.train.report import plt
+from asteria.train.runs import load_run
 
 #: how many windows a run's steps are split into
 WINDOWS = 10

@@ -43,8 +43,8 @@ from asteria.config import is_int
 from asteria.train.bench import CONFIGS, PEER_CONFIGS, native_pairs, parse_config, run_bench
 from asteria.train.checkpoint import interrupted
 from asteria.train.cli import add_run_arguments, bench_base, out_dir
-from asteria.train.report import is_number
 from asteria.train.run_config import LEGACY_SETTINGS, RunConfig, resolved_stagger_split
+from asteria.train.runs import is_number
 
 #: two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (beyond: ``_t95``'s expansion)
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,

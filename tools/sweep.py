@@ -34,8 +34,9 @@ from seeds import check_one_seed_option, check_seeds, run_command, spread_stats
 
 from asteria.train.cli import add_run_arguments, out_dir, run_config_from_args
 from asteria.train.loop import train
-from asteria.train.report import load_run, plt, write_report
+from asteria.train.report import plt, write_report
 from asteria.train.run_config import RunConfig
+from asteria.train.runs import load_run
 
 DEFAULT_STALENESS = (0, 1, 2, 3, 5, 10)
 SPREAD_BOUND = 5  # the spread is taken over S <= 5, the range the paper's claim covers

@@ -25,8 +25,9 @@ from asteria.train.loop import make_optimizer, train
 from asteria.train.outdir import replacing
 from asteria.train.peers import PEERS
 from asteria.train.provenance import software
-from asteria.train.report import Run, load_run, plt, run_warmup, write_report
+from asteria.train.report import plt, run_warmup, write_report
 from asteria.train.run_config import DEFAULT_LR, RunConfig
+from asteria.train.runs import Run, load_run
 
 CONFIGS = ("adamw", "shampoo-sync", "shampoo-async", "soap-sync", "soap-async", "kl-shampoo-sync",
            "kl-shampoo-async")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 
@@ -17,8 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-if TYPE_CHECKING:
-    from asteria.train.report import Run
+from asteria.train.runs import Run  # noqa: E402
 
 
 def join_and(items: Sequence[Any]) -> str:
