@@ -41,7 +41,7 @@ import trace_steps
 import asteria
 from asteria.train.loop import RunConfig, make_optimizer
 from asteria.train.model import build_model
-from asteria.train.report import steady_warmup
+from asteria.train.runs import steady_warmup
 
 
 def parse(spec: str) -> tuple[str, dict[str, Any]]:

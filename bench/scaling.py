@@ -52,8 +52,7 @@ from typing import Any
 import torch
 
 from asteria.train.model import PRESETS
-from asteria.train.report import steady_warmup
-from asteria.train.runs import load_run
+from asteria.train.runs import load_run, steady_warmup
 
 CONFIGS = ("adamw", "soap-sync", "soap-async", "kl-shampoo-sync", "kl-shampoo-async")
 PARALLEL = ("ddp", "fsdp")

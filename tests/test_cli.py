@@ -229,19 +229,6 @@ def test_report_names_runs_of_different_vocabularies(tmp_path):
             "kl-shampoo-async: 50304)") in (tmp_path / "two" / "report.md").read_text()
 
 
-def test_report_steady_max_over_median_skips_the_warm_up(tmp_path):
-    """Steps up to (sync_refreshes + 1) x f of the run's own config are the warm-up, as in asteria bench."""
-    from asteria.train.report import steady_max_over_median
-    from asteria.train.runs import Run
-
-    times = [5.0, 0.1, 0.1, 0.9, 0.1, 0.2, 0.1, 0.3]  # f = 2, sync_refreshes = 1: steps 1-4 are the warm-up
-    records = [{"step": i + 1, "step_time": t, "loss": 1.0, "wall": float(i)} for i, t in enumerate(times)]
-    run = Run(tmp_path, {"config": {"precondition_frequency": 2, "sync_refreshes": 1}}, records)
-    assert steady_max_over_median(run) == pytest.approx(0.3 / 0.15)
-    run.summary["config"]["sync_refreshes"] = 3  # warm-up of 8 steps: nothing steady
-    assert steady_max_over_median(run) is None
-
-
 def test_hf_tokenizer_from_a_local_folder(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
@@ -440,19 +427,26 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     kl_held = [r["host_optimizer_time"] for r in records(tmp_path / "kl-shampoo-async")]
     assert kl["slowest_steady_in_step_seconds"] == [kl_held[step - 1] for step, _ in kl["slowest_steady_steps"]]
     assert len(steps) == 11
-    # The refresh work per interval against capacity, from each async run's own counters, at AdamW's pace.
+    # The refresh work per interval against capacity, from each async run's own counters over its steady steps (the
+    # counters at the warm-up's end subtracted), at AdamW's pace.
     assert adamw["refresh_work"] is None and results["runs"]["soap-sync"]["refresh_work"] is None
     for label, f in (("kl-shampoo-async", 3), ("soap-async-f2", 2)):
-        stats = json.loads((tmp_path / label / "summary.json").read_text())["runtime_stats"]
+        summary = json.loads((tmp_path / label / "summary.json").read_text())
+        stats, warm = summary["runtime_stats"], summary["runtime_stats_at_warmup"]
+        assert warm["step"] == results["runs"][label]["warmup_steps"] < 11
+        grew = {key: stats[key] - warm[key] for key in ("refresh_seconds_on_workers", "worker_jobs_ended",
+                                                        "refreshes_superseded", "refreshes_deferred")}
+        assert min(grew.values()) >= 0 and grew["worker_jobs_ended"] <= stats["worker_jobs_ended"]
         work = results["runs"][label]["refresh_work"]
-        jobs = stats["refreshes"] + stats["refresh_failures"]
-        asked = jobs + stats["refreshes_superseded"] + stats["refreshes_deferred"]
         interval = adamw["mean_step_seconds"] * f
-        assert work["pace"] == "adamw" and work["workers"] == stats["workers"] >= 1
+        assert work["pace"] == "adamw" and work["window"] == "steady" and work["workers"] == stats["workers"] >= 1
         assert work["express_workers"] == stats["express_workers"]
         assert work["interval_seconds"] == pytest.approx(interval)
-        per_job = stats["refresh_seconds_on_workers"] / jobs
-        assert work["worker_core_seconds"] == pytest.approx(per_job * asked / (11 / f))
+        ended = grew["worker_jobs_ended"]
+        per_job = grew["refresh_seconds_on_workers"] / ended if ended else 0.0
+        dropped = grew["refreshes_superseded"] + grew["refreshes_deferred"]
+        assert work["worker_core_seconds"] == pytest.approx(
+            (grew["refresh_seconds_on_workers"] + per_job * dropped) / ((11 - warm["step"]) / f))
         assert work["worker_capacity_core_seconds"] == pytest.approx(stats["workers"] * interval)
         capacity = work["worker_capacity_core_seconds"]
         assert work["worker_ratio"] == pytest.approx(work["worker_core_seconds"] / capacity)
@@ -518,12 +512,15 @@ def test_bench_compares_configs_side_by_side(tmp_path, capsys):
     results["runs"]["kl-shampoo-async"]["alloc_retries_steady"] = 3
     assert "device sync each; the card is nearly full):\n  kl-shampoo-async   3\n" in format_table(results)
     assert "soap-sync" in table and "n/a" in table
-    assert "refresh work per interval of f steps against capacity, at AdamW's mean step:" in table
+    assert "refresh work per interval of f steps against capacity, at AdamW's mean step (the steady steps'):" in table
     assert "  kl-shampoo-async   workers " in table
     latency = results["runs"]["kl-shampoo-async"]["refresh_work"]["job_latency"]["job_mean_latency_seconds"]
     assert f"worker jobs from submission to end {1e3 * latency:.0f} ms (running " in table
     express = results["runs"]["kl-shampoo-async"]["refresh_work"]["express_workers"]
     assert (f", {express} express); device lane " in table) == (express > 0)
+    assert "the balancer's last plan" not in table  # no device lane, no plan, on the CPU
+    results["runs"]["kl-shampoo-async"]["refresh_work"]["planned_load"] = {"workers": 1.814, "device": 0.977}
+    assert "the balancer's last plan: workers 1.81x, device lane 0.98x their interval" in format_table(results)
     (step, seconds), held = kl["slowest_steady_steps"][0], kl["slowest_steady_in_step_seconds"][0]
     assert f" | {step}: {1e3 * seconds:.0f} ({1e3 * held:.0f})" in table  # the slowest step, and its time in step()
     for png in ("step_time_series.png", "energy_per_step.png", "step_time.png", "loss.png"):

@@ -510,6 +510,7 @@ class AsyncRefresher(WorkerRefresher):
             "job_mean_latency_seconds": pool["mean_latency_seconds"],
             "job_max_latency_seconds": pool["max_latency_seconds"],
             "job_mean_run_seconds": pool["mean_run_seconds"],
+            "worker_jobs_ended": pool["completed"] + pool["failed"],
             # the small blocks' jobs alone (those the express workers take): waited for a thread, or ran slowly
             "small_jobs": pool["cheap_ended"],
             "small_job_mean_latency_seconds": pool["cheap_mean_latency_seconds"],

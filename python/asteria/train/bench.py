@@ -135,34 +135,48 @@ def config_of(base: RunConfig, label: str) -> RunConfig:
     return cfg
 
 
-def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds: float,
-                 pace: str) -> dict[str, Any] | None:
+def refresh_work(stats: dict[str, Any], frequency: int, steps: int, step_seconds: float, pace: str,
+                 at_warmup: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The refresh work of one interval (f steps) against what each side has in one, from an async run's
     runtime stats (None for other runs): the workers' job seconds per interval (their CPU time, core-seconds, the
     express workers' jobs included, which share the workers' cores; the refreshes dropped, superseded or deferred,
-    counted at the mean job's time, since the schedule asked for them) against
-    the workers x the interval's time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW,
-    ``pace`` "adamw", else the run's own), and the device lane's seconds per interval against that time times
-    its threads, with the CPU seconds the lane's threads took meanwhile (None where not measured). A ratio above 1
-    is work that one side cannot finish in its interval."""
+    counted at the workers' mean job time, since the schedule asked for them) against the workers x the interval's
+    time at ``step_seconds`` a step (AdamW's mean step where the bench ran AdamW, ``pace`` "adamw", else the run's
+    own), and the device lane's seconds per interval against that time times its threads, with the CPU seconds the
+    lane's threads took meanwhile (None where not measured). A ratio above 1 is work that one side cannot finish
+    in its interval.
+
+    ``at_warmup``: the counters at the warm-up's last step (summary.json's ``runtime_stats_at_warmup``); the work is
+    then that of the steady steps after it (``window`` "steady"). Without them (runs written before they were
+    recorded, or resumed past the warm-up) it is the whole run's over all its intervals (``window`` "run"), which
+    spreads the workers' seconds over the start-up intervals, whose refreshes ran on the GPU: at 60 steps and f = 10
+    that understates the workers' share by about a third."""
     workers = stats.get("workers")
     if not workers:
         return None
-    intervals = max(steps / frequency, 1e-9)
+    steady = at_warmup is not None and steps > at_warmup["step"]
+    base = at_warmup if steady else {}
+    delta = lambda key: (stats.get(key) or 0.0) - (base.get(key) or 0.0)  # noqa: E731
+    intervals = max(((steps - at_warmup["step"]) if steady else steps) / frequency, 1e-9)
     interval = step_seconds * frequency
-    jobs = stats["refreshes"] + stats.get("refresh_failures", 0)
-    dropped = (stats.get("refreshes_superseded") or 0) + (stats.get("refreshes_deferred") or 0)
-    per_job = stats["refresh_seconds_on_workers"] / jobs if jobs else 0.0  # every set on the lane: no worker job
-    worker = per_job * (jobs + dropped) / intervals
-    device = (stats.get("device_refresh_seconds") or 0.0) / intervals
-    device_cpu = stats.get("device_cpu_seconds")
+    ended = delta("worker_jobs_ended") if "worker_jobs_ended" in stats else None
+    if ended is None:  # runs before the workers' job count: every refresh, the lane's included, as the divisor
+        ended = stats["refreshes"] + stats.get("refresh_failures", 0)
+    worker_seconds = delta("refresh_seconds_on_workers")
+    per_job = worker_seconds / ended if ended else 0.0  # every set on the lane: no worker job
+    dropped = delta("refreshes_superseded") + delta("refreshes_deferred")
+    worker = (worker_seconds + per_job * dropped) / intervals
+    device = delta("device_refresh_seconds") / intervals
+    device_cpu = delta("device_cpu_seconds") / intervals if stats.get("device_cpu_seconds") is not None else None
     capacity = workers * interval
     threads = stats.get("device_threads") or 1  # absent from runs without a lane, and from older ones
-    return {"pace": pace, "interval_seconds": interval, "workers": workers,
+    return {"pace": pace, "window": "steady" if steady else "run", "interval_seconds": interval, "workers": workers,
             "express_workers": stats.get("express_workers") or 0, "worker_core_seconds": worker,
             "worker_capacity_core_seconds": capacity, "worker_ratio": worker / capacity,
             "device_seconds": device, "device_threads": threads, "device_ratio": device / (interval * threads),
-            "device_cpu_seconds": None if device_cpu is None else device_cpu / intervals,
+            "device_cpu_seconds": device_cpu,
+            # the balancer's last plan: the share of each side's interval it filled (above 1: deferred)
+            "planned_load": stats.get("planned_load"),
             # (absent from runs written before they were measured)
             "job_latency": {key: stats.get(key) for key in (
                 "job_mean_latency_seconds", "job_mean_run_seconds", "small_jobs", "small_job_mean_latency_seconds",
@@ -333,7 +347,7 @@ def _compare(base: RunConfig, out: Path, cfgs: dict[str, RunConfig], runs: dict[
         pace = ref_profile["mean"] if ref_profile else wall["mean"]
         row["interval_profile"] = interval_profile(records, warmup, cfgs[label].precondition_frequency)
         row["refresh_work"] = refresh_work(stats, cfgs[label].precondition_frequency, len(records), pace,
-                                           "adamw" if ref_profile else "own")
+                                           "adamw" if ref_profile else "own", s.get("runtime_stats_at_warmup"))
         if reference is not None:
             ref = reference.summary
             row["median_step_vs_adamw"] = wall["median"] / ref_profile["median"]
@@ -446,7 +460,9 @@ def format_table(results: dict[str, Any]) -> str:
     work = {label: r["refresh_work"] for label, r in results["runs"].items() if r.get("refresh_work")}
     if work:
         pace = "AdamW's mean step" if next(iter(work.values()))["pace"] == "adamw" else "each run's own mean step"
-        lines.append(f"refresh work per interval of f steps against capacity, at {pace}:")
+        window = ("the steady steps'" if all(w.get("window") == "steady" for w in work.values())
+                  else "the whole run's, start-up intervals included, where a run lacks the warm-up's counters")
+        lines.append(f"refresh work per interval of f steps against capacity, at {pace} ({window}):")
         for label, w in work.items():
             lines.append(f"  {label:<18} workers {w['worker_core_seconds']:.3g} of "
                          f"{w['worker_capacity_core_seconds']:.3g} core-s ({w['worker_ratio']:.2f}x; "
@@ -458,6 +474,9 @@ def format_table(results: dict[str, Any]) -> str:
                          + f" ({w['device_ratio']:.2f}x)"
                          + (f", its threads' CPU {w['device_cpu_seconds']:.3g} s" if w.get("device_cpu_seconds")
                             else ""))
+            if plan := w.get("planned_load"):
+                lines.append(f"  {'':<18} the balancer's last plan: workers {plan['workers']:.2f}x, device lane "
+                             f"{plan['device']:.2f}x their interval")
             jobs = w.get("job_latency") or {}
             if jobs.get("job_mean_run_seconds") is not None:
                 small = (f"; the {jobs['small_jobs']} small blocks' {1e3 * jobs['small_job_mean_latency_seconds']:.0f} "

@@ -51,6 +51,7 @@ from asteria.train.run_config import RESUME_MUST_MATCH as RESUME_MUST_MATCH
 from asteria.train.run_config import SECOND_ORDER_SETTINGS as SECOND_ORDER_SETTINGS
 from asteria.train.run_config import RunConfig, check_resumable
 from asteria.train.run_config import resolved_stagger_split as resolved_stagger_split
+from asteria.train.runs import WORK_COUNTERS, steady_warmup
 
 #: set by the CLI's first Ctrl-C (one process): the loop stops after the step in progress and its checkpoint
 STOP_REQUESTED = threading.Event()
@@ -464,6 +465,7 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
         torch.cuda.reset_peak_memory_stats(device)
     step, cursor, wall = loop["step"], loop["cursor"], loop["wall"]
     first_step = step
+    warmed_up, at_warmup = steady_warmup(cfg.precondition_frequency, cfg.sync_refreshes), None
     # Rank r reads sequences [r*B, (r+1)*B) of each global batch of B*world sequences.
     offset = run.layout.rank * cfg.batch_size if run is not None else 0
     bar = tqdm(range(step + 1, cfg.steps + 1), desc=cfg.label, disable=not (progress and lead), leave=False,
@@ -479,6 +481,9 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
                     record["gpu_process_bytes"] = used
                 _log(record, log, writer, bar)
                 records.append(record)
+                if step == warmed_up and hasattr(parts.opt, "runtime_stats"):  # (after the step's timing)
+                    stats = parts.opt.runtime_stats()
+                    at_warmup = {"step": step} | {key: stats[key] for key in WORK_COUNTERS if key in stats}
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     _checkpoint(out / "checkpoints", cfg, parts, {"step": step, "cursor": cursor, "wall": wall},
                                 run, log)
@@ -493,15 +498,18 @@ def _train_run(cfg: RunConfig, out: Path, progress: bool, resume: bool, run: Dis
             writer.close()
         if parts.hooks is not None:
             parts.hooks.remove()
-    return _finish(cfg, out, parts, run, records, energy, resumed_from, first_step)
+    return _finish(cfg, out, parts, run, records, energy, resumed_from, first_step, at_warmup)
 
 
 def _finish(cfg: RunConfig, out: Path, parts: _Parts, run: DistributedRun | None, records: list[dict[str, Any]],
-            energy: EnergyMeter, resumed_from: str | None, first_step: int) -> dict[str, Any]:
-    """The run's summary, written by the lead rank into ``out/summary.json`` once the optimizer is closed."""
+            energy: EnergyMeter, resumed_from: str | None, first_step: int,
+            at_warmup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's summary, written by the lead rank into ``out/summary.json`` once the optimizer is closed;
+    ``at_warmup``: the refresh work's counters at the warm-up's last step (``runs.WORK_COUNTERS``)."""
     opt, hooks = parts.opt, parts.hooks
     summary = _summary(cfg, parts.device, records, opt, parts.vocab_size, parts.parameters, resumed_from)
     summary["energy_device"] = energy.nvml_device  # the GPU whose counter was read (its PCI bus id)
+    summary["runtime_stats_at_warmup"] = at_warmup
     # What the run's hooks did (removed by now, so the optimizer's own flag is off again).
     summary["late_activation"] = hooks is not None and hooks.late_activation
     summary["software"] = software()

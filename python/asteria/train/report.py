@@ -18,13 +18,7 @@ from typing import Any
 
 from asteria.train.report_plots import join_and, plot_loss, plot_step_times, plt  # noqa: F401 (plt: for bench, tools)
 from asteria.train.run_config import ASTERIA_OPTIMIZERS
-from asteria.train.runs import SMOOTHING, Run, load_run
-
-
-def steady_warmup(precondition_frequency: int, sync_refreshes: int) -> int:
-    """Steps before the steady state: the first refresh comes by step f, and it and the other sync
-    refreshes (``RuntimeConfig.sync_refreshes``) are waited for by design over the intervals after it."""
-    return precondition_frequency * (max(1, sync_refreshes) + 1)
+from asteria.train.runs import SMOOTHING, Run, load_run, steady_warmup
 
 
 def run_warmup(run: Run) -> int:

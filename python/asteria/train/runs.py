@@ -114,3 +114,16 @@ def _check_run(run_dir: Path, summary: Any, records: list[Any]) -> None:
         if "energy_joules" in record and not is_number(record["energy_joules"]):
             raise ValueError(f"{where}: metrics.jsonl line {line}: energy_joules={record['energy_joules']!r}: "
                              "must be a number")
+
+
+def steady_warmup(precondition_frequency: int, sync_refreshes: int) -> int:
+    """Steps before the steady state: the first refresh comes by step f, and it and the other sync
+    refreshes (``RuntimeConfig.sync_refreshes``) are waited for by design over the intervals after it."""
+    return precondition_frequency * (max(1, sync_refreshes) + 1)
+
+
+#: the cumulative runtime statistics an async run records at the end of its warm-up (``runtime_stats_at_warmup``
+#: in summary.json), so that the refresh work per interval counts the steady steps alone: the start-up refreshes
+#: run on the GPU, and a whole-run mean would spread the workers' seconds over intervals in which they had no jobs
+WORK_COUNTERS = ("refresh_seconds_on_workers", "worker_jobs_ended", "refreshes_superseded", "refreshes_deferred",
+                 "device_refresh_seconds", "device_cpu_seconds")
