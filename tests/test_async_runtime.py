@@ -219,6 +219,38 @@ def test_backlog_advice_names_lag_steps_when_the_workers_keep_up():
     assert "takes longer than the interval" not in text
 
 
+def test_with_a_device_lane_the_backlog_warning_takes_the_work_from_the_balancers_plan():
+    """The workers' measured mean job averages their seconds with the lane's (GPU seconds), so with a lane the
+    warning reads the balancer's plan: the work the lane could not take, as a share of the workers' time. The same
+    counters without a plan read as work the workers keep up with."""
+    from asteria.pipeline.backlog import BacklogMonitor
+
+    def engine(seconds: float, jobs: int) -> dict:
+        return {"registry": {"waits": 0, "wait_seconds": 0.0}, "snapshot_waits": 0, "snapshot_wait_seconds": 0.0,
+                "refresh_seconds": seconds, "refreshes_ok": jobs, "refreshes_failed": 0,
+                "pool": {"workers": 14, "busy_fraction": 0.5}}
+
+    def warning(planned: tuple[float, float] | None) -> str:
+        """Two intervals of 10 s that deferred refreshes: 800 jobs (the lane's among them) in 200 worker-seconds
+        and 10 lane-seconds, 100 deferred; the workers have 14 x 10 worker-seconds an interval."""
+        monitor = BacklogMonitor(asteria.RuntimeConfig(deterministic=False), 10)
+        monitor.check(0, engine(0.0, 0), 0, 0.0, planned, now=0.0)
+        monitor.check(10, engine(100.0, 400), 50, 5.0, planned, now=10.0)
+        with pytest.warns(asteria.RefreshBacklogWarning) as caught:
+            monitor.check(20, engine(200.0, 800), 100, 10.0, planned, now=20.0)
+        return str(caught[0].message)
+
+    text = warning((1.81, 0.98))
+    assert "100 block refreshes were deferred between the first interval and step 20" in text
+    assert "The balancer's last plan left the workers 1.81x their time in an interval and the device lane 0.98x " \
+           "its share." in text
+    # 1.81 x 140 worker-seconds; f = 10 x 1.25 x 1.81 rounded up
+    assert "about 253 CPU-seconds against 140 worker-seconds of training. Raise precondition_frequency (now 10; " \
+           "about 23 would keep up)" in text
+    # (210 s / 800 jobs) x (800 + 100) / 2 intervals = 118 < 140
+    assert "They keep up with the refresh work (about 118 CPU-seconds" in warning(None)
+
+
 def test_workers_behind_under_the_newest_finished_rule_defer_and_warn_once():
     """The same slow jobs under the newest-finished rule (the default on one process): the refreshes that come
     due while their set's previous one is on its way are deferred, never queued behind it (nothing superseded),

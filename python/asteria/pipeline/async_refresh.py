@@ -241,7 +241,8 @@ class AsyncRefresher(WorkerRefresher):
         if min(self._newest_versions) <= self.config.sync_refreshes:
             return  # each set's first versions are waited for at their own step by design
         device = self.lane.stats()["device_refresh_seconds"] if self.lane is not None else 0.0
-        self.backlog.check(step, self.engine.stats(), self._deferred, device)
+        planned = self.balancer.load if self.balancer is not None and any(self.balancer.load) else None
+        self.backlog.check(step, self.engine.stats(), self._deferred, device, planned)
 
     def poll(self, step: int) -> None:
         if self.stager.pending:

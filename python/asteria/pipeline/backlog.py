@@ -19,7 +19,9 @@ class BacklogMonitor:
     deterministic rule waits for a late version) and the deferred refreshes (the newest-finished rule defers a
     set's refresh while its previous one is still on its way), and warns once when they show the executor
     cannot keep up: two waits or more that cost at least 5% of the training time since (and 50 ms), or
-    refreshes deferred in two intervals."""
+    refreshes deferred in two intervals. With a device lane the balancer's last plan says how much of the workers'
+    time the refresh work takes (its ``load``: the work the lane could not take), which the measured mean job
+    cannot: it averages the workers' jobs with the lane's, whose seconds are the GPU's."""
 
     def __init__(self, config: RuntimeConfig, interval: int) -> None:
         self.config = config
@@ -31,13 +33,17 @@ class BacklogMonitor:
         self._deferring_intervals = 0  # intervals in a row that deferred refreshes
         self._last_deferred = 0        # the deferred refreshes counted at the last look
 
-    def check(self, step: int, engine: dict[str, Any], deferred: int, device_seconds: float) -> None:
+    def check(self, step: int, engine: dict[str, Any], deferred: int, device_seconds: float,
+              planned: tuple[float, float] | None = None, now: float | None = None) -> None:
+        """``planned``: the balancer's last plan, the share of the workers' and of the device lane's time in an
+        interval that it filled (None: no plan, as without a device lane); ``now``: the monotonic clock's time
+        (default: now)."""
         if self.warned or step < self._next_check:
             return
         self._next_check = step + self.interval
         waits = engine["registry"]["waits"] + engine["snapshot_waits"]
         seconds = engine["registry"]["wait_seconds"] + engine["snapshot_wait_seconds"]
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         work_seconds = engine["refresh_seconds"] + device_seconds
         jobs = engine["refreshes_ok"] + engine["refreshes_failed"]
         if self._base is None:
@@ -61,14 +67,18 @@ class BacklogMonitor:
         mean_job = work_seconds / max(jobs, 1)
         work = mean_job * (jobs - base_jobs + deferred - base_deferred) / intervals
         capacity = pool["workers"] * max(now - since - lost, 1e-9) / intervals
+        if planned is not None:
+            work = planned[0] * capacity
         if behind_waits:
             what = (f"step() waited {waited} times for the refresh workers between the first interval and step "
                     f"{step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time)")
         else:
             what = (f"{deferred - base_deferred} block refreshes were deferred between the first interval and step "
                     f"{step}, each because its set's previous refresh was still on its way")
+        plan = (f" The balancer's last plan left the workers {planned[0]:.2f}x their time in an interval and the "
+                f"device lane {planned[1]:.2f}x its share." if planned is not None else "")
         text = (f"Asteria: {what}; the {pool['workers']} workers were busy {pool['busy_fraction']:.0%} of the time."
-                + backlog_advice(self.config, self.interval, work, capacity))
+                + plan + backlog_advice(self.config, self.interval, work, capacity))
         warnings.warn(RefreshBacklogWarning(text), stacklevel=6)
 
 def backlog_advice(config: RuntimeConfig, interval: int, work: float, capacity: float) -> str:
