@@ -60,15 +60,15 @@ class BacklogMonitor:
             return
         self.warned = True
         pool = engine["pool"]
-        # The refresh work of one interval (seconds on either side, the same whatever the interval: the jobs done
-        # and the ones deferred, at the mean time of a job) against what the workers have in an interval of
-        # training without the waits.
+        # The refresh work of one interval against what the workers have in an interval of training without the
+        # waits: the balancer's planned share of that time where it plans; else the jobs done and the ones
+        # deferred, at the mean time of a job (seconds on either side, the same whatever the interval).
         intervals = max((step - base_step) / self.interval, 1e-9)
-        mean_job = work_seconds / max(jobs, 1)
-        work = mean_job * (jobs - base_jobs + deferred - base_deferred) / intervals
         capacity = pool["workers"] * max(now - since - lost, 1e-9) / intervals
         if planned is not None:
             work = planned[0] * capacity
+        else:
+            work = work_seconds / max(jobs, 1) * (jobs - base_jobs + deferred - base_deferred) / intervals
         if behind_waits:
             what = (f"step() waited {waited} times for the refresh workers between the first interval and step "
                     f"{step} ({lost:.2f} s, {lost / max(now - since, 1e-9):.0%} of that time)")
