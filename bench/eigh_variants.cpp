@@ -34,6 +34,8 @@
 // n = 2048 and 0.95x at 1024, less than its second back-transformation would cost. The H200 host's T = 16 is
 // what the phases are for.
 // Run to run, the H200 host varies by about 15% (MKL at n=1024 measured 88 to 111 blocks/s).
+// On a 2-core AMD EPYC (Zen 3: AVX2, no AVX-512; OpenBLAS's Zen kernels), `eigh_variants 6 2 2048`: syevd 1.77-1.96,
+// eigh 2.69-2.77, inverse_root 2.05-2.45 (before the AVX2 kernels used 32-byte vectors: eigh 1.65-1.70).
 // Without OPENBLAS_CORETYPE, OpenBLAS 0.3.21 does not recognise that CPU (family 6 model 207)
 // and runs its Prescott kernels: gemm at a quarter of the speed, eigh at 37 blocks/s.
 #include <algorithm>

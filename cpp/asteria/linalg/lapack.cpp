@@ -213,8 +213,12 @@ template <typename V, typename T>
 
 // y = A x for the n x n symmetric A of which the lower triangle is stored. Four columns per pass:
 // their lower part adds into y as a column update, their mirrored upper part is four dot products.
-template <typename T>
+// The pass holds 14 vectors of `Bytes` (four columns, their x, their sums, x(i) and y(i)), so `Bytes`
+// is the instruction set's register width: wider vectors than the registers spill in the loop (64-byte
+// vectors on AVX2's sixteen 32-byte registers made this 2.7x slower than OpenBLAS's ssymv on a Zen 3).
+template <typename T, int Bytes>
 [[gnu::always_inline]] inline void symv_lower(int n, const T* a, std::size_t lda, const T* x, T* y) {
+  constexpr int kLanes = std::max(4, Bytes / static_cast<int>(sizeof(T)));  // (a Quad at least: double on SSE2)
   std::fill(y, y + n, T(0));
   int j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -224,10 +228,10 @@ template <typename T>
       t[k] = 0;
       for (int r = 0; r < 4; ++r) t[k] += (r <= k ? c[r][j + k] : c[k][j + r]) * x[j + r];
     }
-    Wide<T> wide[4] = {};
+    Vector<T, kLanes> wide[4] = {};
     int i = symv_sweep(j + 4, n, c, x + j, x, y, wide);
     Quad<T> quad[4];
-    for (int k = 0; k < 4; ++k) fold_to_quad<T, kWide<T>>(wide[k], quad[k]);
+    for (int k = 0; k < 4; ++k) fold_to_quad<T, kLanes>(wide[k], quad[k]);
     i = symv_sweep(i, n, c, x + j, x, y, quad);
     Quad<T> sums;
     sum4<T>(quad[0], quad[1], quad[2], quad[3], sums);
@@ -250,7 +254,7 @@ template <typename T>
 
 // xLATRD, lower: reduces the first nb columns of the n x n matrix `a` (nb < n) and returns W
 // (n x nb) such that the trailing matrix's update is A -= V W^T + W V^T, V the reflectors.
-template <typename T>
+template <typename T, int Bytes>
 [[gnu::always_inline]] inline void latrd_lower(int n, int nb, T* a, std::size_t lda, T* e, T* tau, T* w,
                                                std::size_t ldw) {
   for (int j = 0; j < nb; ++j) {
@@ -268,7 +272,7 @@ template <typename T>
     // W(:, j) = tau (A' v) - (tau^2 / 2) (v^T A' v) v with A' the trailing matrix as updated by the
     // earlier reflectors: A' v = A v - V (W^T v) - W (V^T v).
     T* wj = w + (j + 1) + j * ldw;
-    symv_lower(m, a + (j + 1) + (j + 1) * lda, lda, v, wj);
+    symv_lower<T, Bytes>(m, a + (j + 1) + (j + 1) * lda, lda, v, wj);
     for (int k = 0; k < j; ++k) {
       const T* vk = a + (j + 1) + k * lda;
       const T* wk = w + (j + 1) + k * ldw;
@@ -280,7 +284,7 @@ template <typename T>
   }
 }
 
-template <typename T>
+template <typename T, int Bytes>
 [[gnu::always_inline]] inline void tridiagonalize_lower(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
   constexpr int kPanel = kTridiagonalPanel;
   const std::size_t ld = static_cast<std::size_t>(lda);
@@ -288,7 +292,7 @@ template <typename T>
   int i = 0;
   for (; n - i > kPanel; i += kPanel) {
     T* panel = a + i + i * ld;
-    latrd_lower(n - i, kPanel, panel, ld, e + i, tau + i, w, static_cast<std::size_t>(n));
+    latrd_lower<T, Bytes>(n - i, kPanel, panel, ld, e + i, tau + i, w, static_cast<std::size_t>(n));
     const int trailing = n - i - kPanel;
     call_syr2k(&trailing, /* k = */ &kPanel, &minus_one, panel + kPanel, &lda, w + kPanel, /* ldb = */ &n, &one,
                panel + kPanel + kPanel * ld, &lda);
@@ -314,17 +318,17 @@ using TridiagonalizeKernel = void (*)(int n, T* a, int lda, T* d, T* e, T* tau, 
 
 template <typename T>
 void tridiagonalize_baseline(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
-  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+  tridiagonalize_lower<T, kRegisterBytes>(n, a, lda, d, e, tau, w);
 }
 
 #if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
 template <typename T>
 [[gnu::target("arch=x86-64-v4")]] void tridiagonalize_avx512(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
-  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+  tridiagonalize_lower<T, 64>(n, a, lda, d, e, tau, w);
 }
 template <typename T>
 [[gnu::target("arch=x86-64-v3")]] void tridiagonalize_avx2(int n, T* a, int lda, T* d, T* e, T* tau, T* w) {
-  tridiagonalize_lower(n, a, lda, d, e, tau, w);
+  tridiagonalize_lower<T, 32>(n, a, lda, d, e, tau, w);
 }
 #endif
 

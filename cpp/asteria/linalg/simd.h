@@ -3,8 +3,12 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
+
+#include "asteria/common/errors.h"
 
 namespace asteria::linalg::simd {
 
@@ -22,6 +26,16 @@ template <typename T>
 using Wide = Vector<T, kWide<T>>;
 template <typename T>
 using Quad = Vector<T, 4>;
+
+// The vector registers' width of the instruction set this translation unit is compiled for (the
+// baseline's where simd::widest_supported picks the wider kernels at run time).
+#if defined(__AVX512F__)
+constexpr int kRegisterBytes = 64;
+#elif defined(__AVX__)
+constexpr int kRegisterBytes = 32;
+#else
+constexpr int kRegisterBytes = 16;  // SSE2, NEON
+#endif
 
 template <typename V, typename T>
 [[gnu::always_inline]] inline void load(V& v, const T* p) {
@@ -143,12 +157,20 @@ template <typename T>
 // with -march at AVX2 or above uses its own target only.
 #if defined(__x86_64__) && !defined(__AVX2__)
 #define ASTERIA_SIMD_DISPATCH_BY_CPU 1
-// The kernel for the widest vector instruction set this CPU runs.
+// The kernel for the widest vector instruction set this CPU runs, at most the one the environment's
+// ASTERIA_MAX_SIMD names ("avx512", "avx2" or "baseline"): the tests run each kernel on one CPU so, and
+// a user can rule a kernel out when diagnosing a result.
 template <typename Kernel>
 Kernel widest_supported(Kernel avx512, Kernel avx2, Kernel baseline) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return avx512;
-  if (__builtin_cpu_supports("x86-64-v3")) return avx2;
+  const char* cap = std::getenv("ASTERIA_MAX_SIMD");
+  const std::string limit = cap == nullptr ? "avx512" : cap;
+  if (limit != "avx512" && limit != "avx2" && limit != "baseline") {
+    throw InvalidArgument("Invalid ASTERIA_MAX_SIMD='" + limit +
+                          "': must be avx512, avx2 or baseline (the widest vector kernels to use), or unset");
+  }
+  if (limit == "avx512" && __builtin_cpu_supports("x86-64-v4")) return avx512;
+  if (limit != "baseline" && __builtin_cpu_supports("x86-64-v3")) return avx2;
   return baseline;
 }
 #endif
