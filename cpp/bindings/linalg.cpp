@@ -12,6 +12,7 @@
 #include "asteria/common/errors.h"
 #include "asteria/linalg/eigenbasis.h"
 #include "asteria/linalg/inverse_root.h"
+#include "asteria/linalg/lapack.h"
 #include "bindings.h"
 
 namespace nb = nanobind;
@@ -166,6 +167,9 @@ void init_linalg(nb::module_& m) {
         "skip_tol"_a = 0.0, qr_refresh_doc);
   m.def("qr_refresh", &qr_refresh_py<double>, "a"_a.noconvert(), "q_prev"_a.noconvert(), "scale"_a = 1.0,
         "skip_tol"_a = 0.0, qr_refresh_doc);
+  m.def("simd_kernels", &linalg::simd_kernels,
+        "The vector kernels of the in-house eigendecomposition and QR steps: 'avx512', 'avx2' or 'baseline', the "
+        "widest the CPU runs, at most what ASTERIA_MAX_SIMD names; ValueError for a value of it that names none.");
 }
 
 }  // namespace asteria::bindings

@@ -13,6 +13,7 @@ from asteria.optim import SOAP, KLShampoo, Shampoo  # noqa: E402
 from asteria.pipeline.streams import training_stream  # noqa: E402
 
 warn_if_generic(_core.blas_core())  # where another library loaded OpenBLAS first
+_core.simd_kernels()  # a bad ASTERIA_MAX_SIMD fails the import, not a worker's first job
 
 __all__ = ["AttachHandle", "KLShampoo", "MemoryConfig", "NonFiniteGradientError", "RefreshBacklogWarning",
            "RefreshError", "RuntimeConfig", "SOAP", "Shampoo", "attach", "training_stream"]

@@ -552,6 +552,8 @@ template void gemm<float>(bool, bool, int, int, int, float, const float*, int, c
                           int);
 template void gemm<double>(bool, bool, int, int, int, double, const double*, int, const double*, int, double,
                            double*, int);
+const char* simd_kernels() { return simd::kernels(); }
+
 template void symmetrize_from_lower<float>(int, float*, int);
 template void symmetrize_from_lower<double>(int, double*, int);
 

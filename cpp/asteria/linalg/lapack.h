@@ -40,4 +40,8 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, 
 template <typename T>
 void symmetrize_from_lower(int n, T* a, int lda);
 
+// The vector kernels of the in-house steps ("avx512", "avx2" or "baseline"), as simd.h picks them: the widest the
+// CPU runs, at most what ASTERIA_MAX_SIMD names. Throws InvalidArgument for a value of it that names none.
+const char* simd_kernels();
+
 }  // namespace asteria::linalg

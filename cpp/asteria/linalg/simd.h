@@ -157,21 +157,35 @@ template <typename T>
 // with -march at AVX2 or above uses its own target only.
 #if defined(__x86_64__) && !defined(__AVX2__)
 #define ASTERIA_SIMD_DISPATCH_BY_CPU 1
-// The kernel for the widest vector instruction set this CPU runs, at most the one the environment's
-// ASTERIA_MAX_SIMD names ("avx512", "avx2" or "baseline"): the tests run each kernel on one CPU so, and
-// a user can rule a kernel out when diagnosing a result.
-template <typename Kernel>
-Kernel widest_supported(Kernel avx512, Kernel avx2, Kernel baseline) {
-  __builtin_cpu_init();
+#endif
+
+// The vector kernels the numerics run: the widest this CPU runs, at most the one the environment's
+// ASTERIA_MAX_SIMD names ("avx512", "avx2" or "baseline": the tests run each kernel on one CPU so, and a user can
+// rule a kernel out when diagnosing a result). A build without run-time dispatch names the one it was compiled for
+// and ignores the variable. Throws InvalidArgument for any other value of it.
+inline const char* kernels() {
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
   const char* cap = std::getenv("ASTERIA_MAX_SIMD");
   const std::string limit = cap == nullptr ? "avx512" : cap;
   if (limit != "avx512" && limit != "avx2" && limit != "baseline") {
     throw InvalidArgument("Invalid ASTERIA_MAX_SIMD='" + limit +
                           "': must be avx512, avx2 or baseline (the widest vector kernels to use), or unset");
   }
-  if (limit == "avx512" && __builtin_cpu_supports("x86-64-v4")) return avx512;
-  if (limit != "baseline" && __builtin_cpu_supports("x86-64-v3")) return avx2;
-  return baseline;
+  __builtin_cpu_init();
+  if (limit == "avx512" && __builtin_cpu_supports("x86-64-v4")) return "avx512";
+  if (limit != "baseline" && __builtin_cpu_supports("x86-64-v3")) return "avx2";
+  return "baseline";
+#else
+  return kRegisterBytes == 64 ? "avx512" : kRegisterBytes == 32 ? "avx2" : "baseline";
+#endif
+}
+
+#if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
+// The kernel of those three that kernels() names.
+template <typename Kernel>
+Kernel widest_supported(Kernel avx512, Kernel avx2, Kernel baseline) {
+  const std::string chosen = kernels();
+  return chosen == "avx512" ? avx512 : chosen == "avx2" ? avx2 : baseline;
 }
 #endif
 

@@ -561,7 +561,7 @@ class SecondOrderOptimizer(torch.optim.Optimizer):
         stats = {"mode": runtime.mode, "staleness_budget": runtime.staleness, "step": self._step,
                  "lag_steps": checkpoint.bound(self)["lag_steps"], "late_activation": self.late_activation,
                  "stagger_split": self.stagger_split, "stagger_small": self.stagger_small,
-                 "blas_core": _core.blas_core()}
+                 "blas_core": _core.blas_core(), "simd_kernels": _core.simd_kernels()}
         stats.update(self._refresher.stats())
         stats.update(self._delays.stats())
         stats["nonfinite_grad_skips"] = self._nonfinite.skips(self._groups)
