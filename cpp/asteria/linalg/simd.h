@@ -163,7 +163,7 @@ template <typename T>
 // ASTERIA_MAX_SIMD names ("avx512", "avx2" or "baseline": the tests run each kernel on one CPU so, and a user can
 // rule a kernel out when diagnosing a result). A build without run-time dispatch names the one it was compiled for
 // and ignores the variable. Throws InvalidArgument for any other value of it.
-inline const char* kernels() {
+inline const char* pick_kernels() {
 #if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
   const char* cap = std::getenv("ASTERIA_MAX_SIMD");
   const std::string limit = cap == nullptr ? "avx512" : cap;
@@ -178,6 +178,13 @@ inline const char* kernels() {
 #else
   return kRegisterBytes == 64 ? "avx512" : kRegisterBytes == 32 ? "avx2" : "baseline";
 #endif
+}
+
+// pick_kernels() at the first call, in every translation unit: what the kernels chosen since still run, whatever
+// the environment says later.
+inline const char* kernels() {
+  static const char* const chosen = pick_kernels();
+  return chosen;
 }
 
 #if defined(ASTERIA_SIMD_DISPATCH_BY_CPU)
