@@ -542,6 +542,8 @@ void symmetrize_from_lower(int n, T* a, int lda) {
   }
 }
 
+const char* simd_kernels() { return simd::kernels(); }
+
 template void syevd<float>(int, float*, int, float*, std::vector<float>&, std::vector<int>&);
 template void syevd<double>(int, double*, int, double*, std::vector<double>&, std::vector<int>&);
 template void eigh<float>(int, float*, int, float*, std::vector<float>&, std::vector<int>&);
@@ -552,8 +554,6 @@ template void gemm<float>(bool, bool, int, int, int, float, const float*, int, c
                           int);
 template void gemm<double>(bool, bool, int, int, int, double, const double*, int, const double*, int, double,
                            double*, int);
-const char* simd_kernels() { return simd::kernels(); }
-
 template void symmetrize_from_lower<float>(int, float*, int);
 template void symmetrize_from_lower<double>(int, double*, int);
 
