@@ -41,8 +41,10 @@
 #           mode with torch's strict deterministic kernels (runs of identical math otherwise scatter by 1-3%), per
 #           seed in $SEEDS (default: 0 1 2), $SEEDS_CONFIGS ($SEEDS_STEPS); one seed takes about 8 minutes at
 #           8 x 1024 and 300 steps, 6 at 32 x 1024 and 200;
-#   phases  bench/eigh_variants.cpp at n = 2048 on 1 thread and on 16: whether the workers' tridiagonalization
-#           (half of a root's time on one core) turns memory-bound when every core reduces its own matrix.
+#   phases  bench/eigh_variants.cpp at n = 2048 on each thread count in $PHASES_THREADS (default: 1 16): whether the
+#           workers' tridiagonalization (half of a root's time on one core) turns memory-bound when every core
+#           reduces its own matrix; once per vector-kernel cap in $PHASES_SIMD (default: widest; e.g. "widest avx2":
+#           whether the in-house sweep runs faster with 32-byte vectors on an AVX-512 host, ASTERIA_MAX_SIMD).
 #   hb      heavyball's SOAP and KL-Shampoo beside Asteria's and AdamW on olmo-160m at 8 x 1024 ($HB_STEPS,
 #           default 150; heavyball compiles its step with max-autotune on a GPU, which may take minutes at first);
 #   green   whether the device lane's refreshes can stop lengthening the training steps they overlap, by a share of
@@ -199,9 +201,13 @@ fi
 if has phases; then
   run g++ -O3 -march=native -std=c++20 bench/eigh_variants.cpp -I cpp cpp/asteria/linalg/lapack.cpp \
     cpp/asteria/linalg/inverse_root.cpp cpp/asteria/common/errors.cpp -lopenblas -lpthread -o /tmp/eigh_variants
-  for threads in 1 16; do
-    OPENBLAS_CORETYPE=SkylakeX run /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" 2048 2>&1 \
-      | tee -a "$OUT/phases.txt"
+  for cap in ${PHASES_SIMD:-widest}; do
+    simd=(); [[ $cap == widest ]] || simd=(ASTERIA_MAX_SIMD="$cap")
+    for threads in ${PHASES_THREADS:-1 16}; do
+      echo "phases: $cap vector kernels, $threads threads" | tee -a "$OUT/phases.txt"
+      OPENBLAS_CORETYPE=SkylakeX run env "${simd[@]}" /tmp/eigh_variants $((threads == 1 ? 8 : 48)) "$threads" \
+        2048 2>&1 | tee -a "$OUT/phases.txt"
+    done
   done
 fi
 has hb && bench hb olmo-160m 8 "${HB_STEPS:-150}" ${HB_CONFIGS:-adamw hb-soap hb-kl-shampoo soap-async kl-shampoo-async}

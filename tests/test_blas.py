@@ -27,7 +27,10 @@ flags\t\t: fpu sse sse2
     ("GenuineIntel", {"avx2", "fma", "avx512f"}, "Haswell"),  # not the whole AVX-512 set SkylakeX's kernels use
     ("GenuineIntel", {"avx", "avx2", "fma"}, "Haswell"),
     ("GenuineIntel", {"sse2", "avx"}, None),
-    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, None),
+    ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, "Zen"),  # Zen 4 on
+    ("AuthenticAMD", {"avx", "avx2", "fma"}, "Zen"),
+    ("AuthenticAMD", {"sse2", "avx"}, None),
+    ("HygonGenuine", {"avx2", "fma"}, None),
     ("", set(), None),
 ])
 def test_kernels_follow_the_cpus_flags(vendor: str, flags: set[str], expected: str | None) -> None:
@@ -51,6 +54,10 @@ def test_choose_kernels_leaves_a_users_choice_alone(tmp_path: Path) -> None:
     assert blas.choose_kernels(mine, tmp_path / "cpuinfo") is None
     assert mine == {"OPENBLAS_CORETYPE": "Haswell"}
     (tmp_path / "cpuinfo").write_text("vendor_id\t: AuthenticAMD\nflags\t\t: avx2 fma\n")
+    environ = {}
+    assert blas.choose_kernels(environ, tmp_path / "cpuinfo") == "Zen"
+    assert environ == {"OPENBLAS_CORETYPE": "Zen"}
+    (tmp_path / "cpuinfo").write_text("vendor_id\t: CentaurHauls\nflags\t\t: avx2 fma\n")
     environ = {}
     assert blas.choose_kernels(environ, tmp_path / "cpuinfo") is None
     assert environ == {}
@@ -77,7 +84,7 @@ def test_the_core_runs_the_kernels_this_cpu_supports() -> None:
     OPENBLAS_CORETYPE wins."""
     expected = blas.coretype_for(*blas.cpu_identity())
     if expected is None:
-        pytest.skip("this CPU keeps OpenBLAS's own choice (not an Intel CPU with AVX2)")
+        pytest.skip("this CPU keeps OpenBLAS's own choice (not an Intel or AMD CPU with AVX2)")
     environ = _unset()
     assert _core_in_fresh_process(environ) == expected
     assert _core_in_fresh_process(environ, first="import numpy; numpy.ones((64, 64)) @ numpy.ones((64, 64)); ") \
@@ -100,6 +107,13 @@ def test_generic_kernels_on_a_vector_cpu_are_named(core: str, flags: set[str], u
         assert message is None
     else:
         assert message is not None and repr(core) in message and f"OPENBLAS_CORETYPE={warns}" in message
+
+
+def test_generic_kernels_on_an_amd_vector_cpu_are_named() -> None:
+    """Zen 5 (family 26) on an OpenBLAS that predates it runs the generic kernels: the warning names Zen's."""
+    message = blas.kernel_warning("Prescott", "AuthenticAMD", frozenset({"avx2", "fma", "avx512f"}), False)
+    assert message is not None and "OPENBLAS_CORETYPE=Zen" in message and "AVX2" in message
+    assert blas.kernel_warning("Zen", "AuthenticAMD", frozenset({"avx2", "fma"}), False) is None
 
 
 def test_openblas_loaded_first_warns_where_its_kernels_are_generic() -> None:

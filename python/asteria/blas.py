@@ -6,8 +6,11 @@ its generic "Prescott" kernels (SSE2): Debian 12's OpenBLAS 0.3.21 does so on a 
 1.33 of SOAP's warm-started bases, against 3.47 and 5.56 with the AVX-512 ("SkylakeX") kernels
 (``bench/refresh_engine.py``, docs/results.md). Where ``OPENBLAS_CORETYPE`` is unset, ``choose_kernels`` names the
 kernels that an Intel CPU's instruction flags support: SkylakeX with AVX-512 (CooperLake and SapphireRapids add only
-bfloat16 kernels; the refresh math is float32 and float64), Haswell with AVX2 and FMA. Other vendors keep OpenBLAS's
-choice. A user's own ``OPENBLAS_CORETYPE`` always wins; ``runtime_stats()["blas_core"]`` says which kernels run.
+bfloat16 kernels; the refresh math is float32 and float64), Haswell with AVX2 and FMA. An AMD CPU with AVX2 and FMA
+gets the Zen kernels, which OpenBLAS picks itself on the Zen families it knows but not on a newer one (Zen 5 is
+family 26); its AVX-512 (Zen 4 on) is left unnamed, as SkylakeX's kernels are unmeasured there. Other vendors keep
+OpenBLAS's choice. A user's own ``OPENBLAS_CORETYPE`` always wins; ``runtime_stats()["blas_core"]`` says which
+kernels run.
 OpenBLAS reads the variable once, when it loads, so a copy loaded before (numpy's, or the core's own library
 loaded by another module) keeps its kernels; where the core's are then weaker than the CPU supports,
 ``warn_if_generic`` says so.
@@ -27,6 +30,8 @@ VECTOR_CORES = frozenset({"haswell", "skylakex", "cooperlake", "sapphirerapids",
 
 def coretype_for(vendor: str, flags: frozenset[str] | set[str]) -> str | None:
     """The OPENBLAS_CORETYPE for an x86 CPU's vendor id and /proc/cpuinfo flags (None: leave OpenBLAS's)."""
+    if vendor == "AuthenticAMD":
+        return "Zen" if {"avx2", "fma"} <= flags else None
     if vendor != "GenuineIntel":
         return None
     if AVX512 <= flags:
