@@ -18,6 +18,9 @@
 #           top operators by GPU time (at 1B the native step alone is 1.7-1.9x AdamW's: docs/results.md,
 #           "olmo2-1b at the current code");
 #   math    bench/gpu_refresh_math.py: the refresh math's cost on the GPU beside a training-like loop;
+#   syev    bench/gpu_syev_batched.py: cuSOLVER's batched eigensolver (XsyevBatched, which torch calls only up to
+#           n = 32) against torch's eigh at n = 1024 and 2048, batches of 1, 4 and 16: blocks a second, accuracy, and
+#           the cost beside a training-like loop (whether the device lane's rate could grow with its batch);
 #   contention  bench/launch_contention.py: what refresh math in a thread of the training process, or in a process
 #           of its own, costs the training thread's kernel launches (a launch-bound chain, then a GPU-bound one);
 #   dims    olmo-160m at 8 x 1024 once per max_preconditioner_dim in $DIMS (default: 1024 2048), $DIMS_CONFIGS
@@ -82,6 +85,10 @@ START=$(date +%s)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+KNOWN="build cuda small large 1b profile math syev contention dims sweep first soapgap workers seeds phases hb green"
+for stage in $STAGES; do
+  [[ " $KNOWN " == *" $stage "* ]] || { echo "Invalid STAGES entry '$stage': the stages are $KNOWN" >&2; exit 2; }
+done
 quiet() { tr '\r' '\n' | grep -av "it/s\|s/it\|USDT"; }
 dry() { [[ ${DRY_RUN:-0} == 1 ]]; }
 run() { if dry; then echo "$*"; else "$@"; fi; }  # a command, or with DRY_RUN=1 its line
@@ -244,4 +251,5 @@ if has contention; then  # launch-bound, then GPU-bound training chains beside e
 fi
 has math && run python3 bench/gpu_refresh_math.py --sizes 768 2048 --batches 8 --out "$OUT/gpu_refresh_math.json" 2>&1 \
   | tail -12 | tee "$OUT/math.txt"
+has syev && run python3 bench/gpu_syev_batched.py --out "$OUT/syev_batched.json" 2>&1 | tail -30 | tee "$OUT/syev.txt"
 exit 0

@@ -168,7 +168,7 @@ def interference_rows(lib: ctypes.CDLL, n: int, batch: int, steps: int) -> list[
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
@@ -176,7 +176,11 @@ def main() -> None:
     parser.add_argument("--interference-batch", type=int, default=8, help="blocks of 2048 a refresh call takes")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this bench needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

@@ -17,7 +17,7 @@ from conftest import bench_script, check_bench_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "executor_session.sh"
-STAGES = "build cuda small large 1b profile dims sweep first soapgap workers seeds phases hb green math contention"
+STAGES = "build cuda small large 1b profile dims sweep first soapgap workers seeds phases hb green math syev contention"
 GREEN_RUNS = "plain sms16 sms16-t2 prio prio-sms16 nolate nolane"
 CLI = ["python3", "-m", "asteria.train.cli", "bench"]
 
@@ -52,6 +52,8 @@ def test_every_command_of_every_stage_parses_and_makes_valid_configurations(tmp_
         assert profile_step.parse(args.configs[0])[1]["tf32"] == 1
         assert args.model == "olmo2-1b" and args.batch_size == 16 and args.seq_len == 1024
         assert str(args.out) == f"runs/profile/{args.configs[0].split(':')[0]}"
+    (syev,) = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/gpu_syev_batched.py"]]
+    assert bench_script("gpu_syev_batched").build_parser().parse_args(syev).batches == [1, 4, 16]
     contention = [argv[2:] for argv in commands if argv[:2] == ["python3", "bench/launch_contention.py"]]
     assert len(contention) == 2
     for argv in contention:
@@ -69,6 +71,22 @@ def test_each_green_variant_passes_its_settings(tmp_path, variant, flags):
     args = argv[argv.index("--peer-path") + 2:argv.index("--configs")]
     assert args == flags
     assert argv[argv.index("--out") + 1] == f"runs/green-{variant}"
+
+
+def test_an_unknown_stage_fails_before_anything_runs(tmp_path):
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), STAGES="build 1B"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "Invalid STAGES entry '1B': the stages are build cuda" in result.stderr
+
+
+def test_the_phases_stage_runs_each_vector_kernel_cap_at_each_thread_count(tmp_path):
+    commands = dry_run(tmp_path, STAGES="phases", PHASES_SIMD="widest avx2", PHASES_THREADS="16 1")
+    runs = [argv for argv in commands if "/tmp/eigh_variants" in argv and argv[0] == "env"]
+    assert [argv[1:] for argv in runs] == [
+        ["/tmp/eigh_variants", "48", "16", "2048"], ["/tmp/eigh_variants", "8", "1", "2048"],
+        ["ASTERIA_MAX_SIMD=avx2", "/tmp/eigh_variants", "48", "16", "2048"],
+        ["ASTERIA_MAX_SIMD=avx2", "/tmp/eigh_variants", "8", "1", "2048"]]
 
 
 def test_a_deadline_starts_no_bench_without_the_time_for_one(tmp_path):
