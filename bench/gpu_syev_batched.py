@@ -2,7 +2,7 @@
 sizes Shampoo refreshes: throughput, accuracy, and what it costs a training-like loop beside it.
 
 torch sends a batch of matrices larger than 32 to cuSOLVER's ``syevd`` one matrix at a time, and one ``syevd`` of a
-2048 block is latency-bound (about 26 ms on an H200 or an H100, batched or not: docs/results.md, "Refresh math on the
+2048 block is latency-bound (about 26 ms on an H200, batched or not: docs/results.md, "Refresh math on the
 GPU"), so the device lane refreshes at most about 38 blocks of 2048 a second however many wait. ``XsyevBatched``
 (cuSOLVER 11.7, CUDA 12.6.2 on; torch does not call it above n = 32) decomposes a whole batch in one call. If it
 overlaps the matrices' latency-bound phases, the lane's rate grows with the batch; this bench says whether it does.
@@ -13,8 +13,8 @@ of ``XsyevBatched`` (CUDA events, median of repeats after two warm-ups), and the
 Shampoo-like factors (an EMA of low-rank outer products over a decaying spectrum): the largest residual
 |F V - V diag(w)| / |F| and loss of orthogonality |V^T V - I| / sqrt(n), and the relative error of the inverse fourth
 root built from it against float64 ``eigh``'s (``eigh``'s float32 error beside it). Then a training-like loop (bf16
-products and elementwise passes) alone and beside a thread refreshing batches of 2048 blocks with each method on a
-stream of its own: the loop's mean step, and the blocks refreshed a second.
+products and elementwise passes) alone and beside a child process (as the device lane runs its math) refreshing
+batches of 2048 blocks with each method: the loop's mean step, and the blocks refreshed a second with it and without.
 
     python3 bench/gpu_syev_batched.py --sizes 1024 2048 --batches 1 4 16 --out results/gpu_syev_batched.json
 """
@@ -25,15 +25,19 @@ import argparse
 import ctypes
 import glob
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_refresh_math import drifting_factors, exact_root, refresh_threads, time_cuda, training_step  # noqa: E402
+from gpu_refresh_math import drifting_factors, exact_root, time_cuda, training_step  # noqa: E402
 
 CUDA_R_32F, CUDA_R_64F = 0, 1
 EIG_MODE_VECTOR, FILL_LOWER = 1, 0
@@ -134,15 +138,34 @@ def method_rows(lib: ctypes.CDLL, sizes: list[int], batches: list[int], repeats:
     return rows
 
 
-def interference_rows(lib: ctypes.CDLL, n: int, batch: int, steps: int) -> list[dict]:
-    """The training-like loop alone, then beside one thread refreshing batches with each method on its stream."""
+def side_loop(method: str, n: int, batch: int, ready: Event, stop: Event, done: Synchronized) -> None:
+    """A child process's refresh loop, as the device lane runs it (a process and CUDA context of its own): ``method``
+    on ``batch`` blocks of ``n`` until ``stop``, counting the blocks done."""
+    _, factor = drifting_factors(batch, n, torch.device("cuda"), seed=7)
+    if method == "eigh":
+        def refresh() -> None:
+            torch.linalg.eigh(factor)
+    else:
+        solver = SyevBatched(cusolver_library(), n, batch, torch.float32, torch.cuda.current_stream())
+        work = torch.empty_like(factor)
+
+        def refresh() -> None:
+            solver(work.copy_(factor))
+    refresh()
+    torch.cuda.synchronize()
+    ready.set()
+    while not stop.is_set():
+        refresh()
+        torch.cuda.synchronize()
+        with done.get_lock():
+            done.value += batch
+
+
+def interference_rows(n: int, batch: int, steps: int) -> list[dict]:
+    """The training-like loop alone, then beside a child process refreshing batches with each method; each method's
+    rate with nothing beside it (over 2 s) and beside the loop."""
     weights = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(24)]
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    _, factor = drifting_factors(batch, n, torch.device("cuda"), seed=7)
-    side = torch.cuda.Stream(priority=0)
-    solver = SyevBatched(lib, n, batch, torch.float32, side)
-    work = torch.empty_like(factor)
-    torch.cuda.synchronize()
 
     def steps_timed() -> list[float]:
         for _ in range(3):
@@ -154,12 +177,26 @@ def interference_rows(lib: ctypes.CDLL, n: int, batch: int, steps: int) -> list[
             times.append(time.perf_counter() - t0)
         return times
 
+    def rate_over(done: Synchronized, body: Callable[[], object]) -> tuple[float, object]:
+        count, t0 = done.value, time.perf_counter()
+        result = body()
+        return (done.value - count) / (time.perf_counter() - t0), result
+
     alone = steps_timed()
     rows = [{"method": "none", "mean_step_ms": 1e3 * statistics.mean(alone), "blocks_per_s": 0.0}]
-    methods = {"eigh": lambda: torch.linalg.eigh(factor), "syevBatched": lambda: solver(work.copy_(factor))}
-    for name, fn in methods.items():
-        rate_alone, _ = refresh_threads(fn, [side], batch, lambda: time.sleep(2.0))
-        rate, times = refresh_threads(fn, [side], batch, steps_timed)
+    spawn = mp.get_context("spawn")
+    for name in ("eigh", "syevBatched"):
+        ready, stop, done = spawn.Event(), spawn.Event(), spawn.Value("q", 0)
+        child = spawn.Process(target=side_loop, args=(name, n, batch, ready, stop, done), daemon=True)
+        child.start()
+        try:
+            if not ready.wait(timeout=300):
+                raise RuntimeError(f"the {name} process did not start its loop within 300 s")
+            rate_alone, _ = rate_over(done, lambda: time.sleep(2.0))
+            rate, times = rate_over(done, steps_timed)
+        finally:
+            stop.set()
+            child.join(timeout=120)
         rows.append({"method": name, "mean_step_ms": 1e3 * statistics.mean(times),
                      "median_step_ms": 1e3 * statistics.median(times), "blocks_per_s": rate,
                      "blocks_per_s_alone": rate_alone})
@@ -187,7 +224,7 @@ def main() -> None:
     lib = cusolver_library()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "methods": method_rows(lib, args.sizes, args.batches, args.repeats),
-              "interference": interference_rows(lib, 2048, args.interference_batch, args.steps)}
+              "interference": interference_rows(2048, args.interference_batch, args.steps)}
     print("n batch | eigh ms/block | batched ms/block | speedup | root error batched / eigh")
     for r in result["methods"]:
         print(f"{r['n']} {r['batch']} | {r['eigh_ms_per_block']:.2f} | {r['batched_ms_per_block']:.2f} | "
