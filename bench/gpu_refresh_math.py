@@ -158,6 +158,18 @@ def training_step(weights: list[torch.Tensor], x: torch.Tensor) -> None:
     h.sum().item()  # the loop reads its loss every step
 
 
+def timed_training_steps(weights: list[torch.Tensor], x: torch.Tensor, steps: int) -> list[float]:
+    """Wall seconds of ``steps`` training-like steps on the current stream, after three untimed ones."""
+    for _ in range(3):
+        training_step(weights, x)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        training_step(weights, x)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def side_streams(device: torch.device, sms: int, count: int) -> tuple[list[torch.cuda.Stream], object]:
     """``count`` streams for the refresh threads: plain ones at CUDA's lowest priority (the default stream's
     too) for ``sms`` 0, else streams of one green context of ``sms`` SMs (returned with them, to keep alive)."""
@@ -221,14 +233,7 @@ def interference(device: torch.device, n: int, batch: int, steps: int, partition
 
     def timed_steps() -> list[float]:
         with torch.cuda.stream(train_stream):
-            for _ in range(3):
-                training_step(weights, x)
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                training_step(weights, x)
-                times.append(time.perf_counter() - t0)
-        return times
+            return timed_training_steps(weights, x, steps)
 
     alone = timed_steps()
     rows = [{"method": "none", "sms": 0, "threads": 0, "train_priority": train_priority,

@@ -37,7 +37,7 @@ from multiprocessing.synchronize import Event
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_refresh_math import drifting_factors, exact_root, time_cuda, training_step  # noqa: E402
+from gpu_refresh_math import drifting_factors, exact_root, time_cuda, timed_training_steps  # noqa: E402
 
 CUDA_R_32F, CUDA_R_64F = 0, 1
 EIG_MODE_VECTOR, FILL_LOWER = 1, 0
@@ -168,14 +168,7 @@ def interference_rows(n: int, batch: int, steps: int) -> list[dict]:
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
 
     def steps_timed() -> list[float]:
-        for _ in range(3):
-            training_step(weights, x)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            training_step(weights, x)
-            times.append(time.perf_counter() - t0)
-        return times
+        return timed_training_steps(weights, x, steps)
 
     def rate_over(done: Synchronized, body: Callable[[], object]) -> tuple[float, object]:
         count, t0 = done.value, time.perf_counter()
