@@ -102,6 +102,11 @@ class SyevBatched:
             ctypes.c_int64(self.batch)), "cusolverDnXsyevBatched")
         return self.w, a.mT
 
+    def close(self) -> None:
+        """Destroys the handle and its parameters (the workspaces go with the object)."""
+        check(self.lib.cusolverDnDestroyParams(self.params), "cusolverDnDestroyParams")
+        check(self.lib.cusolverDnDestroy(self.handle), "cusolverDnDestroy")
+
 
 def accuracy(factor: torch.Tensor, w: torch.Tensor, v: torch.Tensor, eps: float = 1e-12) -> dict[str, float]:
     """Residual, orthogonality and root error (against float64 eigh's root) of the eigenpairs (w, v) of ``factor``."""
@@ -135,6 +140,7 @@ def method_rows(lib: ctypes.CDLL, sizes: list[int], batches: list[int], repeats:
                    "batched": accuracy(factor, w, v), "eigh": accuracy(factor, ew, ev)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            solver.close()
     return rows
 
 
@@ -142,15 +148,16 @@ def side_loop(method: str, n: int, batch: int, ready: Event, stop: Event, done: 
     """A child process's refresh loop, as the device lane runs it (a process and CUDA context of its own): ``method``
     on ``batch`` blocks of ``n`` until ``stop``, counting the blocks done."""
     _, factor = drifting_factors(batch, n, torch.device("cuda"), seed=7)
-    if method == "eigh":
-        def refresh() -> None:
-            torch.linalg.eigh(factor)
-    else:
-        solver = SyevBatched(cusolver_library(), n, batch, torch.float32, torch.cuda.current_stream())
-        work = torch.empty_like(factor)
+    solver = None if method == "eigh" else SyevBatched(cusolver_library(), n, batch, torch.float32,
+                                                        torch.cuda.current_stream())
+    work = torch.empty_like(factor)
 
-        def refresh() -> None:
+    def refresh() -> None:
+        if solver is None:
+            torch.linalg.eigh(factor)
+        else:
             solver(work.copy_(factor))
+
     refresh()
     torch.cuda.synchronize()
     ready.set()
@@ -159,6 +166,8 @@ def side_loop(method: str, n: int, batch: int, ready: Event, stop: Event, done: 
         torch.cuda.synchronize()
         with done.get_lock():
             done.value += batch
+    if solver is not None:
+        solver.close()
 
 
 def interference_rows(n: int, batch: int, steps: int) -> list[dict]:
